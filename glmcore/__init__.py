@@ -1,0 +1,18 @@
+"""glmcore: run the GLM chat models (ChatGLM2/3, GLM-4) on any hardware through backend plugins."""
+from .backend import Backend, Capabilities, LoadOptions, Probe, Session, hookimpl, registry
+from .config import ModelConfig
+from .engine import Engine, Timings, WindowPolicy
+from .errors import (BackendError, CheckpointError, ConfigError, ContextOverflow, GlmcoreError,
+                     SamplingError)
+from .model import load_model
+from .sampling import Sampler, SamplingParams
+from .weights import Weights, load_weights
+
+__version__ = "0.1.0"
+
+
+def __getattr__(name):   # Pipeline pulls in the tokenizer and chat modules; import on first use
+    if name == "Pipeline":
+        from .pipeline import Pipeline
+        return Pipeline
+    raise AttributeError(name)

@@ -1,0 +1,224 @@
+"""The contract between the core and a backend plugin, and plugin discovery.
+
+A plugin is a module registered under the entry-point group ``glmcore.backends`` that implements the
+``glmcore_backends`` hook, returning Backend objects. The built-in backends register exactly this way.
+A plugin sees token ids in and float32 logits out; it never sees text, sampling or chat roles.
+"""
+from __future__ import annotations
+
+import importlib.metadata
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import pluggy
+
+from .config import ModelConfig
+from .errors import BackendError
+
+hookspec = pluggy.HookspecMarker("glmcore")
+hookimpl = pluggy.HookimplMarker("glmcore")
+ENTRY_POINT_GROUP = "glmcore.backends"
+
+
+class BackendSpec:
+    @hookspec
+    def glmcore_backends(self) -> list["Backend"]:
+        """Return the Backend objects this plugin provides."""
+
+
+@dataclass
+class Probe:
+    """What a cheap availability check found. `reason` says why not ready; `install` fixes it."""
+    ready: bool
+    device: str = "cpu"
+    reason: str = ""
+    install: str = ""
+    details: dict = field(default_factory=dict)   # versions, ISA, runtime in use (device or host emulation)
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    precisions: tuple[str, ...] = ("f32",)          # compute precisions: f32, bf16, f16
+    weight_formats: tuple[str, ...] = ("f32",)      # f32, f16, bf16, int8, int4 ...
+    default_precision: str = "f32"
+    default_weights: str = "f32"
+    max_context: int | None = None                  # None: bounded only by the model
+    can_shift: bool = False                         # shift(n_keep, n_discard) in place
+    speed_rank: int = 0                             # higher is preferred as the default backend
+
+
+@dataclass
+class LoadOptions:
+    precision: str | None = None     # None: the backend's default
+    weights: str | None = None       # weight format; None: the backend's default
+    capacity: int | None = None      # KV slots; None: min(model max, backend max, 4096)
+    threads: int | None = None
+    cache_dir: Path | None = None    # where conversion results (IR, ONNX, packed int4) live
+    extra: dict = field(default_factory=dict)   # backend-specific: group_size, seq_len, mode ...
+
+
+class Session(ABC):
+    """One sequence's KV cache. Positions are 0..kv_len-1 of what the cache holds."""
+
+    capacity: int
+
+    @property
+    @abstractmethod
+    def kv_len(self) -> int: ...
+
+    @abstractmethod
+    def prefill(self, ids: Sequence[int], all_logits: bool = False) -> np.ndarray:
+        """Append ids (starting the sequence when empty) and return float32 logits: [vocab] for the
+        last position, or [len(ids), vocab] with all_logits."""
+
+    @abstractmethod
+    def decode(self, token: int) -> np.ndarray:
+        """Append one token, return its float32 logits [vocab]."""
+
+    def shift(self, n_keep: int, n_discard: int) -> None:
+        """Drop cache slots n_keep..n_keep+n_discard-1 and re-rotate the rest so positions stay
+        contiguous. Only backends declaring can_shift implement it."""
+        raise NotImplementedError
+
+    @abstractmethod
+    def reset(self) -> None: ...
+
+    def close(self) -> None:
+        pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+class Backend(ABC):
+    name: str = ""
+    extra: str = ""          # the pip extra that installs this backend's runtime
+    description: str = ""
+
+    @abstractmethod
+    def probe(self) -> Probe: ...
+
+    @abstractmethod
+    def capabilities(self) -> Capabilities: ...
+
+    @abstractmethod
+    def load(self, config: ModelConfig, weights, options: LoadOptions) -> Session: ...
+
+    def convert(self, config: ModelConfig, weights, options: LoadOptions, out: Path, progress) -> None:
+        """Write this backend's converted model (IR, ONNX parts, packed weights) into `out`."""
+        raise BackendError(f"backend {self.name!r} has no conversion step; it loads checkpoints directly")
+
+    def install_hint(self) -> str:
+        return f'pip install "glmcore[{self.extra}]"' if self.extra else ""
+
+    def resolve(self, options: LoadOptions) -> LoadOptions:
+        """Fill defaults and refuse what this backend does not offer, with a clear message."""
+        caps = self.capabilities()
+        precision = options.precision or caps.default_precision
+        weights = options.weights or caps.default_weights
+        if precision not in caps.precisions:
+            raise BackendError(f"backend {self.name!r} has no precision {precision!r}; choose one of "
+                               f"{', '.join(caps.precisions)}")
+        if weights not in caps.weight_formats:
+            raise BackendError(f"backend {self.name!r} has no weight format {weights!r}; choose one of "
+                               f"{', '.join(caps.weight_formats)}")
+        return LoadOptions(precision, weights, options.capacity, options.threads, options.cache_dir,
+                           dict(options.extra))
+
+
+def default_capacity(config: ModelConfig, caps: Capabilities, requested: int | None) -> int:
+    limits = [config.max_seq_len] + ([caps.max_context] if caps.max_context else [])
+    cap = min(limits) if requested is None else requested
+    if requested is None:
+        cap = min(cap, 4096)
+    if cap > min(limits):
+        raise BackendError(f"context {requested} exceeds the limit {min(limits)} of this model/backend; "
+                           "lower --ctx")
+    return cap
+
+
+@dataclass
+class PluginEntry:
+    """A registered backend, or a plugin that failed to load (error set, backend None)."""
+    name: str
+    backend: Backend | None = None
+    error: str = ""
+    plugin: str = ""
+
+
+class Registry:
+    def __init__(self):
+        self.pm = pluggy.PluginManager("glmcore")
+        self.pm.add_hookspecs(BackendSpec)
+        self.entries: dict[str, PluginEntry] = {}
+
+    def load_entry_points(self) -> "Registry":
+        for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
+            try:
+                module = ep.load()
+            except Exception as e:   # a broken plugin is reported, never crashes the CLI
+                self.entries.setdefault(ep.name, PluginEntry(ep.name, error=f"plugin failed to import: "
+                                        f"{type(e).__name__}: {e}", plugin=ep.value))
+                continue
+            self.register(module, ep.value)
+        return self
+
+    def register(self, plugin, plugin_name: str = "") -> None:
+        if self.pm.is_registered(plugin):
+            return
+        self.pm.register(plugin, name=plugin_name or None)
+        try:
+            backends = plugin.glmcore_backends()
+        except Exception as e:
+            self.entries[plugin_name] = PluginEntry(plugin_name, error=f"plugin hook failed: {type(e).__name__}: {e}",
+                                                    plugin=plugin_name)
+            return
+        for b in backends:
+            self.entries[b.name] = PluginEntry(b.name, backend=b, plugin=plugin_name)
+
+    def names(self) -> list[str]:
+        return sorted(self.entries)
+
+    def get(self, name: str) -> Backend:
+        entry = self.entries.get(name)
+        if entry is None:
+            raise BackendError(f"unknown backend {name!r}; available: {', '.join(self.names()) or 'none'} "
+                               "(see `glmcore backends`)")
+        if entry.backend is None:
+            raise BackendError(f"backend {name!r} is broken: {entry.error}")
+        return entry.backend
+
+    def probe(self, name: str) -> Probe:
+        entry = self.entries[name]
+        if entry.backend is None:
+            return Probe(False, reason=entry.error)
+        try:
+            return entry.backend.probe()
+        except Exception as e:
+            return Probe(False, reason=f"probe failed: {type(e).__name__}: {e}", install=entry.backend.install_hint())
+
+    def ready(self) -> list[str]:
+        return [n for n in self.names() if self.probe(n).ready]
+
+    def best(self) -> str:
+        ready = self.ready()
+        if not ready:
+            raise BackendError("no backend is ready; run `glmcore backends` and install one, "
+                               'e.g. pip install "glmcore[torch]"')
+        return max(ready, key=lambda n: (self.get(n).capabilities().speed_rank, n))
+
+
+_REGISTRY: Registry | None = None
+
+
+def registry() -> Registry:
+    global _REGISTRY
+    if _REGISTRY is None:
+        _REGISTRY = Registry().load_entry_points()
+    return _REGISTRY

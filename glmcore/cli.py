@@ -1,0 +1,276 @@
+"""The `glmcore` command line: run, chat, backends, make-model, convert, conformance, bench."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from .backend import LoadOptions, registry
+from .engine import OVERFLOW_POLICIES, WindowPolicy
+from .errors import GlmcoreError
+from .sampling import SamplingParams
+
+
+def progress(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def _parse_opts(pairs: list[str]) -> dict:
+    out = {}
+    for p in pairs or []:
+        if "=" not in p:
+            raise GlmcoreError(f"--opt {p!r}: expected KEY=VALUE, e.g. --opt group_size=128")
+        k, v = p.split("=", 1)
+        try:
+            out[k] = json.loads(v)
+        except ValueError:
+            out[k] = v
+    return out
+
+
+def add_load_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--backend", help="backend name (default: the best ready one; see `glmcore backends`)")
+    p.add_argument("--model", help="checkpoint directory (default: the built-in demo model)")
+    p.add_argument("--precision", help="compute precision the backend offers: f32, bf16, f16")
+    p.add_argument("--weights", help="weight format the backend offers: f32, f16, int8, int4 ...")
+    p.add_argument("--ctx", type=int, help="context length (KV slots); default min(model, backend, 4096)")
+    p.add_argument("--threads", type=int, help="CPU threads")
+    p.add_argument("--opt", action="append", default=[], metavar="KEY=VALUE",
+                   help="backend-specific option, e.g. group_size=128, seq_len=512, mode=eager")
+
+
+def load_options(a) -> LoadOptions:
+    if a.ctx is not None and a.ctx < 2:
+        raise GlmcoreError(f"invalid --ctx {a.ctx}: use at least 2")
+    if a.threads is not None and a.threads < 1:
+        raise GlmcoreError(f"invalid --threads {a.threads}: use a positive integer")
+    return LoadOptions(a.precision, a.weights, a.ctx, a.threads, extra=_parse_opts(a.opt))
+
+
+def add_gen_args(p: argparse.ArgumentParser) -> None:
+    d = SamplingParams()
+    p.add_argument("--system", help="system prompt")
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--temperature", type=float, default=d.temperature, help="0 = greedy")
+    p.add_argument("--top-p", type=float, default=d.top_p)
+    p.add_argument("--top-k", type=int, default=d.top_k)
+    p.add_argument("--repetition-penalty", type=float, default=d.repetition_penalty)
+    p.add_argument("--seed", type=int)
+    p.add_argument("--overflow", choices=OVERFLOW_POLICIES, default="error",
+                   help="when the context is full: error, or slide a StreamingLLM window")
+    p.add_argument("--n-keep", type=int, default=4, help="window: tokens kept as attention sinks")
+    p.add_argument("--n-discard", type=int, help="window: tokens discarded per slide (default half)")
+
+
+def sampling(a) -> SamplingParams:
+    return SamplingParams(a.temperature, a.top_p, a.top_k, a.repetition_penalty, a.seed)
+
+
+def _pipeline(a):
+    from .pipeline import Pipeline
+    window = WindowPolicy(a.overflow, a.n_keep, a.n_discard)
+    return Pipeline(a.model, a.backend, load_options(a), window)
+
+
+def _messages(system: str | None, tools) -> list[dict]:
+    return [{"role": "system", "content": system}] if system else []
+
+
+def cmd_run(a) -> int:
+    params = sampling(a)
+    pipe = _pipeline(a)
+    messages = _messages(a.system, None) + [{"role": "user", "content": a.prompt}]
+    _stream_reply(pipe, messages, None, params, a.max_new_tokens)
+    print(f"[{pipe.model.backend.name}] {pipe.timings.line()}", file=sys.stderr)
+    return 0
+
+
+def _stream_reply(pipe, messages, tools, params, max_new_tokens) -> None:
+    for kind, value in pipe.chat(messages, tools=tools, stream=True, params=params, max_new_tokens=max_new_tokens):
+        if kind == "text":
+            sys.stdout.write(value)
+            sys.stdout.flush()
+        else:
+            sys.stdout.write(f"\n[tool call] {value.name}({json.dumps(value.arguments, ensure_ascii=False)})")
+    sys.stdout.write("\n")
+    sys.stdout.flush()
+
+
+CHAT_HELP = "commands: /system TEXT, /tools FILE.json, /reset, /quit"
+
+
+def cmd_chat(a) -> int:
+    params = sampling(a)
+    pipe = _pipeline(a)
+    system, tools = a.system, None
+    history: list = []
+    print(f"glmcore chat on {pipe.model.backend.name} ({pipe.model.config.family}); {CHAT_HELP}", file=sys.stderr)
+    while True:
+        try:
+            line = input("user> ")
+        except EOFError:
+            return 0
+        if not line.strip():
+            continue
+        if line.startswith("/"):
+            cmd, _, arg = line.partition(" ")
+            if cmd == "/quit":
+                return 0
+            if cmd == "/reset":
+                history = []
+                pipe.reset()
+                print("(conversation cleared)", file=sys.stderr)
+            elif cmd == "/system":
+                system, history = arg or None, []
+                print("(system prompt set; conversation cleared)", file=sys.stderr)
+            elif cmd == "/tools":
+                try:
+                    tools = json.loads(Path(arg).read_text())
+                except (OSError, ValueError) as e:
+                    print(f"error: cannot read tools from {arg!r}: {e}", file=sys.stderr)
+                    continue
+                history = []
+                print(f"({len(tools)} tools loaded: {', '.join(t.get('function', t).get('name', '?') for t in tools)})",
+                      file=sys.stderr)
+            else:
+                print(f"unknown command {cmd}; {CHAT_HELP}", file=sys.stderr)
+            continue
+        history.append({"role": "user", "content": line})
+        while True:
+            print("assistant> ", end="", flush=True)
+            _stream_reply(pipe, _messages(system, tools) + history, tools, params, a.max_new_tokens)
+            reply = pipe.cached[-1]
+            history.append(reply)
+            print(f"[{pipe.timings.line()}]", file=sys.stderr)
+            if not reply.tool_calls:
+                break
+            for call in reply.tool_calls:
+                try:
+                    result = input(f"tool result for {call.name}> ")
+                except EOFError:
+                    return 0
+                history.append({"role": "tool", "content": result})
+
+
+def cmd_backends(a) -> int:
+    reg = registry()
+    rows = []
+    for name in reg.names():
+        entry = reg.entries[name]
+        pr = reg.probe(name)
+        caps = entry.backend.capabilities() if entry.backend else None
+        rows.append({
+            "backend": name, "ready": pr.ready, "device": pr.device,
+            "precisions": list(caps.precisions) if caps else [], "weights": list(caps.weight_formats) if caps else [],
+            "why not": pr.reason, "install": pr.install, "details": pr.details,
+        })
+    if a.json:
+        print(json.dumps(rows, indent=2, default=str))
+        return 0
+    for r in rows:
+        status = "ready" if r["ready"] else "not ready"
+        print(f"{r['backend']:<14} {status:<10} device={r['device']}  precisions={','.join(r['precisions'])}  "
+              f"weights={','.join(r['weights'])}")
+        if not r["ready"]:
+            print(f"{'':<14} why: {r['why not']}" + (f"  fix: {r['install']}" if r["install"] else ""))
+        for k, v in r["details"].items():
+            print(f"{'':<14} {k}: {v}")
+    return 0
+
+
+def cmd_make_model(a) -> int:
+    from .synth import make_model
+    cfg = make_model(a.family, a.size, a.out, fmt=a.format, shards=a.shards, seed=a.seed,
+                     tokenizer_from=a.tokenizer_from, dtype=a.dtype, progress=progress)
+    print(f"wrote {a.family} {a.size} ({cfg.num_params() / 1e6:.1f}M parameters, random weights) to {a.out}")
+    return 0
+
+
+def cmd_convert(a) -> int:
+    from .config import ModelConfig
+    from .model import resolve_backend
+    from .weights import load_weights
+    if not a.model or not Path(a.model).is_dir():
+        raise GlmcoreError(f"--model {a.model!r} is not a checkpoint directory")
+    backend = resolve_backend(a.backend)
+    opts = load_options(a)
+    for key in ("seq_len", "group_size", "quantize"):
+        if getattr(a, key) is not None:
+            opts.extra[key] = getattr(a, key)
+    opts = backend.resolve(opts)
+    cfg = ModelConfig.from_dir(a.model)
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    backend.convert(cfg, load_weights(a.model, cfg), opts, out, progress)
+    print(f"converted {a.model} for {backend.name} into {out}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="glmcore", description="Run GLM chat models on any hardware.")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+
+    p = sub.add_parser("run", help="answer one prompt, streamed")
+    add_load_args(p)
+    add_gen_args(p)
+    p.add_argument("--prompt", required=True)
+    p.set_defaults(fn=cmd_run)
+
+    p = sub.add_parser("chat", help="interactive multi-turn chat")
+    add_load_args(p)
+    add_gen_args(p)
+    p.set_defaults(fn=cmd_chat)
+
+    p = sub.add_parser("backends", help="list backends: ready or why not")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(fn=cmd_backends)
+
+    p = sub.add_parser("make-model", help="write a synthetic checkpoint in a family's real layout")
+    p.add_argument("--family", required=True, choices=["chatglm2", "chatglm3", "glm4"])
+    p.add_argument("--size", default="tiny", choices=["tiny", "small", "1b", "6b"])
+    p.add_argument("--out", required=True)
+    p.add_argument("--format", default="safetensors", choices=["safetensors", "bin"])
+    p.add_argument("--shards", type=int)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dtype", choices=["f32", "f16", "bf16"], help="default f32 for tiny/small, bf16 otherwise")
+    p.add_argument("--tokenizer-from", help="copy the tokenizer files of a real checkpoint directory")
+    p.set_defaults(fn=cmd_make_model)
+
+    p = sub.add_parser("convert", help="write a backend's converted model (IR, ONNX parts, packed int4)")
+    add_load_args(p)
+    p.add_argument("--out", required=True)
+    p.add_argument("--seq-len", type=int, help="tpu_bm1684x: fixed context")
+    p.add_argument("--quantize", help="tpu_bm1684x: F16|BF16|W8F16|W4F16")
+    p.add_argument("--group-size", type=int, help="cpu_int4: quantization group")
+    p.set_defaults(fn=cmd_convert)
+
+    p = sub.add_parser("conformance", help="check backends against the torch reference", add_help=False)
+    p.set_defaults(fn=None, delegate="glmcore_conformance.suite")
+    p = sub.add_parser("bench", help="measure prefill/decode speed and memory", add_help=False)
+    p.set_defaults(fn=None, delegate="glmcore_conformance.bench")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    ap = build_parser()
+    try:
+        if argv and argv[0] in ("conformance", "bench"):
+            import importlib
+            module = importlib.import_module(f"glmcore_conformance.{'suite' if argv[0] == 'conformance' else 'bench'}")
+            return module.main(argv[1:])
+        a = ap.parse_args(argv)
+        return a.fn(a)
+    except GlmcoreError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("\ninterrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:
+        return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

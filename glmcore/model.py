@@ -1,0 +1,90 @@
+"""Load a checkpoint onto a backend: config + weights + tokenizer + chat format + session + engine."""
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from .backend import Backend, LoadOptions, registry
+from .config import ModelConfig
+from .engine import Engine, WindowPolicy
+from .errors import GlmcoreError
+from .weights import load_weights
+
+DEMO_FAMILY, DEMO_SIZE, DEMO_SEED = "chatglm3", "tiny", 0
+
+
+def cache_root() -> Path:
+    if os.environ.get("GLMCORE_CACHE"):
+        return Path(os.environ["GLMCORE_CACHE"])
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "glmcore"
+
+
+def demo_model_dir(notice=lambda msg: print(msg, file=sys.stderr)) -> Path:
+    """The built-in demo: a tiny synthetic ChatGLM3 checkpoint, created once in the cache directory."""
+    path = cache_root() / f"demo-{DEMO_FAMILY}-{DEMO_SIZE}-seed{DEMO_SEED}"
+    if not (path / "config.json").is_file():
+        from .synth import make_model
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=".demo-"))
+        make_model(DEMO_FAMILY, DEMO_SIZE, tmp, seed=DEMO_SEED)
+        try:
+            tmp.rename(path)     # atomic: a concurrent first run never sees half a checkpoint
+        except OSError:
+            shutil.rmtree(tmp, ignore_errors=True)
+    notice(f"note: using the built-in demo model ({path}): a tiny {DEMO_FAMILY} with random weights, "
+           "so its text is gibberish; pass --model DIR for a real checkpoint")
+    return path
+
+
+@dataclass
+class LoadedModel:
+    model_dir: Path
+    config: ModelConfig
+    tokenizer: object
+    chat_format: object
+    backend: Backend
+    engine: Engine
+
+    @property
+    def session(self):
+        return self.engine.session
+
+    def close(self) -> None:
+        self.engine.session.close()
+
+
+def resolve_backend(name: str | None) -> Backend:
+    reg = registry()
+    name = name or reg.best()
+    backend = reg.get(name)
+    probe = reg.probe(name)
+    if not probe.ready:
+        fix = f"; fix: {probe.install}" if probe.install else ""
+        raise GlmcoreError(f"backend {name!r} is not ready: {probe.reason}{fix}")
+    return backend
+
+
+def load_model(model: str | Path | None = None, backend: str | None = None, options: LoadOptions | None = None,
+               window: WindowPolicy | None = None) -> LoadedModel:
+    from .chat import chat_format_for
+    from .tokenizer import load_tokenizer
+
+    model_dir = Path(model) if model else demo_model_dir()
+    if not model_dir.is_dir():
+        raise GlmcoreError(f"model directory {model_dir} does not exist; pass --model DIR of a checkpoint, "
+                           "or create one with `glmcore make-model`")
+    config = ModelConfig.from_dir(model_dir)
+    tokenizer = load_tokenizer(model_dir, config.family)
+    b = resolve_backend(backend)
+    opts = b.resolve(options or LoadOptions())
+    if opts.cache_dir is None:
+        opts.cache_dir = cache_root() / "converted"
+    weights = load_weights(model_dir, config)
+    session = b.load(config, weights, opts)
+    engine = Engine(session, window, can_shift=b.capabilities().can_shift)
+    return LoadedModel(model_dir, config, tokenizer, chat_format_for(tokenizer), b, engine)

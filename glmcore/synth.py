@@ -1,0 +1,168 @@
+"""Synthetic checkpoints in each family's real on-disk layout, at any size from tiny to 6B.
+
+No weights can be downloaded here, so the project makes its own: config.json with the real keys,
+sharded safetensors or PyTorch .bin with the real index file and tensor names, and a real tokenizer.
+"""
+from __future__ import annotations
+
+import json
+import zlib
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+
+from .config import ModelConfig
+from .errors import GlmcoreError
+from .weights import BF16, canonical_shapes, chatglm_name, write_safetensors
+
+# Architecture sizes. 6b is the real ChatGLM3-6B shape; vocab None = the family's real padded vocab.
+SIZES = {
+    "tiny": dict(hidden_size=64, num_layers=2, num_attention_heads=4, multi_query_group_num=2,
+                 kv_channels=16, ffn_hidden_size=160, vocab=None),
+    "small": dict(hidden_size=768, num_layers=12, num_attention_heads=12, multi_query_group_num=2,
+                  kv_channels=64, ffn_hidden_size=2560, vocab=None),
+    "1b": dict(hidden_size=2048, num_layers=24, num_attention_heads=16, multi_query_group_num=2,
+               kv_channels=128, ffn_hidden_size=5632, vocab=None),
+    "6b": dict(hidden_size=4096, num_layers=28, num_attention_heads=32, multi_query_group_num=2,
+               kv_channels=128, ffn_hidden_size=13696, vocab=None),
+}
+REAL_VOCAB = {"chatglm2": 65024, "chatglm3": 65024, "glm4": 151552}
+
+# The real config.json keys of each family (values as published, sizes replaced per --size).
+_CHATGLM_KEYS = {
+    "model_type": "chatglm", "architectures": ["ChatGLMModel"],
+    "auto_map": {"AutoConfig": "configuration_chatglm.ChatGLMConfig",
+                 "AutoModel": "modeling_chatglm.ChatGLMForConditionalGeneration",
+                 "AutoModelForCausalLM": "modeling_chatglm.ChatGLMForConditionalGeneration",
+                 "AutoModelForSeq2SeqLM": "modeling_chatglm.ChatGLMForConditionalGeneration",
+                 "AutoModelForSequenceClassification": "modeling_chatglm.ChatGLMForSequenceClassification"},
+    "add_bias_linear": False, "add_qkv_bias": True, "apply_query_key_layer_scaling": True,
+    "apply_residual_connection_post_layernorm": False, "attention_dropout": 0.0,
+    "attention_softmax_in_fp32": True, "bias_dropout_fusion": True, "fp32_residual_connection": False,
+    "hidden_dropout": 0.0, "layernorm_epsilon": 1e-05, "multi_query_attention": True,
+    "original_rope": True, "post_layer_norm": True, "rmsnorm": True, "use_cache": True,
+    "tie_word_embeddings": False,
+}
+_FAMILY_KEYS = {
+    "chatglm2": {"seq_length": 32768, "torch_dtype": "float16", "eos_token_id": 2, "pad_token_id": 0},
+    "chatglm3": {"seq_length": 8192, "torch_dtype": "float16", "eos_token_id": 2, "pad_token_id": 0},
+    "glm4": {"seq_length": 131072, "torch_dtype": "bfloat16", "eos_token_id": [151329, 151336, 151338],
+             "pad_token_id": 151329, "rope_ratio": 500, "layernorm_epsilon": 1.5625e-07, "classifier_dropout": None},
+}
+DTYPES = {"f32": np.dtype("<f4"), "f16": np.dtype("<f2"), "bf16": BF16}
+
+
+def make_model(family: str, size: str, out: str | Path, fmt: str = "safetensors", shards: int | None = None,
+               seed: int = 0, tokenizer_from: str | Path | None = None, dtype: str | None = None,
+               progress: Callable[[str], None] | None = None) -> ModelConfig:
+    if family not in REAL_VOCAB:
+        raise GlmcoreError(f"unknown family {family!r}; choose chatglm2, chatglm3 or glm4")
+    if size not in SIZES:
+        raise GlmcoreError(f"unknown size {size!r}; choose {', '.join(SIZES)}")
+    if fmt not in ("safetensors", "bin"):
+        raise GlmcoreError(f"unknown format {fmt!r}; choose safetensors or bin")
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    from .tokenizer import load_tokenizer, write_tokenizer
+    n_vocab = write_tokenizer(family, out, tokenizer_from=tokenizer_from)
+    tok = load_tokenizer(out, family)
+
+    spec = dict(SIZES[size])
+    vocab = REAL_VOCAB[family] if (size != "tiny" or tokenizer_from) else -(-n_vocab // 64) * 64
+    if vocab < n_vocab:
+        raise GlmcoreError(f"tokenizer has {n_vocab} ids but the model only {vocab} rows")
+    del spec["vocab"]
+    name = {"chatglm2": "THUDM/chatglm2-6b", "chatglm3": "THUDM/chatglm3-6b", "glm4": "THUDM/glm-4-9b-chat"}[family]
+    raw = {"_name_or_path": f"glmcore-synthetic/{name.split('/')[1]}-{size}", **_CHATGLM_KEYS, **spec,
+           **_FAMILY_KEYS[family], "padded_vocab_size": vocab}
+    if family == "glm4":
+        raw["num_hidden_layers"] = raw["num_layers"]
+        raw["vocab_size"] = vocab
+        # A synthetic vocabulary numbers its special tokens after its own ranks.
+        raw["eos_token_id"] = [tok.eos_id, tok.special_ids["<|user|>"], tok.special_ids["<|observation|>"]]
+        raw["pad_token_id"] = tok.pad_id
+    raw["glmcore_synthetic"] = {"family": family, "size": size, "seed": seed, "note": "random weights"}
+    (out / "config.json").write_text(json.dumps(raw, indent=2, ensure_ascii=False) + "\n")
+    cfg = ModelConfig.from_dir(out)
+
+    np_dtype = DTYPES[dtype or ("f32" if size in ("tiny", "small") else "bf16")]
+    shapes = canonical_shapes(cfg)
+    total = sum(int(np.prod(s)) for s in shapes.values()) * np_dtype.itemsize
+    if shards is None:
+        shards = 2 if size == "tiny" else max(1, -(-total // (2 << 30)))
+    groups = _split(list(shapes), shapes, shards, np_dtype.itemsize)
+    _remove_old_weights(out)
+    ext = "safetensors" if fmt == "safetensors" else "bin"
+    stem = "model" if fmt == "safetensors" else "pytorch_model"
+    weight_map = {}
+    for k, names in enumerate(groups, 1):
+        fname = f"{stem}.{ext}" if shards == 1 else f"{stem}-{k:05d}-of-{shards:05d}.{ext}"
+        tensors = {chatglm_name(n): init_tensor(n, shapes[n], cfg, seed).astype(np_dtype) for n in names}
+        _write(out / fname, tensors, fmt)
+        weight_map.update({t: fname for t in tensors})
+        if progress:
+            progress(f"wrote {fname} ({k}/{shards})")
+    if shards > 1:
+        index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+        (out / f"{stem}.{ext}.index.json").write_text(json.dumps(index, indent=2) + "\n")
+    return cfg
+
+
+def init_tensor(name: str, shape: tuple[int, ...], cfg: ModelConfig, seed: int) -> np.ndarray:
+    """Deterministic per tensor (independent of sharding). Scales are chosen so attention is sharp and
+    logits are peaked, as in a trained model: precision errors then show up in top-1 agreement, and a
+    positional bug (rotary off by one) changes the output visibly."""
+    rng = np.random.default_rng([seed, zlib.crc32(name.encode())])
+    h = cfg.hidden_size
+    if name.endswith("norm.weight"):
+        return 1.0 + 0.1 * rng.standard_normal(shape, dtype=np.float32)
+    if name.endswith("qkv.bias"):
+        return 0.2 * rng.standard_normal(shape, dtype=np.float32)
+    if name == "embed.weight":
+        return rng.standard_normal(shape, dtype=np.float32)
+    if name.endswith("qkv.weight"):
+        std = 1.6 / np.sqrt(h)        # q.k/sqrt(d) ~ N(0, 2.5): sharp, position-dependent attention
+    elif name == "lm_head.weight":
+        std = 6.0 / np.sqrt(h)        # logits ~ N(0, 36): a confident next-token distribution
+    else:
+        std = 1.0 / np.sqrt(shape[1])  # keeps each residual update around unit scale
+    return (std * rng.standard_normal(shape, dtype=np.float32)).astype(np.float32)
+
+
+def _split(names, shapes, n, itemsize):
+    sizes = [int(np.prod(shapes[k])) * itemsize for k in names]
+    target = sum(sizes) / n
+    groups, cur, acc = [], [], 0
+    for name, s in zip(names, sizes):
+        if cur and acc + s / 2 > target * (len(groups) + 1) and len(groups) < n - 1:
+            groups.append(cur)
+            cur = []
+        cur.append(name)
+        acc += s
+    groups.append(cur)
+    while len(groups) < n:      # more shards than tensors: never happens for real sizes
+        groups.append([])
+    return groups
+
+
+def _remove_old_weights(out: Path) -> None:
+    for pattern in ("model*.safetensors", "pytorch_model*.bin", "*.index.json"):
+        for f in out.glob(pattern):
+            f.unlink()
+
+
+def _write(path: Path, tensors: dict[str, np.ndarray], fmt: str) -> None:
+    if fmt == "safetensors":
+        write_safetensors(path, tensors, {"format": "pt"})
+        return
+    try:
+        import torch
+    except ImportError:
+        raise GlmcoreError('writing .bin checkpoints needs torch: pip install torch==2.13.0 (CPU build), '
+                           'or use --format safetensors') from None
+    state = {}
+    for k, v in tensors.items():
+        t = torch.from_numpy(np.ascontiguousarray(v.view(np.uint16) if v.dtype == BF16 else v))
+        state[k] = t.view(torch.bfloat16) if v.dtype == BF16 else t
+    torch.save(state, path)

@@ -1,0 +1,345 @@
+"""Checkpoint reading: safetensors and PyTorch .bin shards -> canonical tensor names -> numpy arrays.
+
+Both formats are read without torch: safetensors is a JSON header plus raw little-endian data, and a
+PyTorch zip checkpoint is a pickle whose tensors point at uncompressed storage files in the zip. Both
+are memory-mapped, so a 6B checkpoint costs no RAM until a backend touches it. bf16 stays bf16
+(ml_dtypes), f16 stays f16: the backend decides the compute precision.
+
+The safetensors library's numpy API cannot represent bf16, and torch.load would make torch a core
+dependency and execute arbitrary pickles; hence these two small readers.
+"""
+from __future__ import annotations
+
+import json
+import pickle
+import re
+import struct
+import zipfile
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+
+from .config import ModelConfig
+from .errors import CheckpointError
+
+BF16 = np.dtype(ml_dtypes.bfloat16)
+_ST_DTYPES = {"F32": np.dtype("<f4"), "F16": np.dtype("<f2"), "BF16": BF16, "F64": np.dtype("<f8"),
+              "I64": np.dtype("<i8"), "I32": np.dtype("<i4"), "I8": np.dtype("i1"), "U8": np.dtype("u1")}
+_ST_NAMES = {v: k for k, v in _ST_DTYPES.items()}
+
+
+# ---------------------------------------------------------------- canonical names
+
+def canonical_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every canonical tensor and its shape. Linear weights are [out, in] as in the checkpoints."""
+    h, qkv = cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size
+    shapes = {"embed.weight": (cfg.vocab_size, h)}
+    for i in range(cfg.num_layers):
+        p = f"layers.{i}."
+        shapes[p + "input_norm.weight"] = (h,)
+        shapes[p + "qkv.weight"] = (qkv, h)
+        if cfg.qkv_bias:
+            shapes[p + "qkv.bias"] = (qkv,)
+        shapes[p + "attn_out.weight"] = (h, cfg.q_size)
+        shapes[p + "post_attn_norm.weight"] = (h,)
+        shapes[p + "ffn_up.weight"] = (2 * cfg.ffn_hidden_size, h)    # rows: gate then up
+        shapes[p + "ffn_down.weight"] = (h, cfg.ffn_hidden_size)
+    shapes["final_norm.weight"] = (h,)
+    shapes["lm_head.weight"] = (cfg.vocab_size, h)
+    return shapes
+
+
+_CHATGLM_LAYER = {
+    "input_layernorm.weight": "input_norm.weight",
+    "self_attention.query_key_value.weight": "qkv.weight",
+    "self_attention.query_key_value.bias": "qkv.bias",
+    "self_attention.dense.weight": "attn_out.weight",
+    "post_attention_layernorm.weight": "post_attn_norm.weight",
+    "mlp.dense_h_to_4h.weight": "ffn_up.weight",
+    "mlp.dense_4h_to_h.weight": "ffn_down.weight",
+}
+_CHATGLM_TOP = {
+    "transformer.embedding.word_embeddings.weight": "embed.weight",
+    "transformer.encoder.final_layernorm.weight": "final_norm.weight",
+    "transformer.output_layer.weight": "lm_head.weight",
+}
+_HF_LAYER = {
+    "input_layernorm.weight": "input_norm.weight",
+    "self_attn.o_proj.weight": "attn_out.weight",
+    "post_attention_layernorm.weight": "post_attn_norm.weight",
+    "mlp.gate_up_proj.weight": "ffn_up.weight",
+    "mlp.down_proj.weight": "ffn_down.weight",
+}
+_HF_TOP = {"model.embed_tokens.weight": "embed.weight", "model.norm.weight": "final_norm.weight",
+           "lm_head.weight": "lm_head.weight"}
+# Buffers some checkpoints carry that the math does not need.
+_IGNORED = re.compile(r"(rotary_pos_emb\.inv_freq|rotary_emb\.inv_freq)$")
+
+
+def chatglm_name(canonical: str) -> str:
+    """The ChatGLM checkpoint name of a canonical tensor (used when writing checkpoints)."""
+    for k, v in _CHATGLM_TOP.items():
+        if v == canonical:
+            return k
+    m = re.fullmatch(r"layers\.(\d+)\.(.+)", canonical)
+    inv = {v: k for k, v in _CHATGLM_LAYER.items()}
+    return f"transformer.encoder.layers.{m.group(1)}.{inv[m.group(2)]}"
+
+
+# ---------------------------------------------------------------- the Weights mapping
+
+class Weights(Mapping):
+    """Canonical name -> numpy array (memory-mapped, dtype as stored). Read-only."""
+
+    def __init__(self, tensors: dict[str, np.ndarray], files: list[Path]):
+        self._t = tensors
+        self.files = files
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        return self._t[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._t)
+
+    def __len__(self) -> int:
+        return len(self._t)
+
+    def f32(self, name: str) -> np.ndarray:
+        return np.asarray(self._t[name], dtype=np.float32)
+
+    @property
+    def dtype(self) -> np.dtype:
+        return self._t["embed.weight"].dtype
+
+    def fingerprint(self) -> str:
+        """Cheap content key for conversion caches: file names, sizes, mtimes."""
+        import hashlib
+        h = hashlib.sha256()
+        for f in sorted(self.files):
+            st = f.stat()
+            h.update(f"{f.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode())
+        return h.hexdigest()[:16]
+
+
+def load_weights(model_dir: str | Path, cfg: ModelConfig) -> Weights:
+    model_dir = Path(model_dir)
+    raw, files = _read_raw(model_dir)
+    tensors = _to_canonical(raw, model_dir)
+    _check(tensors, cfg, model_dir)
+    return Weights(tensors, files)
+
+
+def _read_raw(model_dir: Path) -> tuple[dict[str, np.ndarray], list[Path]]:
+    for index_name, reader in (("model.safetensors.index.json", read_safetensors),
+                               ("pytorch_model.bin.index.json", read_torch_zip)):
+        index = model_dir / index_name
+        if index.is_file():
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+            except (ValueError, KeyError) as e:
+                raise CheckpointError(f"{index}: not a valid index ({e}); restore it from the original checkpoint") from None
+            files = sorted({model_dir / f for f in weight_map.values()})
+            missing = [f.name for f in files if not f.is_file()]
+            if missing:
+                raise CheckpointError(f"{model_dir}: missing shard {missing[0]} (listed in {index_name}); "
+                                      "download all shards of the checkpoint")
+            out: dict[str, np.ndarray] = {}
+            for f in files:
+                out.update(reader(f))
+            absent = sorted(set(weight_map) - set(out))
+            if absent:
+                raise CheckpointError(f"{model_dir / weight_map[absent[0]]}: lacks tensor {absent[0]} promised by "
+                                      f"{index_name}; the shard is from another checkpoint, re-download it")
+            return out, files
+    for name, reader in (("model.safetensors", read_safetensors), ("pytorch_model.bin", read_torch_zip)):
+        if (model_dir / name).is_file():
+            return reader(model_dir / name), [model_dir / name]
+    raise CheckpointError(f"{model_dir}: no weights found (expected model.safetensors[.index.json] or "
+                          "pytorch_model.bin[.index.json]); point --model at a checkpoint directory")
+
+
+def _to_canonical(raw: dict[str, np.ndarray], model_dir: Path) -> dict[str, np.ndarray]:
+    out: dict[str, np.ndarray] = {}
+    hf_qkv: dict[tuple[str, str], dict[str, np.ndarray]] = {}
+    for name, t in raw.items():
+        if _IGNORED.search(name):
+            continue
+        if name in _CHATGLM_TOP:
+            out[_CHATGLM_TOP[name]] = t
+            continue
+        if name in _HF_TOP:
+            out[_HF_TOP[name]] = t
+            continue
+        m = re.fullmatch(r"transformer\.encoder\.layers\.(\d+)\.(.+)", name)
+        if m and m.group(2) in _CHATGLM_LAYER:
+            out[f"layers.{m.group(1)}.{_CHATGLM_LAYER[m.group(2)]}"] = t
+            continue
+        m = re.fullmatch(r"model\.layers\.(\d+)\.(.+)", name)
+        if m and m.group(2) in _HF_LAYER:
+            out[f"layers.{m.group(1)}.{_HF_LAYER[m.group(2)]}"] = t
+            continue
+        mq = re.fullmatch(r"model\.layers\.(\d+)\.self_attn\.([qkv])_proj\.(weight|bias)", name) if m else None
+        if mq:
+            hf_qkv.setdefault((mq.group(1), mq.group(3)), {})[mq.group(2)] = t
+            continue
+        raise CheckpointError(f"{model_dir}: unknown tensor name {name!r}; this is not a ChatGLM2/3, GLM-4 "
+                              "or transformers GLM checkpoint (or it is quantized, which is not supported)")
+    # transformers' GLM splits the fused QKV projection; fuse it back (q rows, then k, then v).
+    for (layer, kind), parts in hf_qkv.items():
+        if set(parts) != {"q", "k", "v"}:
+            raise CheckpointError(f"{model_dir}: layer {layer} has only {sorted(parts)} of q/k/v_proj.{kind}; "
+                                  "the checkpoint is incomplete")
+        out[f"layers.{layer}.qkv.{kind}"] = np.concatenate([parts["q"], parts["k"], parts["v"]], axis=0)
+    return out
+
+
+def _check(tensors: dict[str, np.ndarray], cfg: ModelConfig, model_dir: Path) -> None:
+    if "lm_head.weight" not in tensors and "embed.weight" in tensors:
+        tensors["lm_head.weight"] = tensors["embed.weight"]     # tied embeddings
+    expected = canonical_shapes(cfg)
+    for name, shape in expected.items():
+        if name not in tensors:
+            raise CheckpointError(f"{model_dir}: tensor {name} is missing; the checkpoint is incomplete "
+                                  "or does not match config.json")
+        if tuple(tensors[name].shape) != shape:
+            raise CheckpointError(f"{model_dir}: tensor {name} has shape {tuple(tensors[name].shape)} but config.json "
+                                  f"implies {shape}; config.json belongs to another model size")
+    extra = sorted(set(tensors) - set(expected))
+    if extra:
+        raise CheckpointError(f"{model_dir}: tensor {extra[0]} does not fit config.json "
+                              f"(num_layers={cfg.num_layers}); config.json belongs to another model size")
+
+
+# ---------------------------------------------------------------- safetensors
+
+def read_safetensors(path: Path) -> dict[str, np.ndarray]:
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise CheckpointError(f"{path}: truncated (no header); re-download this shard")
+        (n,) = struct.unpack("<Q", head)
+        if n > min(size - 8, 100 << 20):
+            raise CheckpointError(f"{path}: corrupt header (length {n} for a {size}-byte file); re-download this shard")
+        try:
+            header = json.loads(f.read(n))
+        except (UnicodeDecodeError, ValueError):
+            raise CheckpointError(f"{path}: corrupt header (not JSON); re-download this shard") from None
+    header.pop("__metadata__", None)
+    base = 8 + n
+    out = {}
+    mm = np.memmap(path, dtype=np.uint8, mode="r") if size > base else np.zeros(0, np.uint8)
+    for name, info in header.items():
+        try:
+            dtype = _ST_DTYPES[info["dtype"]]
+            start, end = info["data_offsets"]
+            shape = tuple(info["shape"])
+        except (KeyError, TypeError, ValueError):
+            raise CheckpointError(f"{path}: corrupt header entry for {name!r}; re-download this shard") from None
+        if base + end > size or end - start != dtype.itemsize * int(np.prod(shape, dtype=np.int64)):
+            raise CheckpointError(f"{path}: truncated or corrupt data for {name} (file is {size} bytes); "
+                                  "re-download this shard")
+        out[name] = mm[base + start: base + end].view(dtype).reshape(shape)
+    return out
+
+
+def write_safetensors(path: Path, tensors: dict[str, np.ndarray], metadata: dict | None = None) -> None:
+    header, offset = {}, 0
+    arrays = []
+    for name, t in tensors.items():
+        t = np.ascontiguousarray(t)
+        header[name] = {"dtype": _ST_NAMES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + t.nbytes]}
+        offset += t.nbytes
+        arrays.append(t)
+    if metadata:
+        header["__metadata__"] = metadata
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)     # keep the data 8-byte aligned, as the reference writer does
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(blob)))
+        f.write(blob)
+        for t in arrays:
+            f.write(t.tobytes())
+
+
+# ---------------------------------------------------------------- PyTorch zip checkpoints (no torch)
+
+_TORCH_STORAGE = {"FloatStorage": np.dtype("<f4"), "HalfStorage": np.dtype("<f2"), "BFloat16Storage": BF16,
+                  "DoubleStorage": np.dtype("<f8"), "LongStorage": np.dtype("<i8"), "IntStorage": np.dtype("<i4"),
+                  "CharStorage": np.dtype("i1"), "ByteStorage": np.dtype("u1"), "BoolStorage": np.dtype("?")}
+
+
+class _Storage:
+    def __init__(self, dtype: np.dtype, key: str):
+        self.dtype, self.key = dtype, key
+
+
+def _rebuild_tensor(storage, offset, size, stride, *_):
+    return ("tensor", storage, offset, tuple(size), tuple(stride))
+
+
+class _SafeUnpickler(pickle.Unpickler):
+    """Resolves only what a state_dict pickle needs; anything else is refused, never executed."""
+
+    def find_class(self, module, name):
+        if module == "torch._utils" and name in ("_rebuild_tensor_v2", "_rebuild_tensor_v3", "_rebuild_tensor"):
+            return _rebuild_tensor
+        if module == "torch" and name in _TORCH_STORAGE:
+            return _TORCH_STORAGE[name]
+        if module == "collections" and name == "OrderedDict":
+            import collections
+            return collections.OrderedDict
+        if module == "torch" and name == "Size":
+            return tuple
+        raise pickle.UnpicklingError(f"refusing to load {module}.{name}")
+
+    def persistent_load(self, pid):
+        # ('storage', storage_type, key, location, numel)
+        if pid[0] == "storage":
+            stype = pid[1]
+            dtype = stype if isinstance(stype, np.dtype) else _torch_dtype(stype)
+            return _Storage(dtype, str(pid[2]))
+        raise pickle.UnpicklingError(f"unknown persistent id {pid[0]!r}")
+
+
+def _torch_dtype(obj) -> np.dtype:
+    name = getattr(obj, "__name__", str(obj))
+    raise pickle.UnpicklingError(f"unsupported storage type {name}")
+
+
+def read_torch_zip(path: Path) -> dict[str, np.ndarray]:
+    if not zipfile.is_zipfile(path):
+        raise CheckpointError(f"{path}: not a PyTorch zip checkpoint (truncated, or the pre-1.6 legacy format); "
+                              "re-download it or convert it to safetensors")
+    try:
+        zf = zipfile.ZipFile(path)
+        pkl = next(n for n in zf.namelist() if n.endswith("data.pkl"))
+        prefix = pkl[: -len("data.pkl")]
+        state = _SafeUnpickler(zf.open(pkl)).load()
+    except (StopIteration, pickle.UnpicklingError, EOFError, zipfile.BadZipFile, ValueError) as e:
+        raise CheckpointError(f"{path}: corrupt PyTorch checkpoint ({e}); re-download it") from None
+    if not isinstance(state, dict):
+        raise CheckpointError(f"{path}: holds a {type(state).__name__}, not a state_dict")
+    out = {}
+    with open(path, "rb") as f:
+        for name, t in state.items():
+            if not (isinstance(t, tuple) and t and t[0] == "tensor"):
+                raise CheckpointError(f"{path}: entry {name!r} is not a tensor")
+            _, storage, offset, size, stride = t
+            info = zf.getinfo(f"{prefix}data/{storage.key}")
+            if info.compress_type != zipfile.ZIP_STORED:
+                raise CheckpointError(f"{path}: storage {storage.key} is compressed; re-save with torch.save")
+            # Data begins after the local file header, whose extra field may differ from the central one.
+            f.seek(info.header_offset)
+            local = f.read(30)
+            fname_len, extra_len = struct.unpack("<HH", local[26:30])
+            start = info.header_offset + 30 + fname_len + extra_len
+            n_items = info.file_size // storage.dtype.itemsize
+            if start + info.file_size > path.stat().st_size:
+                raise CheckpointError(f"{path}: truncated (storage {storage.key} runs past the end); re-download it")
+            flat = np.memmap(path, dtype=storage.dtype, mode="r", offset=start, shape=(n_items,))
+            out[name] = np.lib.stride_tricks.as_strided(
+                flat[offset:], shape=size, strides=[s * storage.dtype.itemsize for s in stride], writeable=False)
+    return out

@@ -1,0 +1,35 @@
+"""Backend `torch`: the PyTorch reference, the plainest fp32 statement of the GLM math.
+
+Every other backend is held to this one by the conformance suite, and this one is held to
+transformers' GlmForCausalLM in the tests. Clarity over speed: no fusion, no tricks.
+"""
+from __future__ import annotations
+
+import importlib.util
+
+from glmcore.backend import Backend, Capabilities, LoadOptions, Probe, hookimpl
+
+
+class TorchBackend(Backend):
+    name = "torch"
+    extra = "torch"
+    description = "PyTorch fp32 reference (CPU)"
+
+    def probe(self) -> Probe:
+        if importlib.util.find_spec("torch") is None:
+            return Probe(False, reason="torch is not installed", install=self.install_hint())
+        import torch
+        return Probe(True, device="cpu", details={"torch": torch.__version__, "threads": torch.get_num_threads(),
+                                                  "runs on": "this machine's CPU"})
+
+    def capabilities(self) -> Capabilities:
+        return Capabilities(precisions=("f32",), weight_formats=("f32",), speed_rank=0)
+
+    def load(self, config, weights, options: LoadOptions):
+        from .model import TorchRefSession
+        return TorchRefSession(config, weights, options, self.capabilities())
+
+
+@hookimpl
+def glmcore_backends():
+    return [TorchBackend()]
