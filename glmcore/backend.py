@@ -163,24 +163,34 @@ class Registry:
             try:
                 module = ep.load()
             except Exception as e:   # a broken plugin is reported, never crashes the CLI
-                self.entries.setdefault(ep.name, PluginEntry(ep.name, error=f"plugin failed to import: "
-                                        f"{type(e).__name__}: {e}", plugin=ep.value))
+                self._broken(ep.name, f"plugin failed to import ({ep.value}): {type(e).__name__}: {e}")
                 continue
-            self.register(module, ep.value)
+            self.register(module, ep.name)
         return self
 
-    def register(self, plugin, plugin_name: str = "") -> None:
+    def register(self, plugin, name: str) -> None:
+        """Register a plugin (module or object with a @hookimpl glmcore_backends); errors are recorded."""
         if self.pm.is_registered(plugin):
             return
-        self.pm.register(plugin, name=plugin_name or None)
         try:
-            backends = plugin.glmcore_backends()
+            self.pm.register(plugin, name=name)     # pluggy validates the hookimpl against the spec
         except Exception as e:
-            self.entries[plugin_name] = PluginEntry(plugin_name, error=f"plugin hook failed: {type(e).__name__}: {e}",
-                                                    plugin=plugin_name)
+            self._broken(name, f"plugin rejected: {type(e).__name__}: {e}")
+            return
+        impls = [i for i in self.pm.hook.glmcore_backends.get_hookimpls() if i.plugin is plugin]
+        if not impls:
+            self._broken(name, "plugin defines no @hookimpl glmcore_backends()")
+            return
+        try:
+            backends = list(impls[0].function())
+        except Exception as e:
+            self._broken(name, f"plugin hook failed: {type(e).__name__}: {e}")
             return
         for b in backends:
-            self.entries[b.name] = PluginEntry(b.name, backend=b, plugin=plugin_name)
+            self.entries[b.name] = PluginEntry(b.name, backend=b, plugin=name)
+
+    def _broken(self, name: str, error: str) -> None:
+        self.entries[name] = PluginEntry(name, error=error, plugin=name)
 
     def names(self) -> list[str]:
         return sorted(self.entries)

@@ -129,9 +129,10 @@ def _is_tiktoken_file(path: Path) -> bool:
 def _from_hf_glm(raw: dict) -> ModelConfig:
     heads = raw["num_attention_heads"]
     head_dim = raw.get("head_dim", raw["hidden_size"] // heads)
-    if raw.get("partial_rotary_factor", 0.5) != 0.5:
+    rope = {**raw, **(raw.get("rope_parameters") or {})}   # transformers 5 nests them in rope_parameters
+    if rope.get("partial_rotary_factor", 0.5) != 0.5:
         raise ConfigError("config.json: partial_rotary_factor must be 0.5 for a GLM model")
-    theta = float(raw.get("rope_theta", 10000.0))
+    theta = float(rope.get("rope_theta", 10000.0))
     if "rope_ratio" in raw:
         theta = 10000.0 * float(raw["rope_ratio"])
     elif theta == 10000.0 and raw.get("max_position_embeddings") == 131072:

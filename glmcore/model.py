@@ -74,14 +74,14 @@ def load_model(model: str | Path | None = None, backend: str | None = None, opti
     from .chat import chat_format_for
     from .tokenizer import load_tokenizer
 
+    b = resolve_backend(backend)
+    opts = b.resolve(options or LoadOptions())
     model_dir = Path(model) if model else demo_model_dir()
     if not model_dir.is_dir():
         raise GlmcoreError(f"model directory {model_dir} does not exist; pass --model DIR of a checkpoint, "
                            "or create one with `glmcore make-model`")
     config = ModelConfig.from_dir(model_dir)
     tokenizer = load_tokenizer(model_dir, config.family)
-    b = resolve_backend(backend)
-    opts = b.resolve(options or LoadOptions())
     if opts.cache_dir is None:
         opts.cache_dir = cache_root() / "converted"
     weights = load_weights(model_dir, config)
