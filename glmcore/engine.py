@@ -6,7 +6,7 @@ re-prefilling the kept tokens on backends that cannot shift their cache in place
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -174,18 +174,3 @@ class Engine:
         """The last generated token when generation stopped on length: it belongs before a continuation."""
         p, self.pending = self.pending, None
         return [] if p is None else [p]
-
-
-def stream_text(tokens: Iterator[int], tokenizer) -> Iterator[str]:
-    from .tokenizer import StreamDecoder
-    dec = StreamDecoder(tokenizer)
-    for tok in tokens:
-        piece = dec.push(tok)
-        if piece:
-            yield piece
-    tail = dec.flush()
-    if tail:
-        yield tail
-
-
-ProgressFn = Callable[[str], None]

@@ -6,17 +6,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from .backend import LoadOptions
-from .chat import Message, ToolCallStream
-from .engine import Timings, WindowPolicy, stream_text
+from .chat import Message, ToolCallStream, as_message
+from .engine import Timings, WindowPolicy
 from .model import LoadedModel, load_model
 from .sampling import SamplingParams
-
-
-def as_message(m) -> Message:
-    if isinstance(m, Message):
-        return m
-    return Message(role=m["role"], content=m.get("content") or "", metadata=m.get("metadata", ""),
-                   tool_calls=list(m.get("tool_calls") or []))
 
 
 class Pipeline:
@@ -56,7 +49,8 @@ class Pipeline:
         starts = [s for s, _ in fmt.turn_spans(messages, tools=tools)]
         # The [gMASK]sop prefix and a system/tools turn stay when the window slides; later turns
         # are discarded whole. turn_spans' first span holds the prefix (and the system turn, if any).
-        engine.pinned = starts[1] if messages[0].role == "system" or tools else None
+        pin = len(starts) > 1 and (messages[0].role == "system" or bool(tools))
+        engine.pinned = starts[1] if pin else None
         engine.turn_starts = starts[1:]
         return ids
 
@@ -77,11 +71,11 @@ class Pipeline:
         self.timings = Timings()
         tokens = m.engine.generate(ids, params, max_new_tokens, stop_ids=m.chat_format.stop_ids,
                                    n_vocab=m.tokenizer.n_vocab, timings=self.timings)
-        parser = ToolCallStream(m.chat_format)
-        reply_text = []
-        for piece in stream_text(tokens, m.tokenizer):
-            reply_text.append(piece)
-            yield from parser.feed(piece)
+        # Token ids, not text, go to the parser: ChatGLM3 may put <|assistant|> between a text
+        # segment and a tool call inside one reply, and decoded text drops that special token.
+        parser = ToolCallStream(m.chat_format, tools)
+        for token in tokens:
+            yield from parser.push(token)
         yield from parser.close()
-        self.cached = messages + [m.chat_format.parse_reply("".join(reply_text))]
+        self.cached = messages + [parser.message]
         self.cached_tools = tools

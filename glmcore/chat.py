@@ -1,0 +1,521 @@
+"""Chat formats of the GLM families: messages (and tools) -> prompt token ids, reply text -> message.
+
+- chatglm2: one text prompt "[Round N]\\n\\n问：{q}\\n\\n答：{a}" joined by "\\n\\n", encoded in one
+  go after `[gMASK]sop` (chatglm2-6b's build_prompt + tokenizer(prompt)).
+- chatglm3: `[gMASK]sop` + per message `<|role|>` + encode(f"{metadata}\\n") + encode(content)
+  (ChatGLM3's build_single_message); tools go into the system turn as ChatGLM3's demo put them;
+  a tool call is `<|assistant|>{name}\\n` + "```python\\ntool_call(k=v, ...)\\n```".
+- glm4: `[gMASK]<sop>` + per message `<|role|>` + encode(f"{metadata}\\n{content}"), as the
+  chat_template of glm-4-9b-chat renders and tokenizes it; tools as that template's system turn;
+  a tool call is `<|assistant|>{name}\\n{json arguments}`.
+
+Replies are parsed without eval: ChatGLM3's tool_call(...) with `ast`, GLM-4's arguments with json.
+"""
+from __future__ import annotations
+
+import ast
+import json
+import re
+from dataclasses import dataclass, field
+
+ROLES = ("system", "user", "assistant", "tool")
+ASSISTANT_MARK = "<|assistant|>"     # separates the segments of a ChatGLM3/GLM-4 reply
+_NAME = re.compile(r"[A-Za-z_][\w.\-]*")   # what a tool name can look like
+
+
+@dataclass
+class ToolCall:
+    name: str
+    arguments: dict
+    id: str = ""
+
+
+@dataclass
+class Message:
+    role: str                        # system | user | assistant | tool ("observation" is an alias of tool)
+    content: str = ""
+    tool_calls: list[ToolCall] = field(default_factory=list)
+    metadata: str = ""               # ChatGLM3/GLM-4 text after <|role|> on the same line
+    error: str | None = None         # parse_reply: why a reply that looked like a tool call was kept as text
+
+    def __post_init__(self):
+        if self.role == "observation":
+            self.role = "tool"
+        if self.role not in ROLES:
+            raise ValueError(f"unknown message role {self.role!r}: use one of {', '.join(ROLES)} (or observation)")
+        if self.content is None:
+            self.content = ""
+        self.tool_calls = [_as_tool_call(c) for c in self.tool_calls or []]
+        self.metadata = self.metadata or ""
+
+
+def _as_tool_call(c) -> ToolCall:
+    """Accept ToolCall, {"name", "arguments"} or OpenAI's {"id", "function": {"name", "arguments": json}}."""
+    if isinstance(c, ToolCall):
+        return c
+    if isinstance(c, dict):
+        f = c.get("function", c)
+        args = f.get("arguments", f.get("parameters", {}))
+        if isinstance(args, str):
+            try:
+                args = json.loads(args) if args.strip() else {}
+            except json.JSONDecodeError as e:
+                raise ValueError(f"tool call {f.get('name')!r} has arguments that are not JSON ({e}); "
+                                 "pass a dict or a JSON object string") from None
+        return ToolCall(name=f["name"], arguments=args, id=c.get("id", ""))
+    raise TypeError(f"a tool call must be a ToolCall or a dict, not {type(c).__name__}")
+
+
+def as_message(m) -> Message:
+    if isinstance(m, Message):
+        return m
+    return Message(role=m["role"], content=m.get("content") or "", metadata=m.get("metadata") or "",
+                   tool_calls=list(m.get("tool_calls") or []))
+
+
+def _functions(tools) -> list[dict]:
+    """OpenAI tools ({"type": "function", "function": {...}}) or bare function dicts -> function dicts."""
+    out = []
+    for t in tools or []:
+        if isinstance(t, dict) and t.get("type", "function") == "function":
+            f = t.get("function", t)
+            if not isinstance(f, dict) or "name" not in f:
+                raise ValueError(f"tool {t!r} has no function name: use the OpenAI schema "
+                                 '{"type": "function", "function": {"name": ..., "parameters": ...}}')
+            out.append(f)
+        else:
+            kind = t.get("type") if isinstance(t, dict) else type(t).__name__
+            raise ValueError(f"tool type {kind!r} is not supported: only function tools (OpenAI schema)")
+    return out
+
+
+class ChatFormat:
+    """Prompt building and reply parsing for one family; get one with chat_format_for(tokenizer)."""
+
+    family: str
+    stop_ids: list[int]
+
+    def __init__(self, tokenizer):
+        self.tok = tokenizer
+        self.sp = tokenizer.special_ids
+
+    # -- prompts
+    def encode_messages(self, messages, tools: list[dict] | None = None,
+                        add_generation_prompt: bool = True) -> list[int]:
+        """The whole prompt, [gMASK]sop prefix included."""
+        return self._build([as_message(m) for m in messages], tools, add_generation_prompt)[0]
+
+    def turn_spans(self, messages, tools: list[dict] | None = None,
+                   add_generation_prompt: bool = True) -> list[tuple[int, int]]:
+        """[start, end) of each turn of encode_messages' output. The first span is the prefix and the
+        leading system/tools turn; each later span starts at a user message and runs to the next
+        (assistant replies, tool calls and results stay with the user message they answer)."""
+        return self._build([as_message(m) for m in messages], tools, add_generation_prompt)[1]
+
+    def encode_continuation(self, new_messages, n_previous_turns: int) -> list[int]:
+        """Tokens to append to a cache that holds an earlier prompt and the reply generated to it
+        (without the stop token): the new messages and the generation prompt."""
+        raise NotImplementedError
+
+    def _build(self, messages: list[Message], tools, add_generation_prompt: bool):
+        raise NotImplementedError
+
+    @staticmethod
+    def _spans(starts: list[int], total: int) -> list[tuple[int, int]]:
+        bounds = sorted(set([0] + [s for s in starts if 0 < s < total]))
+        return [(a, b) for a, b in zip(bounds, bounds[1:] + [total])]
+
+    # -- replies
+    def parse_reply(self, text: str, tools: list[dict] | None = None) -> Message:
+        """The assistant message in a generated reply: plain content or tool calls. Text decoded with
+        skip_special=False may hold <|assistant|> between segments (text, then a tool call).
+        A reply that looks like a tool call but cannot be parsed comes back as content with .error."""
+        stream = ToolCallStream(self, tools)
+        stream.feed(text)
+        stream.close()
+        return stream.message
+
+    def decode_reply(self, ids, tools: list[dict] | None = None) -> Message:
+        """parse_reply of generated ids (stop tokens are dropped; <|assistant|> separates segments)."""
+        stream = ToolCallStream(self, tools)
+        for i in ids:
+            if i not in self.stop_ids:
+                stream.push(i)
+        stream.close()
+        return stream.message
+
+
+class ChatGLM2Format(ChatFormat):
+    family = "chatglm2"
+
+    def __init__(self, tokenizer):
+        super().__init__(tokenizer)
+        self.stop_ids = [tokenizer.eos_id]
+        self.prefix = [self.sp["[gMASK]"], self.sp["sop"]]
+        # sp.encode puts the dummy-prefix "▁" before text; in a continuation (text after a reply)
+        # it must go. "\n" is byte-fallback, never merged, so encode("\n...") = dummy + encode_rest.
+        self._dummy = tokenizer.encode("\n")[:-1]
+
+    def _rounds(self, messages: list[Message], first_round: int) -> tuple[str, list[str]]:
+        """System text (ChatGLM2 has no system role: it goes before the rounds) and the rounds' texts."""
+        system, rounds, i = [], [], 0
+        while i < len(messages):
+            m = messages[i]
+            if m.role == "system":
+                if rounds:
+                    raise ValueError("ChatGLM2 has no system role: put the system message first")
+                system.append(m.content)
+                i += 1
+                continue
+            if m.role != "user" or m.tool_calls:
+                raise ValueError(f"ChatGLM2 expects user/assistant rounds, got {m.role!r} at message {i}: "
+                                 "it has no tool calling and no observation role")
+            text = f"[Round {first_round + len(rounds)}]\n\n问：{m.content}"
+            if i + 1 < len(messages) and messages[i + 1].role == "assistant":
+                a = messages[i + 1]
+                if a.tool_calls:
+                    raise ValueError("ChatGLM2 has no tool calling: remove tool_calls from the history")
+                text += f"\n\n答：{a.content}"
+                i += 2
+            else:
+                if i + 1 < len(messages):
+                    raise ValueError(f"ChatGLM2 expects user/assistant rounds, got {messages[i + 1].role!r} "
+                                     f"after a user message at {i}")
+                i += 1
+            rounds.append(text)
+        return "\n\n".join(system), rounds
+
+    def _build(self, messages, tools, add_generation_prompt):
+        if tools:
+            raise ValueError("ChatGLM2 has no tool calling: use ChatGLM3 or GLM-4 for tools")
+        system, rounds = self._rounds(messages, 1)
+        if rounds and add_generation_prompt and messages[-1].role == "user":
+            rounds[-1] += "\n\n答："
+        # chatglm2-6b builds one string and tokenizes it once; each "\n\n[Round" boundary starts with
+        # byte-fallback "\n" pieces, so a prefix of the text encodes to a prefix of the ids.
+        texts = ([system] if system else []) + rounds
+        ids = self.prefix + (self.tok.encode("\n\n".join(texts)) if texts else [])
+        # Each round's span starts with the "\n\n" before its "[Round N]" (round 1: right after
+        # the prefix and the system text).
+        starts = [len(self.prefix) + (len(self.tok.encode("\n\n".join(texts[:k]))) if k else 0)
+                  for k in range(1 if system else 0, len(texts))]
+        return ids, self._spans(starts, len(ids))
+
+    def encode_continuation(self, new_messages, n_previous_turns: int) -> list[int]:
+        msgs = [as_message(m) for m in new_messages]
+        system, rounds = self._rounds(msgs, n_previous_turns + 1)
+        if system:
+            raise ValueError("ChatGLM2 has no system role: a system message can only open the conversation")
+        if not rounds:
+            return []
+        text = "\n\n" + "\n\n".join(rounds) + ("\n\n答：" if msgs[-1].role == "user" else "")
+        ids = self.tok.encode(text)
+        assert ids[:len(self._dummy)] == self._dummy
+        return ids[len(self._dummy):]
+
+
+class _RoleFormat(ChatFormat):
+    """ChatGLM3 and GLM-4: `<|role|>metadata\\ncontent` turns after a [gMASK]sop prefix."""
+
+    sop: str
+
+    def __init__(self, tokenizer):
+        super().__init__(tokenizer)
+        self.prefix = [self.sp["[gMASK]"], self.sp[self.sop]]
+        self.assistant_id = self.sp["<|assistant|>"]
+        self.stop_ids = [tokenizer.eos_id, self.sp["<|user|>"], self.sp["<|observation|>"]]
+
+    def _turn(self, role: str, metadata: str, content: str) -> list[int]:
+        raise NotImplementedError
+
+    def _tools_turn(self, functions: list[dict], messages: list[Message]) -> tuple[list[int], list[Message]]:
+        raise NotImplementedError
+
+    def _call_text(self, call: ToolCall) -> str:
+        raise NotImplementedError
+
+    def _message(self, m: Message) -> list[int]:
+        role = "observation" if m.role == "tool" else m.role
+        ids = []
+        if m.content or not m.tool_calls:
+            ids += self._turn(role, m.metadata, m.content)
+        for call in m.tool_calls:      # each call is its own assistant turn, the tool name as metadata
+            ids += self._turn("assistant", call.name, self._call_text(call))
+        return ids
+
+    def _build(self, messages, tools, add_generation_prompt):
+        ids = list(self.prefix)
+        functions = _functions(tools)
+        if functions:
+            head, messages = self._tools_turn(functions, messages)
+            ids += head
+        starts = []
+        seen_user = False
+        for m in messages:
+            if m.role == "user":
+                starts.append(len(ids))
+                seen_user = True
+            elif not seen_user and m.role != "system":
+                starts.append(len(ids))    # a conversation that does not open with a user message
+                seen_user = True
+            ids += self._message(m)
+        if add_generation_prompt:
+            ids.append(self.assistant_id)
+        return ids, self._spans(starts, len(ids))
+
+    def encode_continuation(self, new_messages, n_previous_turns: int) -> list[int]:
+        # The reply stopped on <|user|>/<|observation|> (not fed), so the next turn starts with it.
+        ids = []
+        for m in new_messages:
+            ids += self._message(as_message(m))
+        return ids + [self.assistant_id]
+
+
+class ChatGLM3Format(_RoleFormat):
+    family = "chatglm3"
+    sop = "sop"
+    TOOLS_SYSTEM = "Answer the following questions as best as you can. You have access to the following tools:"
+
+    def _turn(self, role, metadata, content):
+        # build_single_message: metadata line and content are encoded apart (each gets the "▁" prefix).
+        return [self.sp[f"<|{role}|>"]] + self.tok.encode(f"{metadata}\n") + self.tok.encode(content)
+
+    def _tools_turn(self, functions, messages):
+        # ChatGLM3's build_chat_input: system content + "\n" + json.dumps(tools, indent=4, ensure_ascii=False);
+        # its demo's system text when the conversation has none.
+        rest = list(messages)
+        system = self.TOOLS_SYSTEM
+        if rest and rest[0].role == "system":
+            system = rest.pop(0).content
+        content = system + "\n" + json.dumps(functions, indent=4, ensure_ascii=False)
+        return self._turn("system", "", content), rest
+
+    def _call_text(self, call):
+        # The ChatGLM3 tool-call block; repr() writes values that ast.literal_eval reads back.
+        args = ", ".join(f"{k}={v!r}" for k, v in call.arguments.items())
+        return f"```python\ntool_call({args})\n```"
+
+
+class GLM4Format(_RoleFormat):
+    family = "glm4"
+    sop = "<sop>"
+    TOOLS_SYSTEM = ("你是一个名为 GLM-4 的人工智能助手。你是基于智谱AI训练的语言模型 GLM-4 模型开发的，"
+                    "你的任务是针对用户的问题和要求提供适当的答复和支持。")
+
+    def _turn(self, role, metadata, content):
+        # The chat_template renders "<|role|>{metadata}\n{content}" and skips empty content; the
+        # text between two special tokens is tokenized as one piece.
+        if not content:
+            return []
+        return [self.sp[f"<|{role}|>"]] + self.tok.encode(f"{metadata}\n{content}")
+
+    def _tools_turn(self, functions, messages):
+        # As transformers renders the template (trim_blocks=True): the first "\n" after each
+        # `{% if tool['type'] == 'function' %}` is dropped, so a single "\n" precedes "## name".
+        text = "\n" + self.TOOLS_SYSTEM + "\n\n# 可用工具"
+        for f in functions:
+            text += f"\n## {f['name']}\n\n{json.dumps(f, ensure_ascii=False, indent=4)}"
+            text += "\n在调用上述函数时，请使用 Json 格式表示调用的参数。"
+        return [self.sp["<|system|>"]] + self.tok.encode(text), list(messages)
+
+    def _call_text(self, call):
+        return json.dumps(call.arguments, ensure_ascii=False)
+
+
+def chat_format_for(tokenizer) -> ChatFormat:
+    cls = {"chatglm2": ChatGLM2Format, "chatglm3": ChatGLM3Format, "glm4": GLM4Format}.get(tokenizer.family)
+    if cls is None:
+        raise ValueError(f"no chat format for tokenizer family {tokenizer.family!r}")
+    return cls(tokenizer)
+
+
+# ----------------------------------------------------------------------------- reply parsing
+
+
+class ToolCallParseError(ValueError):
+    pass
+
+
+def parse_chatglm3_call(body: str) -> dict:
+    """Arguments of ChatGLM3's "```python\\ntool_call(k=v, ...)\\n```" without eval: the call is
+    parsed with ast and each keyword value read with ast.literal_eval (literals only)."""
+    code = body.strip()
+    m = re.fullmatch(r"```[\w+-]*[ \t]*\n?(.*?)\n?[ \t]*```", code, re.S)
+    if m:
+        code = m.group(1).strip()
+    try:
+        tree = ast.parse(code, mode="eval")
+    except SyntaxError as e:
+        raise ToolCallParseError(f"tool call is not valid Python: {e.msg} (line {e.lineno})") from None
+    call = tree.body
+    if not (isinstance(call, ast.Call) and isinstance(call.func, ast.Name) and call.func.id == "tool_call"):
+        raise ToolCallParseError("expected a single tool_call(...) expression")
+    if call.args:
+        raise ToolCallParseError("tool_call takes keyword arguments only")
+    args = {}
+    for kw in call.keywords:
+        if kw.arg is None:
+            raise ToolCallParseError("tool_call(**kwargs) is not allowed")
+        try:
+            args[kw.arg] = ast.literal_eval(kw.value)
+        except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
+            raise ToolCallParseError(f"argument {kw.arg!r} is not a literal: {ast.unparse(kw.value)[:80]}") from None
+    return args
+
+
+def parse_glm4_call(body: str) -> dict:
+    try:
+        args = json.loads(body.strip())
+    except json.JSONDecodeError as e:
+        raise ToolCallParseError(f"tool call arguments are not valid JSON: {e}") from None
+    if not isinstance(args, dict):
+        raise ToolCallParseError("tool call arguments must be a JSON object")
+    return args
+
+
+class ToolCallStream:
+    """Turns a streamed reply into events: ("text", str) as soon as text is certain, and
+    ("tool_call", ToolCall) when a call is complete (at the next segment or at close()).
+
+    feed(text) takes decoded text pieces (a literal "<|assistant|>" separates segments);
+    push(id) takes token ids and decodes them itself, keeping the <|assistant|> boundary that
+    text decoded with special tokens skipped loses (ChatGLM3 may answer "text<|assistant|>name\n..."
+    in one reply). Each call returns a list of events. After close(), .message is the whole reply
+    as parse_reply gives it; its content is the concatenation of the text events.
+
+    A ChatGLM3/GLM-4 segment starts with a metadata line: empty for text, a tool name for a call
+    (ChatGLM3 "name\n```python\ntool_call(...)\n```", GLM-4 "name\n{json}"). Text is stripped at
+    both ends as the original chat() did (trailing whitespace is held until more text follows).
+    A call that cannot be parsed is emitted as text and recorded in .errors.
+    """
+
+    def __init__(self, chat_format: ChatFormat, tools: list[dict] | None = None):
+        self.fmt = chat_format
+        self.family = chat_format.family
+        self.names = {f["name"] for f in _functions(tools)} if tools else None
+        self.errors: list[str] = []
+        self.message: Message | None = None
+        self._content = ""              # all text emitted so far
+        self._calls: list[ToolCall] = []
+        self._raw: list[str] = []       # each finished segment as generated
+        self._decoder = None
+        self._pending = ""              # fed text that may be the start of a split "<|assistant|>"
+        self._new_segment()
+
+    def _new_segment(self) -> None:
+        self._state = "text" if self.family == "chatglm2" else "head"   # head | text | call
+        self._seg = ""                  # raw text of this segment
+        self._meta = ""                 # the metadata line, while in head
+        self._name = self._body = ""    # the call, while in call
+        self._held = ""                 # trailing whitespace held back
+        self._started = False           # leading whitespace of the segment skipped
+
+    # -- input
+    def push(self, id: int) -> list:
+        if self._decoder is None:
+            from .tokenizer import StreamDecoder
+            self._decoder = StreamDecoder(self.fmt.tok)
+        if id == getattr(self.fmt, "assistant_id", None):
+            return self._text(self._decoder.flush()) + self._end_segment(new=True)
+        return self._text(self._decoder.push(id))
+
+    def feed(self, text: str) -> list:
+        if self.family == "chatglm2":
+            return self._text(text)
+        events = []
+        self._pending += text
+        while ASSISTANT_MARK in self._pending:
+            before, self._pending = self._pending.split(ASSISTANT_MARK, 1)
+            events += self._text(before) + self._end_segment(new=True)
+        keep = next((k for k in range(min(len(ASSISTANT_MARK) - 1, len(self._pending)), 0, -1)
+                     if ASSISTANT_MARK.startswith(self._pending[-k:])), 0)
+        ready = self._pending[:len(self._pending) - keep]
+        self._pending = self._pending[len(ready):]
+        return events + self._text(ready)
+
+    def close(self) -> list:
+        events = self._text(self._decoder.flush()) if self._decoder is not None else []
+        events += self._text(self._pending)
+        self._pending = ""
+        events += self._end_segment(new=False)
+        if self.errors:
+            raw = "\n".join(r.strip() for r in self._raw if r.strip())
+            self.message = Message("assistant", content=raw, error="; ".join(self.errors))
+        else:
+            self.message = Message("assistant", content=self._content, tool_calls=list(self._calls))
+        return events
+
+    # -- routing
+    def _text(self, text: str) -> list:
+        if not text:
+            return []
+        self._seg += text
+        if self._state == "text":
+            return self._emit(text)
+        if self._state == "call":
+            self._body += text
+            return [] if self._call_plausible() else self._call_to_text()
+        self._meta += text
+        if "\n" in self._meta:
+            meta, rest = self._meta.split("\n", 1)
+            name = meta.strip()
+            if not name:
+                self._state = "text"
+                return self._emit(rest)
+            if _NAME.fullmatch(name) and (self.names is None or name in self.names):
+                self._state, self._name, self._body = "call", name, rest
+                return [] if self._call_plausible() else self._call_to_text()
+            self._state = "text"
+            return self._emit(self._meta)
+        if self._meta.strip() and not _NAME.fullmatch(self._meta.strip()):
+            self._state = "text"            # a tool name is one word: this is text already
+            return self._emit(self._meta)
+        return []
+
+    def _call_plausible(self) -> bool:
+        # GLM-4 arguments start right after the name line with "{" (its process_response);
+        # ChatGLM3's with "```" or "tool_call(" after optional whitespace.
+        if self.family == "glm4":
+            return not self._body or self._body.startswith("{")
+        b = self._body.lstrip()
+        return any(b[:len(p)] == p[:len(b)] for p in ("```", "tool_call("))
+
+    def _call_to_text(self) -> list:
+        self._state = "text"
+        return self._emit(self._name + "\n" + self._body)
+
+    def _emit(self, text: str) -> list:
+        if not self._started:
+            text = text.lstrip()
+            if not text:
+                return []
+            self._started = True
+            if self._content:               # a second text segment: on a new line
+                text = "\n" + text
+        text = self._held + text
+        body = text.rstrip()
+        self._held = text[len(body):]
+        if not body:
+            return []
+        self._content += body
+        return [("text", body)]
+
+    def _end_segment(self, new: bool) -> list:
+        events = []
+        if self._state == "head" and self._meta.strip():
+            self._state = "text"            # ended inside the metadata line: a one-line text reply
+            events += self._emit(self._meta)
+        elif self._state == "call":
+            try:
+                args = (parse_glm4_call if self.family == "glm4" else parse_chatglm3_call)(self._body)
+            except ToolCallParseError as e:
+                self.errors.append(f"tool call {self._name!r}: {e}")
+                events += self._call_to_text()
+            else:
+                call = ToolCall(self._name, args)
+                self._calls.append(call)
+                events.append(("tool_call", call))
+        self._raw.append(self._seg)
+        if new:
+            self._new_segment()
+        return events

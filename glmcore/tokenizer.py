@@ -1,0 +1,507 @@
+"""Tokenizers of the GLM families, behaving exactly like THUDM's tokenization_chatglm.py.
+
+- chatglm2 / chatglm3: a SentencePiece BPE model (tokenizer.model). Text is encoded with
+  `sp.encode` (THUDM's SPTokenizer.encode); special tokens are numbered after the SentencePiece
+  vocabulary: `[MASK] [gMASK] [sMASK] sop eop` (+ `<|system|> <|user|> <|assistant|> <|observation|>`
+  for ChatGLM3).
+- glm4: a tiktoken rank file (tokenizer.model: "base64(token) rank" per line) with GLM-4's split
+  pattern; 14 special tokens numbered after the ranks, `<|endoftext|>` first.
+
+`encode` takes plain text and never yields a special token, whatever the text contains; chat
+formats (glmcore.chat) add the special tokens themselves. Only numpy/sentencepiece/tiktoken/stdlib.
+"""
+from __future__ import annotations
+
+import base64
+import codecs
+import json
+import re
+import shutil
+from functools import cached_property
+from pathlib import Path
+
+import sentencepiece as spm
+import tiktoken
+
+FAMILIES = ("chatglm2", "chatglm3", "glm4")
+DATA_DIR = Path(__file__).resolve().parent / "data"
+
+# Order matters: the ids are assigned in this order after the base vocabulary.
+SP_SPECIALS = {
+    "chatglm2": ["[MASK]", "[gMASK]", "[sMASK]", "sop", "eop"],
+    "chatglm3": ["[MASK]", "[gMASK]", "[sMASK]", "sop", "eop",
+                 "<|system|>", "<|user|>", "<|assistant|>", "<|observation|>"],
+}
+GLM4_SPECIALS = ["<|endoftext|>", "[MASK]", "[gMASK]", "[sMASK]", "<sop>", "<eop>", "<|system|>",
+                 "<|user|>", "<|assistant|>", "<|observation|>", "<|begin_of_image|>", "<|end_of_image|>",
+                 "<|begin_of_video|>", "<|end_of_video|>"]
+# GLM-4's pre-tokenizer pattern, as in ChatGLM4Tokenizer.
+GLM4_PAT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+            r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+
+DEFAULT_SP_PIECES = 1000     # synthetic SentencePiece vocabulary (incl. 3 control + 256 byte pieces)
+DEFAULT_GLM4_RANKS = 2048    # synthetic GLM-4 ranks (a prefix of the shipped rank file)
+CORPUS_FILE = DATA_DIR / "corpus.txt"
+GLM4_RANKS_FILE = DATA_DIR / "glm4_ranks.tiktoken"
+
+
+class TokenizerError(ValueError):
+    """A tokenizer file is missing, corrupt or of the wrong family; the message names the fix."""
+
+
+class Tokenizer:
+    """Common interface; see SentencePieceTokenizer and TiktokenTokenizer."""
+
+    family: str
+    n_vocab: int                 # number of valid ids, special tokens included
+    eos_id: int
+    pad_id: int
+    special_ids: dict[str, int]  # the family's registered special tokens, name -> id
+
+    def __init__(self, family: str, n_base: int, special_names: list[str], eos_id: int, pad_id: int,
+                 path: Path):
+        self.family, self.path = family, path
+        self.n_base = n_base     # ids below this are ordinary vocabulary entries
+        self.special_ids = {name: n_base + i for i, name in enumerate(special_names)}
+        self.special_names = {i: name for name, i in self.special_ids.items()}
+        self.n_vocab = n_base + len(special_names)
+        self.eos_id, self.pad_id = eos_id, pad_id
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.family} n_vocab={self.n_vocab} from {self.path}>"
+
+    def is_special(self, id: int) -> bool:
+        return id in self.special_names
+
+    def _check_ids(self, ids) -> list[int]:
+        out = [int(i) for i in ids]
+        for i in out:
+            if not 0 <= i < self.n_vocab:
+                raise TokenizerError(f"token id {i} is out of range for the {self.family} vocabulary of "
+                                     f"{self.n_vocab} ids ({self.path}); check the model/tokenizer pairing")
+        return out
+
+    def encode(self, text: str) -> list[int]:
+        raise NotImplementedError
+
+    def decode(self, ids, skip_special: bool = True) -> str:
+        raise NotImplementedError
+
+    def token_bytes(self, id: int) -> bytes:
+        raise NotImplementedError
+
+
+class SentencePieceTokenizer(Tokenizer):
+    """ChatGLM2/3: THUDM's SPTokenizer. encode = sp.encode(text) (dummy prefix "▁" included)."""
+
+    def __init__(self, path: Path, family: str):
+        try:
+            self.sp = spm.SentencePieceProcessor(model_file=str(path))
+        except Exception as e:   # sentencepiece raises RuntimeError/OSError with a long message
+            hint = " (it is a tiktoken rank file: use family glm4)" if _is_tiktoken_file(path) else ""
+            raise TokenizerError(f"{path} is not a readable SentencePiece model{hint}: "
+                                 f"{str(e).splitlines()[0] if str(e) else type(e).__name__}; "
+                                 "copy tokenizer.model from the original checkpoint again") from None
+        n = self.sp.get_piece_size()
+        super().__init__(family, n, SP_SPECIALS[family], eos_id=self.sp.eos_id(), pad_id=self.sp.unk_id(),
+                         path=path)
+
+    @cached_property
+    def _kinds(self) -> list[str]:
+        # Per-piece kind: "byte" (<0xNN>), "none" (<unk>, <s>, </s>: no text), else "normal".
+        sp = self.sp
+        return ["byte" if sp.is_byte(i) else "none" if sp.is_control(i) or sp.is_unknown(i) else "normal"
+                for i in range(self.n_base)]
+
+    def is_special(self, id: int) -> bool:
+        # Besides the registered tokens, <unk>, <s> and </s> have no text: THUDM's tokenizer maps
+        # them to "" (its convert_id_to_token), so they count as special here.
+        return id in self.special_names or (0 <= id < self.n_base and self._kinds[id] == "none")
+
+    def encode(self, text: str) -> list[int]:
+        if not isinstance(text, str):
+            raise TypeError(f"encode() takes str, not {type(text).__name__}")
+        return self.sp.encode(text)
+
+    def decode(self, ids, skip_special: bool = True) -> str:
+        ids = self._check_ids(ids)
+        if skip_special:
+            # The text ids as one SentencePiece sequence: only its first piece loses the
+            # dummy-prefix space.
+            return self.sp.decode([i for i in ids if not self.is_special(i)])
+        # As ChatGLMTokenizer.decode (transformers' _decode -> SentencePiece DecodePieces): special
+        # tokens by name, <unk>/<s>/</s> as "", all in one sequence.
+        pieces = [self.special_names[i] if i in self.special_names else "" if self._kinds[i] == "none"
+                  else self.sp.id_to_piece(i) for i in ids]
+        return self.sp.decode_pieces(pieces)
+
+    def token_bytes(self, id: int) -> bytes:
+        id = self._check_ids([id])[0]
+        if self.is_special(id):
+            return b""
+        piece = self.sp.id_to_piece(id)
+        if self._kinds[id] == "byte":
+            return bytes([int(piece[3:5], 16)])
+        return piece.replace("\u2581", " ").encode()
+
+
+class TiktokenTokenizer(Tokenizer):
+    """GLM-4: ChatGLM4Tokenizer. encode = tiktoken encode with no special tokens allowed."""
+
+    def __init__(self, path: Path, family: str = "glm4"):
+        ranks = read_rank_file(path)
+        super().__init__(family, len(ranks), GLM4_SPECIALS, eos_id=len(ranks), pad_id=len(ranks), path=path)
+        self._bytes = [b""] * len(ranks)
+        for tok, r in ranks.items():
+            self._bytes[r] = tok
+        self.enc = tiktoken.Encoding(name=f"glm4-{len(ranks)}", pat_str=GLM4_PAT, mergeable_ranks=ranks,
+                                     special_tokens={})
+
+    def encode(self, text: str) -> list[int]:
+        if not isinstance(text, str):
+            raise TypeError(f"encode() takes str, not {type(text).__name__}")
+        return self.enc.encode_ordinary(text)
+
+    def decode(self, ids, skip_special: bool = True) -> str:
+        # As ChatGLM4Tokenizer.convert_tokens_to_string: join token bytes, decode with errors="replace";
+        # a special token (when kept) flushes the bytes before it and is inserted by name.
+        ids = self._check_ids(ids)
+        text, buf = [], bytearray()
+        for i in ids:
+            if i >= self.n_base:
+                if skip_special:
+                    continue
+                text.append(buf.decode("utf-8", "replace"))
+                buf = bytearray()
+                text.append(self.special_names[i])
+            else:
+                buf += self._bytes[i]
+        text.append(buf.decode("utf-8", "replace"))
+        return "".join(text)
+
+    def token_bytes(self, id: int) -> bytes:
+        id = self._check_ids([id])[0]
+        return self._bytes[id] if id < self.n_base else b""
+
+
+class StreamDecoder:
+    """Incremental detokenizer: push(id) returns the text that id completes. The concatenation of
+    all pushes and the final flush() equals tokenizer.decode(ids, skip_special=True); it never
+    emits part of a character (incomplete UTF-8 is held back), special tokens add nothing."""
+
+    def __init__(self, tokenizer: Tokenizer):
+        self.tok = tokenizer
+        if isinstance(tokenizer, SentencePieceTokenizer):
+            self._first = True        # the first text piece loses its leading "▁" (dummy prefix)
+            self._run: list[int] = []  # pending byte-fallback pieces, decoded together as SentencePiece does
+            self._run_pos = 0          # bytes of the run already emitted
+            self._run_text = ""
+        else:
+            self._utf8 = codecs.getincrementaldecoder("utf-8")("replace")
+
+    def push(self, id: int) -> str:
+        id = int(id)
+        tok = self.tok
+        if not 0 <= id < tok.n_vocab:
+            tok._check_ids([id])
+        if tok.is_special(id):       # no text, and skipped by decode() as if absent
+            return ""
+        if not isinstance(tok, SentencePieceTokenizer):
+            return self._utf8.decode(tok._bytes[id])
+        if tok._kinds[id] == "byte":
+            self._first = False
+            self._run.append(id)
+            return self._run_partial()
+        out = self._end_run()        # any other piece ends a byte run
+        piece = tok.sp.id_to_piece(id)
+        if self._first and piece.startswith("\u2581"):
+            piece = piece[1:]        # the dummy prefix of the sequence's first piece
+        self._first = False
+        return out + piece.replace("\u2581", " ")
+
+    def flush(self) -> str:
+        """Text still held back (an incomplete UTF-8 sequence becomes U+FFFD, as decode() does)."""
+        if isinstance(self.tok, SentencePieceTokenizer):
+            return self._end_run()
+        return self._utf8.decode(b"", final=True)
+
+    def _run_partial(self) -> str:
+        # Emit the complete, valid characters at the start of the pending bytes; leave the rest
+        # (incomplete or invalid) for _end_run, where SentencePiece itself decodes the run.
+        data = bytes(int(self.tok.sp.id_to_piece(i)[3:5], 16) for i in self._run)
+        i, out = self._run_pos, []
+        while i < len(data):
+            b = data[i]
+            n = 1 if b < 0x80 else 2 if 0xC2 <= b <= 0xDF else 3 if 0xE0 <= b <= 0xEF else 4 if 0xF0 <= b <= 0xF4 else 0
+            if n == 0 or i + n > len(data):
+                break
+            try:
+                out.append(data[i:i + n].decode("utf-8"))
+            except UnicodeDecodeError:
+                break
+            i += n
+        self._run_pos = i
+        text = "".join(out)
+        self._run_text += text
+        return text
+
+    def _end_run(self) -> str:
+        if not self._run:
+            return ""
+        full = self.tok.sp.decode(self._run)
+        done = self._run_text
+        self._run, self._run_pos, self._run_text = [], 0, ""
+        assert full.startswith(done), (full, done)
+        return full[len(done):]
+
+
+# ----------------------------------------------------------------------------- files
+
+
+def _is_tiktoken_file(path: Path) -> bool:
+    try:
+        with open(path, "rb") as f:
+            line = f.readline(200)
+    except OSError:
+        return False
+    return re.fullmatch(rb"[A-Za-z0-9+/=]+ \d+\r?\n?", line) is not None
+
+
+def read_rank_file(path: Path) -> dict[bytes, int]:
+    """Parse a tiktoken rank file; ranks must be 0..n-1 and include all 256 single bytes."""
+    ranks: dict[bytes, int] = {}
+    try:
+        data = Path(path).read_bytes()
+    except OSError as e:
+        raise TokenizerError(f"cannot read {path}: {e.strerror}; check the path and permissions") from None
+    if data[:1] == b"\n" and not _is_tiktoken_file(path):   # a protobuf: SentencePiece's ModelProto
+        raise TokenizerError(f"{path} is not a tiktoken rank file (it looks like a SentencePiece model: "
+                             "use family chatglm2/chatglm3, or copy GLM-4's tokenizer.model)")
+    for no, line in enumerate(data.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            tok, rank = line.split()
+            ranks[base64.b64decode(tok, validate=True)] = int(rank)
+        except ValueError:
+            raise TokenizerError(f"{path} line {no} is not 'base64 rank'; copy tokenizer.model "
+                                 "from the original GLM-4 checkpoint again") from None
+    if sorted(ranks.values()) != list(range(len(ranks))):
+        raise TokenizerError(f"{path}: ranks are not 0..{len(ranks) - 1} without gaps or repeats; the file is "
+                             "corrupt, copy it from the original checkpoint again")
+    missing = [b for b in range(256) if bytes([b]) not in ranks]
+    if missing:
+        raise TokenizerError(f"{path}: {len(missing)} single-byte tokens are missing (e.g. {missing[0]:#04x}), so "
+                             "some text cannot be encoded; use a complete byte-level rank file")
+    return ranks
+
+
+def load_tokenizer(model_dir, family: str) -> Tokenizer:
+    """Load model_dir/tokenizer.model as the given family (tokenizer_config.json, if present, is checked)."""
+    if family not in FAMILIES:
+        raise TokenizerError(f"unknown tokenizer family {family!r}: use one of {', '.join(FAMILIES)}")
+    model_dir = Path(model_dir)
+    path = model_dir / "tokenizer.model"
+    if not path.is_file():
+        raise TokenizerError(f"{path} not found: copy tokenizer.model from the original {family} checkpoint "
+                             "into the model directory (or write a synthetic one with `glmcore make-model`)")
+    cfg = _read_config(model_dir / "tokenizer_config.json")
+    cls = cfg.get("tokenizer_class")
+    want = "ChatGLM4Tokenizer" if family == "glm4" else "ChatGLMTokenizer"
+    if cls and cls != want:
+        raise TokenizerError(f"{model_dir / 'tokenizer_config.json'} names tokenizer_class {cls!r} but family "
+                             f"{family} uses {want}; pass the right family or fix the file")
+    tok = TiktokenTokenizer(path) if family == "glm4" else SentencePieceTokenizer(path, family)
+    # The config's added tokens (GLM-4) must agree with the numbering derived from the vocabulary.
+    for id_str, entry in (cfg.get("added_tokens_decoder") or {}).items():
+        name = entry.get("content") if isinstance(entry, dict) else None
+        if name in tok.special_ids and tok.special_ids[name] != int(id_str):
+            raise TokenizerError(f"{model_dir / 'tokenizer_config.json'} puts {name} at id {id_str} but "
+                                 f"{path} implies {tok.special_ids[name]}; the two files are from different "
+                                 "checkpoints, copy both from the same one")
+    return tok
+
+
+def _read_config(path: Path) -> dict:
+    if not path.is_file():
+        return {}
+    try:
+        cfg = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise TokenizerError(f"{path} is not valid JSON ({e}); copy it from the original checkpoint "
+                             "or delete it") from None
+    if not isinstance(cfg, dict):
+        raise TokenizerError(f"{path} is not a JSON object; copy it from the original checkpoint or delete it")
+    return cfg
+
+
+# ----------------------------------------------------------------------------- synthetic tokenizers
+
+
+def write_tokenizer(family: str, out_dir, vocab_size: int | None = None, tokenizer_from=None) -> int:
+    """Write tokenizer.model + tokenizer_config.json for `family` into out_dir, in the layout the
+    real checkpoints ship; return n_vocab (special tokens included).
+
+    tokenizer_from=DIR copies that checkpoint's tokenizer files instead. Otherwise the tokenizer is
+    synthetic: chatglm2/3 a SentencePiece BPE trained on glmcore/data/corpus.txt with the real
+    model's normalizer settings (vocab_size pieces, default 1000); glm4 the first vocab_size ranks
+    (default 2048) of glmcore/data/glm4_ranks.tiktoken, a byte-level BPE trained on the same text.
+    """
+    if family not in FAMILIES:
+        raise TokenizerError(f"unknown tokenizer family {family!r}: use one of {', '.join(FAMILIES)}")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    if tokenizer_from is not None:
+        if vocab_size is not None:
+            raise TokenizerError("vocab_size cannot be combined with tokenizer_from: a copied tokenizer keeps "
+                                 "its own vocabulary")
+        src = Path(tokenizer_from)
+        if not (src / "tokenizer.model").is_file():
+            raise TokenizerError(f"{src / 'tokenizer.model'} not found: point tokenizer_from at a checkpoint "
+                                 "directory that has its tokenizer.model (e.g. chatglm3-6b for chatglm2 too)")
+        if (src / "tokenizer.model").resolve() != (out / "tokenizer.model").resolve():
+            shutil.copyfile(src / "tokenizer.model", out / "tokenizer.model")
+        cfg = _read_config(src / "tokenizer_config.json")
+        # Reuse the source config only when it belongs to this family (chatglm2 from chatglm3's file).
+        if cfg and _config_family(cfg) == family:
+            if (src / "tokenizer_config.json").resolve() != (out / "tokenizer_config.json").resolve():
+                shutil.copyfile(src / "tokenizer_config.json", out / "tokenizer_config.json")
+        else:
+            n_base = load_tokenizer(out, family).n_base if family == "glm4" else 0
+            _write_config(out, family, n_base, name="THUDM/" + {"chatglm2": "chatglm2-6b", "chatglm3": "chatglm3-6b",
+                                                                 "glm4": "glm-4-9b-chat"}[family])
+        return load_tokenizer(out, family).n_vocab
+
+    if family == "glm4":
+        ranks = GLM4_RANKS_FILE.read_bytes().splitlines(keepends=True)
+        n = DEFAULT_GLM4_RANKS if vocab_size is None else int(vocab_size)
+        if not 256 <= n <= len(ranks):
+            raise TokenizerError(f"glm4 synthetic vocab_size {n} out of range: use 256..{len(ranks)} ranks")
+        # Every prefix of a BPE rank list is itself a valid BPE (each token still encodes to itself).
+        (out / "tokenizer.model").write_bytes(b"".join(ranks[:n]))
+        _write_config(out, family, n, name="glmcore/synthetic-glm4")
+    else:
+        n = DEFAULT_SP_PIECES if vocab_size is None else int(vocab_size)
+        (out / "tokenizer.model").write_bytes(train_sentencepiece(n))
+        _write_config(out, family, 0, name=f"glmcore/synthetic-{family}")
+    return load_tokenizer(out, family).n_vocab
+
+
+def train_sentencepiece(n_pieces: int = DEFAULT_SP_PIECES, corpus: Path = CORPUS_FILE) -> bytes:
+    """A SentencePiece BPE model with the real chatglm3 tokenizer.model's settings (identity
+    normalizer, dummy prefix, extra whitespace kept, byte fallback, digits split, whitespace-only
+    pieces); deterministic (one thread, no sampling) and well under a second for ~1000 pieces."""
+    import io
+    lines = [ln for ln in corpus.read_text(encoding="utf-8").splitlines() if ln.strip()]
+    model = io.BytesIO()
+    try:
+        spm.SentencePieceTrainer.train(
+            sentence_iterator=iter(lines), model_writer=model, model_type="bpe", vocab_size=n_pieces,
+            # Normalizer: exactly the real model's (no NFKC, nothing stripped or collapsed).
+            normalization_rule_name="identity", add_dummy_prefix=True, remove_extra_whitespaces=False,
+            escape_whitespaces=True,
+            # Trainer: the real model's choices, except coverage: the small corpus has many rare
+            # Chinese characters, which go to byte fallback instead of taking pieces.
+            byte_fallback=True, split_digits=True, split_by_unicode_script=True, split_by_number=True,
+            split_by_whitespace=True, allow_whitespace_only_pieces=True, max_sentencepiece_length=16,
+            treat_whitespace_as_suffix=False, character_coverage=_coverage(lines, (n_pieces - 259) * 2 // 5),
+            unk_id=0, bos_id=1, eos_id=2, pad_id=-1,
+            input_sentence_size=0, shuffle_input_sentence=False, num_threads=1, minloglevel=2,
+            vocabulary_output_piece_score=True, hard_vocab_limit=True)
+    except RuntimeError as e:
+        raise TokenizerError(f"cannot train a {n_pieces}-piece SentencePiece model on {corpus}: "
+                             f"{str(e).splitlines()[0]}; choose a vocab_size between 700 and 2000") from None
+    return model.getvalue()
+
+
+def _coverage(lines: list[str], n_chars: int) -> float:
+    """The character_coverage that keeps about n_chars characters as pieces (the rest of the
+    ~900 distinct characters of the corpus, mostly rare Chinese ones, fall back to bytes), leaving
+    the remaining pieces for merges."""
+    counts: dict[str, int] = {}
+    for ln in lines:
+        for ch in "\u2581" + ln.replace(" ", "\u2581"):
+            counts[ch] = counts.get(ch, 0) + 1
+    freq = sorted(counts.values(), reverse=True)
+    k = max(1, min(n_chars, len(freq)))
+    return min(0.9999, max(0.98, sum(freq[:k]) / sum(freq)))   # SentencePiece accepts 0.98..1
+
+
+def _config_family(cfg: dict) -> str | None:
+    cls = cfg.get("tokenizer_class")
+    if cls == "ChatGLM4Tokenizer":
+        return "glm4"
+    if cls == "ChatGLMTokenizer":
+        return "chatglm2" if "chatglm2" in str(cfg.get("name_or_path", "")).lower() else "chatglm3"
+    return None
+
+
+def _write_config(out: Path, family: str, n_base: int, name: str) -> None:
+    """tokenizer_config.json as the real checkpoints ship it (GLM-4's with its ids moved to n_base)."""
+    if family == "glm4":
+        cfg = json.loads((DATA_DIR / "glm4_tokenizer_config.json").read_text(encoding="utf-8"))
+        cfg["added_tokens_decoder"] = {
+            str(n_base + i): {"content": t, "lstrip": False, "normalized": False, "rstrip": False,
+                              "single_word": False, "special": True}
+            for i, t in enumerate(GLM4_SPECIALS)}
+    else:
+        cfg = {"name_or_path": name, "remove_space": False, "do_lower_case": False,
+               "tokenizer_class": "ChatGLMTokenizer",
+               "auto_map": {"AutoTokenizer": ["tokenization_chatglm.ChatGLMTokenizer", None]}}
+    (out / "tokenizer_config.json").write_text(json.dumps(cfg, ensure_ascii=False, indent=2) + "\n",
+                                               encoding="utf-8")
+
+
+def train_bpe_ranks(text: str, n_ranks: int) -> list[bytes]:
+    """Byte-level BPE training (how glmcore/data/glm4_ranks.tiktoken was made; not used at run time).
+
+    Pre-tokenizes with an stdlib approximation of GLM4_PAT (\\p{L} ~ [^\\W\\d_], \\p{N} ~ \\d); the
+    result is a valid rank list for tiktoken whatever the approximation: ranks follow merge order.
+    Ties between equally frequent pairs go to the smallest pair of byte strings (deterministic).
+    """
+    L, N = r"[^\W\d_]", r"\d"
+    P = r"(?:[^\s\w]|_)"    # punctuation and symbols, "_" included as in \p{...} terms
+    pat = re.compile(rf"(?i:'s|'t|'re|'ve|'m|'ll|'d)|(?:[^\r\n\w]|_)?{L}+|{N}{{1,3}}| ?{P}+[\r\n]*"
+                     r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+    counts: dict[bytes, int] = {}
+    for m in pat.finditer(text):
+        w = m.group().encode()
+        counts[w] = counts.get(w, 0) + 1
+    words = [[bytes([b]) for b in w] for w in counts]
+    freq = list(counts.values())
+    ranks = [bytes([b]) for b in range(256)]
+    known = set(ranks)
+    pairs: dict[tuple[bytes, bytes], int] = {}
+    where: dict[tuple[bytes, bytes], set[int]] = {}
+    for wi, w in enumerate(words):
+        for p in zip(w, w[1:]):
+            pairs[p] = pairs.get(p, 0) + freq[wi]
+            where.setdefault(p, set()).add(wi)
+    while len(ranks) < n_ranks and pairs:
+        best = min(pairs, key=lambda p: (-pairs[p], p))
+        if pairs[best] < 2:
+            break
+        new = best[0] + best[1]
+        if new not in known:         # two different pairs can spell the same token
+            known.add(new)
+            ranks.append(new)
+        for wi in sorted(where.pop(best, ())):
+            w, f = words[wi], freq[wi]
+            for p in zip(w, w[1:]):          # remove this word's old pairs
+                pairs[p] -= f
+                if pairs[p] <= 0:
+                    del pairs[p]
+            merged, i = [], 0
+            while i < len(w):
+                if i + 1 < len(w) and (w[i], w[i + 1]) == best:
+                    merged.append(new)
+                    i += 2
+                else:
+                    merged.append(w[i])
+                    i += 1
+            words[wi] = merged
+            for p in zip(merged, merged[1:]):  # add its new pairs
+                pairs[p] = pairs.get(p, 0) + f
+                where.setdefault(p, set()).add(wi)
+        pairs.pop(best, None)
+    return ranks
