@@ -16,16 +16,18 @@ from .config import ModelConfig
 from .errors import GlmcoreError
 from .weights import BF16, canonical_shapes, chatglm_name, write_safetensors
 
-# Architecture sizes. 6b is the real ChatGLM3-6B shape; vocab None = the family's real padded vocab.
+# Architecture sizes. 6b is the real ChatGLM3-6B shape. tiny and small use the synthetic tokenizer's
+# vocabulary (small: ~100M parameters); 1b and 6b the family's real padded vocabulary, so their
+# embedding and output layers cost what the real ones do.
 SIZES = {
     "tiny": dict(hidden_size=64, num_layers=2, num_attention_heads=4, multi_query_group_num=2,
-                 kv_channels=16, ffn_hidden_size=160, vocab=None),
-    "small": dict(hidden_size=768, num_layers=12, num_attention_heads=12, multi_query_group_num=2,
-                  kv_channels=64, ffn_hidden_size=2560, vocab=None),
+                 kv_channels=16, ffn_hidden_size=160, vocab="tokenizer"),
+    "small": dict(hidden_size=768, num_layers=14, num_attention_heads=12, multi_query_group_num=2,
+                  kv_channels=64, ffn_hidden_size=2560, vocab="tokenizer"),
     "1b": dict(hidden_size=2048, num_layers=24, num_attention_heads=16, multi_query_group_num=2,
-               kv_channels=128, ffn_hidden_size=5632, vocab=None),
+               kv_channels=128, ffn_hidden_size=5632, vocab="real"),
     "6b": dict(hidden_size=4096, num_layers=28, num_attention_heads=32, multi_query_group_num=2,
-               kv_channels=128, ffn_hidden_size=13696, vocab=None),
+               kv_channels=128, ffn_hidden_size=13696, vocab="real"),
 }
 REAL_VOCAB = {"chatglm2": 65024, "chatglm3": 65024, "glm4": 151552}
 
@@ -69,10 +71,10 @@ def make_model(family: str, size: str, out: str | Path, fmt: str = "safetensors"
     tok = load_tokenizer(out, family)
 
     spec = dict(SIZES[size])
-    vocab = REAL_VOCAB[family] if (size != "tiny" or tokenizer_from) else -(-n_vocab // 64) * 64
+    real = spec.pop("vocab") == "real" or tokenizer_from
+    vocab = REAL_VOCAB[family] if real else -(-n_vocab // 64) * 64
     if vocab < n_vocab:
         raise GlmcoreError(f"tokenizer has {n_vocab} ids but the model only {vocab} rows")
-    del spec["vocab"]
     name = {"chatglm2": "THUDM/chatglm2-6b", "chatglm3": "THUDM/chatglm3-6b", "glm4": "THUDM/glm-4-9b-chat"}[family]
     raw = {"_name_or_path": f"glmcore-synthetic/{name.split('/')[1]}-{size}", **_CHATGLM_KEYS, **spec,
            **_FAMILY_KEYS[family], "padded_vocab_size": vocab}

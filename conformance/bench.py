@@ -1,0 +1,395 @@
+"""`glmcore bench`: time to first token, prefill and decode speed, peak memory, and the roofline.
+
+    glmcore bench --backend openvino_amx --size small --prompt-len 128 --gen 64 --runs 3 --vs torch
+
+How it measures, and why:
+- Each backend runs in its own worker process (spawned, not forked), loaded once. With --vs the main
+  process asks the two workers for one run each in turn (A, B, A, B, ...), so a slow phase of a shared
+  machine hits both alike. Each figure is the median over --runs, after --warmup untimed runs (the first
+  run of a backend pays one-time costs: kernel compilation, page faults on memory-mapped weights).
+- A run is production's code path: the core's Engine.generate with greedy sampling, over random-free
+  fixed token ids (the model's tokenizer on a fixed text), stop tokens ignored so exactly --gen tokens
+  are made. Time to first token = prefill + sampling the first token; decode tok/s = (gen - 1) / the
+  time of the remaining steps, as glmcore.engine.Timings reports it.
+- Peak RSS is per backend, because each backend is alone in its process: before each run the worker
+  resets the kernel's high-water mark (/proc/self/clear_refs, Linux) and reads VmHWM after it, so the
+  figure is the peak resident memory during that run: interpreter + runtime + the weights it touched
+  (memory-mapped pages count once resident) + KV cache + activations. Where the reset is not allowed,
+  the figure is the process's peak since start (ru_maxrss), and the output says so.
+- Roofline: a decode step must read every weight once (the embedding only one row) and the KV cache;
+  bytes per token = weights in the backend's format + KV read at the mean context of the run. The
+  ceiling is the memory bandwidth measured at startup (a multi-threaded numpy read of a buffer 8x the
+  last-level cache) divided by those bytes; "reached" is measured decode tok/s over that ceiling.
+  A backend may state its own bytes with an optional `bytes_per_token(config, options, kv_len)`.
+  At tiny sizes the weights sit in cache and the ceiling means little; it is meant for 1b/6b.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import platform
+import resource
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from glmcore.backend import Backend, LoadOptions, registry
+from glmcore.config import FAMILIES, ModelConfig
+from glmcore.errors import GlmcoreError
+from glmcore.model import resolve_backend
+
+SIZES = ("tiny", "small", "1b", "6b")
+# Bytes per weight as stored; the int formats include one f16 scale per group (32 for int4) or row.
+WEIGHT_BYTES = {"f32": 4.0, "f16": 2.0, "bf16": 2.0, "int8": 1.0, "int4": 0.5 + 2 / 32}
+
+
+# ---------------------------------------------------------------- the machine
+
+def cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def machine() -> str:
+    mem = ""
+    try:
+        mem = f", {os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') / 2**30:.0f} GiB RAM"
+    except (ValueError, OSError, AttributeError):
+        pass
+    return f"{cpu_name()}, {os.cpu_count()} CPUs{mem}, {platform.system()} {platform.release()}"
+
+
+def _llc_bytes() -> int:
+    best = 0
+    for index in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"):
+        try:
+            text = (index / "size").read_text().strip()
+        except OSError:
+            continue
+        scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
+        best = max(best, int(text.rstrip("KMG")) * scale)
+    return best or (32 << 20)
+
+
+def measure_bandwidth(threads: int | None = None, seconds: float = 0.5) -> float:
+    """Memory read bandwidth in bytes/s: `threads` threads each OR-reducing its part of a buffer 8x the
+    last-level cache (numpy releases the GIL in the reduction). Best of the repetitions that fit in
+    `seconds`; the buffer is written first so its pages exist."""
+    from concurrent.futures import ThreadPoolExecutor
+    threads = threads or os.cpu_count() or 1
+    n = min(max(8 * _llc_bytes(), 256 << 20), 1 << 30) // 8
+    buf = np.ones(n, dtype=np.uint64)
+    parts = np.array_split(buf, threads)
+    best = 0.0
+    with ThreadPoolExecutor(threads) as pool:
+        start = time.perf_counter()
+        for i in range(20):
+            t0 = time.perf_counter()
+            list(pool.map(np.bitwise_or.reduce, parts))
+            best = max(best, buf.nbytes / (time.perf_counter() - t0))
+            if i >= 2 and time.perf_counter() - start > seconds:
+                break
+    del buf
+    return best
+
+
+# ---------------------------------------------------------------- roofline
+
+def default_bytes_per_token(config: ModelConfig, options: LoadOptions, kv_len: int) -> int:
+    """Weights read by one decode step in the stored format (the embedding: one row) + the KV cache
+    read at kv_len (f32 when computing in f32, else 2 bytes)."""
+    per_weight = WEIGHT_BYTES.get(options.weights or "f32", 4.0)
+    weights = (config.num_params() - (config.vocab_size - 1) * config.hidden_size) * per_weight
+    kv_item = 4 if (options.precision or "f32") == "f32" else 2
+    kv = 2 * config.num_layers * kv_len * config.kv_size * kv_item
+    return int(weights + kv)
+
+
+def bytes_per_token(backend: Backend, config: ModelConfig, options: LoadOptions, kv_len: int) -> tuple[int, str]:
+    hook = getattr(backend, "bytes_per_token", None)
+    if callable(hook):
+        try:
+            value = hook(config, options, kv_len)
+        except Exception as e:     # a broken hook must not lose the measurements
+            print(f"bench: {backend.name}.bytes_per_token failed ({type(e).__name__}: {e}); using the default",
+                  file=sys.stderr)
+        else:
+            if value:
+                return int(value), "stated by the backend"
+    return default_bytes_per_token(config, options, kv_len), "estimated from the weight format"
+
+
+# ---------------------------------------------------------------- the worker (one per backend)
+
+def _reset_peak() -> bool:
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def _peak_rss() -> int:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return rss if sys.platform == "darwin" else rss * 1024
+
+
+def _worker(conn, name: str, model_dir: str, options: dict) -> None:
+    """Load one backend and answer ("run", prompt, gen) requests until ("stop",)."""
+    try:
+        from glmcore.engine import Engine, Timings
+        from glmcore.model import cache_root
+        from glmcore.sampling import SamplingParams
+        from glmcore.weights import load_weights
+        backend = registry().get(name)
+        config = ModelConfig.from_dir(model_dir)
+        opts = backend.resolve(LoadOptions(**options))
+        if opts.cache_dir is None:
+            opts.cache_dir = cache_root() / "converted"
+        t0 = time.perf_counter()
+        session = backend.load(config, load_weights(model_dir, config), opts)
+        load_s = time.perf_counter() - t0
+        engine = Engine(session, can_shift=backend.capabilities().can_shift)
+        conn.send(("ready", {"load_s": load_s, "precision": opts.precision, "weights": opts.weights,
+                             "capacity": session.capacity, "rss_after_load": _peak_rss()}))
+    except Exception as e:
+        conn.send(("error", f"{type(e).__name__}: {e}" if not isinstance(e, GlmcoreError) else str(e),
+                   isinstance(e, GlmcoreError)))
+        return
+    greedy = SamplingParams(temperature=0.0)
+    while True:
+        msg = conn.recv()
+        if msg[0] == "stop":
+            session.close()
+            conn.send(("stopped",))
+            return
+        _, prompt, gen = msg
+        try:
+            engine.reset()
+            per_run = _reset_peak()
+            t = Timings()
+            n = sum(1 for _ in engine.generate(prompt, greedy, gen, stop_ids=(), n_vocab=config.vocab_size, timings=t))
+            conn.send(("result", {"ttft_s": t.ttft_s, "prefill_tps": t.prefill_tps, "decode_tps": t.decode_tps,
+                                  "new_tokens": n, "peak_rss": _peak_rss(), "rss_per_run": per_run}))
+        except Exception as e:
+            conn.send(("error", f"{type(e).__name__}: {e}", isinstance(e, GlmcoreError)))
+
+
+class Worker:
+    def __init__(self, name: str, model_dir: Path, options: LoadOptions):
+        ctx = mp.get_context("spawn")    # a fresh interpreter: no inherited memory, no forked thread pools
+        self.name = name
+        self.conn, child = ctx.Pipe()
+        opts = {k: v for k, v in asdict(options).items() if k != "cache_dir"}
+        self.proc = ctx.Process(target=_worker, args=(child, name, str(model_dir), opts), daemon=True)
+        self.proc.start()
+        child.close()
+
+    def _recv(self, what: str):
+        try:
+            msg = self.conn.recv()
+        except EOFError:
+            self.proc.join(5)
+            raise GlmcoreError(f"backend {self.name!r} worker died while {what} (exit code {self.proc.exitcode}); "
+                               "it may have run out of memory: try a smaller --size") from None
+        if msg[0] == "error":
+            if msg[2]:
+                raise GlmcoreError(msg[1])
+            raise RuntimeError(f"backend {self.name!r} failed while {what}: {msg[1]}")
+        return msg[1]
+
+    def ready(self) -> dict:
+        return self._recv("loading")
+
+    def run(self, prompt: list[int], gen: int) -> dict:
+        self.conn.send(("run", prompt, gen))
+        return self._recv("generating")
+
+    def stop(self) -> None:
+        if self.proc.is_alive():
+            try:
+                self.conn.send(("stop",))
+                self.conn.recv()
+            except (EOFError, OSError, BrokenPipeError):
+                pass
+        self.proc.join(10)
+        if self.proc.is_alive():
+            self.proc.terminate()
+            self.proc.join(5)
+
+
+# ---------------------------------------------------------------- the benchmark
+
+@dataclass
+class Result:
+    backend: str
+    precision: str
+    weights: str
+    load_s: float
+    ttft_ms: float
+    prefill_tps: float
+    decode_tps: float
+    peak_rss_mib: float
+    rss_per_run: bool
+    bytes_per_token: int
+    bytes_source: str
+    ceiling_tps: float
+    reached: float
+    runs: list = field(default_factory=list)
+
+
+def model_dir_for(model: str | None, size: str | None, family: str = "chatglm3") -> tuple[Path, bool]:
+    from .models import synthetic_dir
+    if model:
+        path = Path(model)
+        if not (path / "config.json").is_file():
+            raise GlmcoreError(f"--model {model!r} is not a checkpoint directory (no config.json)")
+        return path, False
+    if family not in FAMILIES:
+        raise GlmcoreError(f"unknown family {family!r}; choose from {', '.join(FAMILIES)}")
+    return synthetic_dir(family, size or "small", purpose="bench", seed=0), True
+
+
+def bench(backends: list[tuple[str, LoadOptions]], model_dir: Path, prompt_len: int = 128, gen: int = 64,
+          runs: int = 3, warmup: int = 1, threads: int | None = None, bandwidth: float | None = None,
+          progress=lambda msg: None) -> dict:
+    """Run each (backend name, options) in its own worker, alternating, and return the figures."""
+    from .models import open_model, TokenSource
+    if prompt_len < 1 or gen < 2 or runs < 1 or warmup < 0:
+        raise GlmcoreError("--prompt-len must be >= 1, --gen >= 2, --runs >= 1, --warmup >= 0")
+    model = open_model(model_dir)
+    config = model.config
+    prompt = TokenSource(model).take(prompt_len)
+    if bandwidth is None:
+        progress("bench: measuring memory bandwidth")
+        bandwidth = measure_bandwidth(threads)
+    workers = []
+    try:
+        for name, opts in backends:
+            resolve_backend(name).resolve(opts)     # refuse a bad precision/format before spawning
+            opts.capacity = opts.capacity or prompt_len + gen
+            opts.threads = threads
+            progress(f"bench: loading {name}")
+            workers.append((Worker(name, model_dir, opts), opts))
+        infos = [w.ready() for w, _ in workers]
+        results = [[] for _ in workers]
+        for r in range(warmup + runs):
+            for i, (w, _) in enumerate(workers):
+                label = "warm-up" if r < warmup else f"run {r - warmup + 1}/{runs}"
+                progress(f"bench: {w.name} {label}")
+                out = w.run(prompt, gen)
+                if r >= warmup:
+                    results[i].append(out)
+    finally:
+        for w, _ in workers:
+            w.stop()
+    kv_len = prompt_len + gen // 2
+    out = []
+    for (w, opts), info, rs in zip(workers, infos, results):
+        med = lambda k: statistics.median(x[k] for x in rs)
+        resolved = LoadOptions(info["precision"], info["weights"], opts.capacity, threads, extra=opts.extra)
+        nbytes, source = bytes_per_token(registry().get(w.name), config, resolved, kv_len)
+        ceiling = bandwidth / nbytes
+        out.append(Result(w.name, info["precision"], info["weights"], info["load_s"], med("ttft_s") * 1000,
+                          med("prefill_tps"), med("decode_tps"), med("peak_rss") / 2**20,
+                          all(x["rss_per_run"] for x in rs), nbytes, source, ceiling,
+                          med("decode_tps") / ceiling, rs))
+    return {"model": str(model_dir), "family": config.family, "params": config.num_params(),
+            "prompt_len": prompt_len, "gen": gen, "runs": runs, "warmup": warmup, "threads": threads,
+            "bandwidth": bandwidth, "machine": machine(), "kv_len": kv_len,
+            "date": time.strftime("%Y-%m-%d"), "results": [asdict(r) for r in out]}
+
+
+def format_bench(data: dict) -> str:
+    lines = [f"model {data['model']} ({data['family']}, {data['params'] / 1e6:.1f}M parameters); prompt "
+             f"{data['prompt_len']} tokens, {data['gen']} generated; median of {data['runs']} runs "
+             f"after {data['warmup']} warm-up; threads {data['threads'] or 'backend default'}",
+             f"machine: {data['machine']}; memory bandwidth {data['bandwidth'] / 1e9:.1f} GB/s (measured at startup)",
+             ""]
+    header = ["backend", "precision/weights", "load s", "TTFT ms", "prefill tok/s", "decode tok/s", "peak RSS MiB"]
+    rows = [[r["backend"], f"{r['precision']}/{r['weights']}", f"{r['load_s']:.1f}", f"{r['ttft_ms']:.1f}",
+             f"{r['prefill_tps']:.1f}", f"{r['decode_tps']:.1f}",
+             f"{r['peak_rss_mib']:.0f}" + ("" if r["rss_per_run"] else "*")] for r in data["results"]]
+    widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(header)]
+    lines += ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in [header] + rows]
+    lines.append("")
+    for r in data["results"]:
+        lines.append(f"roofline {r['backend']} {r['precision']}/{r['weights']}: {r['bytes_per_token'] / 1e6:.2f} MB "
+                     f"read per decode token ({r['bytes_source']}, KV at {data['kv_len']} tokens) at "
+                     f"{data['bandwidth'] / 1e9:.1f} GB/s -> ceiling {r['ceiling_tps']:.1f} tok/s; "
+                     f"reached {100 * r['reached']:.0f}%")
+    if any(not r["rss_per_run"] for r in data["results"]):
+        lines.append("* peak RSS since the worker started (the per-run reset is not available here)")
+    res = data["results"]
+    if len(res) == 2:
+        a, b = res
+        ratio = lambda x, y: x / y if y else float("inf")
+        lines.append(f"{a['backend']} vs {b['backend']}: prefill {ratio(a['prefill_tps'], b['prefill_tps']):.2f}x, "
+                     f"decode {ratio(a['decode_tps'], b['decode_tps']):.2f}x the speed; time to first token "
+                     f"{ratio(a['ttft_ms'], b['ttft_ms']):.2f}x, "
+                     f"peak RSS {ratio(a['peak_rss_mib'], b['peak_rss_mib']):.2f}x")
+    return "\n".join(lines)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="glmcore bench", description="Measure time to first token, prefill and "
+                                 "decode speed and peak memory of a backend (optionally against another).")
+    ap.add_argument("--backend", required=True)
+    src = ap.add_mutually_exclusive_group()
+    src.add_argument("--model", help="checkpoint directory")
+    src.add_argument("--size", choices=SIZES, help="synthetic checkpoint size, made once in the cache (default small)")
+    ap.add_argument("--family", default="chatglm3", choices=FAMILIES, help="family of the synthetic checkpoint")
+    ap.add_argument("--precision", help="compute precision of --backend")
+    ap.add_argument("--weights", help="weight format of --backend")
+    ap.add_argument("--opt", action="append", default=[], metavar="KEY=VALUE", help="backend option of --backend")
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--gen", type=int, default=64)
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--vs", metavar="BACKEND", help="a second backend (at its defaults), run alternately")
+    ap.add_argument("--threads", type=int)
+    ap.add_argument("--json", action="store_true", help="print the figures as JSON")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    from glmcore.cli import _parse_opts
+    a = build_parser().parse_args(argv)
+    if a.threads is not None and a.threads < 1:
+        raise GlmcoreError(f"invalid --threads {a.threads}: use a positive integer")
+    resolve_backend(a.backend)
+    if a.vs:
+        resolve_backend(a.vs)
+    model_dir, _ = model_dir_for(a.model, a.size, a.family)
+    pairs = [(a.backend, LoadOptions(a.precision, a.weights, extra=_parse_opts(a.opt)))]
+    if a.vs:
+        pairs.append((a.vs, LoadOptions()))
+    data = bench(pairs, model_dir, a.prompt_len, a.gen, a.runs, a.warmup, a.threads,
+                 progress=lambda m: print(m, file=sys.stderr, flush=True))
+    print(json.dumps(data, indent=2) if a.json else format_bench(data))
+    return 0
+
+
+if __name__ == "__main__":
+    from glmcore.cli import main as cli_main
+    sys.exit(cli_main(["bench", *sys.argv[1:]]))

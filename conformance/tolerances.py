@@ -1,0 +1,82 @@
+"""THE tolerance table: how far a backend's logits may be from the fp32 torch reference, per format.
+
+One row per precision/weight format. A configuration answers to the row of its looser part
+(`tolerance_key`): int4 weights computed in bf16 to the int4 row, f32 compute over bf16 weights to
+the bf16 row. Two comparisons use the compute precision's row instead, because the weights cancel out
+of them: a backend's decode steps against its own one-shot prefill (case decode_vs_prefill), and the
+reference run on the backend's own dequantized weights (optional hook conformance_weights).
+
+Every figure is per position (one row of logits over the vocabulary), worst position reported; top-1
+is the fraction of positions whose argmax agrees (metrics.py). Scale: the synthetic checkpoints are
+built to be sensitive (glmcore/synth.py): sharp attention, peaked logits with std ~6 and the top
+token typically 1-2 logits ahead, so max|d| is in those units and rounding shows up clearly.
+
+Each row quotes the worst figures measured over the three tiny families (2026-11-21, this repository's
+backends and `python -m glmcore_conformance.emulate`, the reference with rounded weights) and leaves
+a margin of ~3x on the error figures (less for int4: see its row). Top-1 is the noisiest figure:
+one near-tie flip in a 16-position case costs 0.0625, so its bounds leave room for two to three
+flips per case. A positional bug is far
+outside every row but int4: rotary off by one position in decode measured max|d| 16, rel L2 0.80,
+cosine 0.67, top-1 0.38, KL 7.5 at worst, and rel L2 0.21, cosine 0.978, KL 0.08 in its mildest case.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from glmcore.errors import GlmcoreError
+
+
+@dataclass(frozen=True)
+class Tolerance:
+    max_abs: float      # largest |ref - backend| logit, any position, any vocabulary entry
+    rel_l2: float       # worst position's ||ref - backend|| / ||ref||
+    cosine: float       # worst position's cosine(ref, backend): at least this
+    top1: float         # fraction of positions whose argmax agrees: at least this
+    kl: float           # worst position's KL(softmax(ref) || softmax(backend)), nats
+
+    def bounds(self) -> dict[str, float]:
+        return asdict(self)
+
+
+TOLERANCES: dict[str, Tolerance] = {
+    # fp32 everywhere: only the order of summation differs (blocked matmuls, fused kernels, threads).
+    # 2^-24 relative per rounding over a few hundred dependent operations. Measured (openvino_amx,
+    # tpu_bm1684x, ascend_npu in f32): max|d| 3.3e-5, rel L2 1.6e-6, KL 7e-11. The bounds allow ~60x
+    # that, room for a 6B model's longer sums; top-1 must agree everywhere (a tie within 1e-4 logits
+    # does not happen).
+    "f32": Tolerance(max_abs=1e-2, rel_l2=1e-4, cosine=0.999_999, top1=1.0, kl=1e-6),
+    # f16: 2^-11 ~ 5e-4 relative per rounding. Measured (f16 weights on openvino_amx and tpu_bm1684x,
+    # emulated): max|d| 0.08, rel L2 3.6e-3, cosine 0.999993, top-1 0.96, KL 4.6e-4.
+    "f16": Tolerance(max_abs=0.3, rel_l2=0.012, cosine=0.9999, top1=0.85, kl=2e-3),
+    # bf16: 2^-8 ~ 4e-3 relative per rounding, 8x f16. Measured with bf16 compute (ascend_npu):
+    # max|d| 0.82, rel L2 0.034, cosine 0.99943, top-1 0.875, KL 0.023; bf16 weights alone
+    # (emulated): 0.45, 0.022, 0.99977, 0.94, 0.005.
+    "bf16": Tolerance(max_abs=2.5, rel_l2=0.1, cosine=0.995, top1=0.7, kl=0.15),
+    # int8 weights, one scale per output channel: step absmax/127. Measured (openvino_amx int8, and
+    # emulated): max|d| 1.56, rel L2 0.079, cosine 0.9969, top-1 0.81, KL 0.11.
+    "int8": Tolerance(max_abs=4.0, rel_l2=0.2, cosine=0.98, top1=0.6, kl=0.5),
+    # int4 weights, one scale per group of 32: step absmax/7, 18x int8's. On these sensitive models
+    # int4 is visibly lossy. Measured (cpu_int4 with its variants, the output layer at int4 among them;
+    # openvino_amx int4; emulated): max|d| 20, rel L2 0.94, cosine 0.55, top-1 0.25, KL 10.4. This
+    # row only rejects garbage (random logits: rel L2 1.4, cosine 0); int4 kernels are held tight by
+    # decode_vs_prefill and by the reference on their own weights (conformance_weights), both at the
+    # compute path's row.
+    "int4": Tolerance(max_abs=40.0, rel_l2=1.25, cosine=0.35, top1=0.1, kl=25.0),
+}
+
+_ORDER = ("f32", "f16", "bf16", "int8", "int4")    # tightest to loosest
+
+
+def tolerance_key(precision: str, weights: str) -> str:
+    """The row a (compute precision, weight format) pair answers to: the looser of the two."""
+    keys = []
+    for what, name in (("precision", precision), ("weight format", weights)):
+        if name not in TOLERANCES:
+            raise GlmcoreError(f"conformance has no tolerance for {what} {name!r}; add a row to "
+                               "conformance/tolerances.py (with the reasoning) or declare a known one")
+        keys.append(name)
+    return max(keys, key=_ORDER.index)
+
+
+def tolerance_for(precision: str, weights: str) -> Tolerance:
+    return TOLERANCES[tolerance_key(precision, weights)]

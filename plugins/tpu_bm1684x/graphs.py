@@ -1,0 +1,254 @@
+"""The static graphs of the BM1684X deployment, written as torch modules and exported to ONNX.
+
+The BM1684X runs only static shapes, so the GLM network becomes a fixed set of graphs, one file per
+layer and kind (so no part of a 6B/9B model needs a >2 GB protobuf):
+
+    embedding        input_ids [1, S] int32                           -> input_embed [1, S, H]
+    embedding_cache  input_ids [1, 1] int32                           -> input_embed [1, 1, H]
+    block_N          input_states [1, S, H], position_ids [1, S] int32,
+                     attention_mask [1, 1, S, S]                      -> hidden_states, past_k, past_v
+                                                                         (K/V [1, S, kv_heads, head_dim])
+    block_cache_N    input_states [1, 1, H], position_ids [1, 1] int32,
+                     attention_mask [1, 1, 1, S+1], history_k, history_v [1, S, kv_heads, head_dim]
+                                                                      -> hidden_states, present_k, present_v
+                                                                         (the cache advanced by one slot)
+    lm_head          hidden_states [1, H]                             -> logits [1, V] float32
+    lm_head_top1     hidden_states [1, H]                             -> token [1, 1] int32 (the device's
+                                                                         greedy fast path: no logits copy)
+
+S is the fixed context SEQ_LEN chosen at export. The math mirrors plugins/torch_ref/model.py exactly
+(the same rotary tables, interleaved pairs on the first half of each head, keys cached after
+rotation, GQA, SwiGLU); only the layout differs. The attention mask is additive (0 or MASK_VALUE)
+and computed on the host. RMSNorm always runs in float32, also in the f16 graphs, as TPU-MLIR
+requires.
+
+The modules take their weights as extra forward arguments and are traced on the meta device;
+export.py then turns the weight inputs into initializers backed by shared external data. That keeps
+exporting a 6B model fast and light: the TorchScript exporter's shape inference otherwise walks every
+parameter byte, and a CPU trace would run the whole SEQ_LEN forward pass of every part.
+"""
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import torch
+from torch import nn
+
+from glmcore.config import ModelConfig
+
+from .spec import TORCH_OPSET
+
+_TORCH_DTYPE = {"f32": torch.float32, "f16": torch.float16}
+_NP_DTYPE = {"f32": np.float32, "f16": np.float16}
+_TORCH_OF_NP = {np.dtype(np.float32): torch.float32, np.dtype(np.float16): torch.float16}
+
+
+def _to(x, dtype):
+    """A cast only where it changes something: the f32 graphs (TPU-MLIR's input) get no no-op Casts."""
+    return x if x.dtype == dtype else x.to(dtype)
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm in fp32 whatever the graph dtype (fp16 sums of squares overflow); a submodule so that
+    its ONNX nodes carry a scope name (".../input_norm/...") the TPU-MLIR quantize table can list."""
+
+    def __init__(self, eps: float, dtype: torch.dtype):
+        super().__init__()
+        self.eps, self.dtype = eps, dtype
+
+    def forward(self, x, weight):
+        x = _to(x, torch.float32)
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * weight
+        return _to(x, self.dtype)
+
+
+class Layer(nn.Module):
+    """One GLM block's math. Linear weights arrive transposed ([in, out]) so `x @ w` is a plain MatMul."""
+
+    def __init__(self, cfg: ModelConfig, dtype: str):
+        super().__init__()
+        self.cfg, self.td = cfg, _TORCH_DTYPE[dtype]
+        self.input_norm = RMSNorm(cfg.norm_eps, self.td)
+        self.post_attn_norm = RMSNorm(cfg.norm_eps, self.td)
+
+    @staticmethod
+    def rope(x, cos, sin):
+        """x [1, T, n, hd]: rotate the first half of the dims in interleaved pairs (2i, 2i+1)."""
+        _, T, n, hd = x.shape
+        rot = hd // 2
+        pairs = x[..., :rot].reshape(1, T, n, rot // 2, 2)
+        x0, x1 = pairs[..., 0], pairs[..., 1]
+        c, s = cos[:, :, None, :], sin[:, :, None, :]
+        out = torch.stack((x0 * c - x1 * s, x1 * c + x0 * s), dim=-1).reshape(1, T, n, rot)
+        return torch.cat((out, x[..., rot:]), dim=-1)
+
+    def qkv(self, w, x, position_ids):
+        cfg = self.cfg
+        T = x.shape[1]
+        qkv = self.input_norm(x, w["input_norm"]) @ w["qkv_w"]
+        if cfg.qkv_bias:
+            qkv = qkv + w["qkv_b"]
+        q = qkv[..., :cfg.q_size].reshape(1, T, cfg.num_heads, cfg.head_dim)
+        k = qkv[..., cfg.q_size:cfg.q_size + cfg.kv_size].reshape(1, T, cfg.num_kv_heads, cfg.head_dim)
+        v = qkv[..., cfg.q_size + cfg.kv_size:].reshape(1, T, cfg.num_kv_heads, cfg.head_dim)
+        cos, sin = w["rope_cos"][position_ids], w["rope_sin"][position_ids]     # [1, T, rot/2]
+        return self.rope(q, cos, sin), self.rope(k, cos, sin), v
+
+    def attention(self, q, k, v, mask):
+        """q [1, T, heads, hd]; k, v [1, Sk, kv_heads, hd]; mask [1, 1, T, Sk] additive.
+        GQA without copying K/V: the `group` query heads of one kv head (h // group, the reference's
+        repeat_interleave) are stacked along the rows. Scores, mask and softmax run in fp32 (as
+        ChatGLM's attention_softmax_in_fp32); every tensor stays 4-D for TPU-MLIR."""
+        cfg = self.cfg
+        T, Sk, kvh, hd = q.shape[1], k.shape[1], cfg.num_kv_heads, cfg.head_dim
+        group = cfg.num_heads // kvh
+        q = q.reshape(1, T, kvh, group * hd).transpose(1, 2).reshape(1, kvh, T * group, hd)  # row t*group+g
+        scores = _to(q @ k.permute(0, 2, 3, 1), torch.float32) / hd ** 0.5                 # [1, kvh, T*g, Sk]
+        scores = scores.reshape(kvh, T, group, Sk) + _to(mask, torch.float32).reshape(1, T, 1, Sk)
+        probs = _to(torch.softmax(scores, dim=-1), self.td).reshape(1, kvh, T * group, Sk)
+        out = probs @ v.transpose(1, 2)                                                       # [1, kvh, T*g, hd]
+        return out.reshape(1, kvh, T, group * hd).transpose(1, 2).reshape(1, T, cfg.q_size)
+
+    def finish(self, w, x, attn):
+        x = x + attn @ w["attn_out_w"]
+        gate_up = self.post_attn_norm(x, w["post_attn_norm"]) @ w["ffn_up_w"]
+        F = self.cfg.ffn_hidden_size
+        return x + (torch.nn.functional.silu(gate_up[..., :F]) * gate_up[..., F:]) @ w["ffn_down_w"]
+
+
+class Block(nn.Module):
+    """Prefill: all S positions at once; returns every position's hidden state and K/V."""
+
+    def __init__(self, cfg, dtype, weight_names):
+        super().__init__()
+        self.layer, self.names = Layer(cfg, dtype), weight_names
+
+    def forward(self, input_states, position_ids, attention_mask, *weights):
+        w = dict(zip(self.names, weights))
+        q, k, v = self.layer.qkv(w, input_states, position_ids)
+        return self.layer.finish(w, input_states, self.layer.attention(q, k, v, attention_mask)), k, v
+
+
+class BlockCache(nn.Module):
+    """Decode: one token against the cached K/V [1, S, ...]; the new K/V are appended at the tail and
+    the head slot dropped, so the returned cache is again [1, S, ...] (the KV window moves by one)."""
+
+    def __init__(self, cfg, dtype, weight_names):
+        super().__init__()
+        self.layer, self.names = Layer(cfg, dtype), weight_names
+
+    def forward(self, input_states, position_ids, attention_mask, history_k, history_v, *weights):
+        w = dict(zip(self.names, weights))
+        q, k, v = self.layer.qkv(w, input_states, position_ids)
+        k = torch.cat((history_k, k), dim=1)
+        v = torch.cat((history_v, v), dim=1)
+        out = self.layer.finish(w, input_states, self.layer.attention(q, k, v, attention_mask))
+        return out, k[:, 1:], v[:, 1:]
+
+
+class Embedding(nn.Module):
+    def forward(self, input_ids, embed):
+        return embed[input_ids]
+
+
+class LmHead(nn.Module):
+    """Final norm and output layer. top1=True returns the greedy token id instead of the logits."""
+
+    def __init__(self, cfg: ModelConfig, dtype: str, top1: bool = False):
+        super().__init__()
+        self.final_norm = RMSNorm(cfg.norm_eps, _TORCH_DTYPE[dtype])
+        self.top1 = top1
+
+    def forward(self, hidden_states, final_norm, lm_head_w):
+        logits = _to(self.final_norm(hidden_states, final_norm) @ lm_head_w, torch.float32)
+        if self.top1:
+            return torch.topk(logits, 1)[1].to(torch.int32)
+        return logits
+
+
+# ---------------------------------------------------------------- parts
+
+def part_specs(cfg: ModelConfig, seq_len: int, dtype: str) -> list[dict]:
+    """Name, inputs and outputs (name, shape, numpy dtype) and weight group of every part, in order."""
+    S, H, kvh, hd = seq_len, cfg.hidden_size, cfg.num_kv_heads, cfg.head_dim
+    f = {"f32": "float32", "f16": "float16"}[dtype]
+    kv = (1, S, kvh, hd)
+    parts = [
+        dict(name="embedding", group="embed", inputs=[("input_ids", (1, S), "int32")],
+             outputs=[("input_embed", (1, S, H), f)]),
+        dict(name="embedding_cache", group="embed", inputs=[("input_ids", (1, 1), "int32")],
+             outputs=[("input_embed", (1, 1, H), f)]),
+    ]
+    for i in range(cfg.num_layers):
+        parts.append(dict(name=f"block_{i}", group=f"layer_{i}", layer=i,
+                          inputs=[("input_states", (1, S, H), f), ("position_ids", (1, S), "int32"),
+                                  ("attention_mask", (1, 1, S, S), f)],
+                          outputs=[("hidden_states", (1, S, H), f), ("past_k", kv, f), ("past_v", kv, f)]))
+        parts.append(dict(name=f"block_cache_{i}", group=f"layer_{i}", layer=i,
+                          inputs=[("input_states", (1, 1, H), f), ("position_ids", (1, 1), "int32"),
+                                  ("attention_mask", (1, 1, 1, S + 1), f), ("history_k", kv, f),
+                                  ("history_v", kv, f)],
+                          outputs=[("hidden_states", (1, 1, H), f), ("present_k", kv, f), ("present_v", kv, f)]))
+    parts += [
+        dict(name="lm_head", group="lm_head", inputs=[("hidden_states", (1, H), f)],
+             outputs=[("logits", (1, cfg.vocab_size), "float32")]),
+        dict(name="lm_head_top1", group="lm_head", inputs=[("hidden_states", (1, H), f)],
+             outputs=[("token", (1, 1), "int32")]),
+    ]
+    return parts
+
+
+def group_weights(cfg: ModelConfig, weights, group: str, seq_len: int, dtype: str) -> dict[str, np.ndarray]:
+    """The numpy arrays a weight group's parts take, in argument order: linear weights transposed and
+    in the graph dtype, norm weights in fp32, rotary tables computed in fp32 by the reference."""
+    dt = _NP_DTYPE[dtype]
+
+    def lin(name):
+        return np.ascontiguousarray(weights.f32(name).T.astype(dt))
+
+    if group == "embed":
+        return {"embed": np.ascontiguousarray(weights.f32("embed.weight").astype(dt))}
+    if group == "lm_head":
+        return {"final_norm": weights.f32("final_norm.weight"), "lm_head_w": lin("lm_head.weight")}
+    from glmcore_plugins.torch_ref.model import rotary_tables
+    p = f"layers.{int(group.split('_')[1])}."
+    cos, sin = rotary_tables(cfg, torch.arange(seq_len))
+    w = {"input_norm": weights.f32(p + "input_norm.weight"), "qkv_w": lin(p + "qkv.weight")}
+    if cfg.qkv_bias:
+        w["qkv_b"] = weights.f32(p + "qkv.bias").astype(dt)
+    w.update(attn_out_w=lin(p + "attn_out.weight"), post_attn_norm=weights.f32(p + "post_attn_norm.weight"),
+             ffn_up_w=lin(p + "ffn_up.weight"), ffn_down_w=lin(p + "ffn_down.weight"),
+             rope_cos=cos.numpy().astype(dt), rope_sin=sin.numpy().astype(dt))
+    return w
+
+
+def build_module(part: dict, cfg: ModelConfig, dtype: str, weight_names: list[str]) -> nn.Module:
+    name = part["name"]
+    if name.startswith("embedding"):
+        return Embedding()
+    if name.startswith("lm_head"):
+        return LmHead(cfg, dtype, top1=name == "lm_head_top1")
+    return (BlockCache if name.startswith("block_cache") else Block)(cfg, dtype, weight_names)
+
+
+def example_inputs(part: dict) -> tuple:
+    """Stand-ins for the graph inputs: shapes and dtypes only (meta tensors)."""
+    return tuple(torch.empty(shape, dtype=getattr(torch, dt), device="meta") for _, shape, dt in part["inputs"])
+
+
+def export_part(part: dict, cfg: ModelConfig, dtype: str, weights: dict[str, np.ndarray], path) -> None:
+    """torch.onnx.export with the TorchScript exporter at opset 15 (what the Sophgo deployments and
+    TPU-MLIR's ONNX front end use). The weights are graph inputs here; export.py turns them into
+    initializers. Everything is traced on the meta device: the graph depends on shapes and dtypes
+    only (the tests check it is byte-identical to a CPU trace), and a CPU trace would compute a
+    full SEQ_LEN forward pass per part, in fp16 emulated by the CPU for the f16 graphs."""
+    names = list(weights)
+    module = build_module(part, cfg, dtype, names)
+    stand_ins = tuple(torch.empty(a.shape, dtype=_TORCH_OF_NP[np.dtype(a.dtype)], device="meta")
+                      for a in weights.values())
+    with warnings.catch_warnings(), torch.no_grad():
+        warnings.simplefilter("ignore")      # the TorchScript exporter's deprecation notice
+        torch.onnx.export(module.eval(), example_inputs(part) + stand_ins, str(path), dynamo=False,
+                          opset_version=TORCH_OPSET, input_names=[n for n, _, _ in part["inputs"]] + names,
+                          output_names=[n for n, _, _ in part["outputs"]], do_constant_folding=True)

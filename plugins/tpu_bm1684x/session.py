@@ -1,0 +1,216 @@
+"""The host side of the BM1684X deployment: one Session logic over the static graphs, driven either
+by onnxruntime on this machine (host emulation, the exact exported ONNX parts) or by the Sophon
+runtime on a BM1684X (the combined bmodel compiled from those parts).
+
+KV layout (as in the Sophgo chat.cpp): each layer's cache is a fixed [1, S, kv_heads, head_dim]
+buffer whose valid entries sit at the TAIL. Prefill runs the block_N graphs over the prompt padded
+to S, then moves its T valid K/V rows to slots S-T..S-1 (zeros before them). Each decode step runs
+block_cache_N, which appends the new K/V at slot S and drops slot 0, so the valid rows stay at the
+tail and grow by one towards the head; the mask hides the slots before them. Capacity is exactly S.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from glmcore.backend import Session
+from glmcore.config import ModelConfig
+from glmcore.errors import BackendError
+
+from .spec import MASK_VALUE
+
+
+class StaticGraphSession(Session):
+    def __init__(self, runner, cfg: ModelConfig, seq_len: int):
+        self.runner, self.cfg = runner, cfg
+        self.S = self.capacity = seq_len
+        self.dtype = np.dtype(runner.float_dtype)
+        shape = (1, seq_len, cfg.num_kv_heads, cfg.head_dim)
+        self.k = [np.zeros(shape, self.dtype) for _ in range(cfg.num_layers)]
+        self.v = [np.zeros(shape, self.dtype) for _ in range(cfg.num_layers)]
+        self._len = 0
+
+    @property
+    def kv_len(self) -> int:
+        return self._len
+
+    def reset(self) -> None:
+        self._len = 0        # stale rows are masked out and overwritten by the next prefill
+
+    def close(self) -> None:
+        self.runner.close()
+        self.k = self.v = []
+
+    # ------------------------------------------------------------ the contract
+
+    def prefill(self, ids: Sequence[int], all_logits: bool = False) -> np.ndarray:
+        ids = self._check(ids)
+        if self._len == 0:
+            hidden = self._prefill_blocks(ids)
+            # The device has one lm_head graph for one position; every position's logits (asked for
+            # by conformance only) run it once per position, as the device would have to.
+            rows = range(len(ids)) if all_logits else [len(ids) - 1]
+            logits = np.stack([self._lm_head(hidden[0, t]) for t in rows])
+        else:
+            # A continuation (next chat turn): the device has no graph for "T new tokens against a
+            # non-empty cache", so the ids go one by one through block_cache, exactly as it would.
+            logits = []
+            for t, token in enumerate(ids):
+                h = self._step(token)
+                if all_logits or t == len(ids) - 1:
+                    logits.append(self._lm_head(h))
+            logits = np.stack(logits)
+        return logits if all_logits else logits[-1]
+
+    def decode(self, token: int) -> np.ndarray:
+        (token,) = self._check([token])
+        return self._lm_head(self._step(token))
+
+    def decode_top1(self, token: int) -> int:
+        """The device's greedy fast path: append one token and return the top-1 next token id from
+        the lm_head_top1 graph (no [vocab] logits leave the device). Not part of the core contract."""
+        (token,) = self._check([token])
+        h = self._step(token)
+        return int(self.runner.run("lm_head_top1", {"hidden_states": h})[0].reshape(-1)[0])
+
+    # ------------------------------------------------------------ graphs
+
+    def _check(self, ids) -> list[int]:
+        ids = [int(t) for t in ids]
+        if not ids:
+            raise BackendError("prefill needs at least one token id")
+        if self._len + len(ids) > self.S:
+            raise BackendError(f"{self._len}+{len(ids)} tokens exceed the static context SEQ_LEN={self.S} of this "
+                               "export; re-export with a larger --opt seq_len (the core's overflow policy should "
+                               "have prevented this)")
+        bad = [t for t in ids if not 0 <= t < self.cfg.vocab_size]
+        if bad:
+            raise BackendError(f"token id {bad[0]} is outside the vocabulary (0..{self.cfg.vocab_size - 1})")
+        return ids
+
+    def _prefill_blocks(self, ids: list[int]) -> np.ndarray:
+        S, T = self.S, len(ids)
+        input_ids = np.zeros((1, S), np.int32)
+        input_ids[0, :T] = ids
+        position_ids = np.zeros((1, S), np.int32)      # padding rows reuse position 0; they are masked
+        position_ids[0, :T] = np.arange(T)
+        h = self.runner.run("embedding", {"input_ids": input_ids})[0]
+        mask = prefill_mask(S, T).astype(self.dtype)
+        for i in range(self.cfg.num_layers):
+            h, k, v = self.runner.run(f"block_{i}", {"input_states": h, "position_ids": position_ids,
+                                                    "attention_mask": mask})
+            # move the T valid rows to the tail of the buffer (chat.cpp's move2end)
+            self.k[i][:, :S - T] = 0
+            self.v[i][:, :S - T] = 0
+            self.k[i][:, S - T:] = k[:, :T]
+            self.v[i][:, S - T:] = v[:, :T]
+        self._len = T
+        return h
+
+    def _step(self, token: int) -> np.ndarray:
+        n = self._len                                    # tokens already cached = the new token's position
+        h = self.runner.run("embedding_cache", {"input_ids": np.array([[token]], np.int32)})[0]
+        position_ids = np.array([[n]], np.int32)
+        mask = decode_mask(self.S, n).astype(self.dtype)
+        for i in range(self.cfg.num_layers):
+            h, self.k[i], self.v[i] = self.runner.run(f"block_cache_{i}", {
+                "input_states": h, "position_ids": position_ids, "attention_mask": mask,
+                "history_k": self.k[i], "history_v": self.v[i]})
+        self._len = n + 1
+        return h[0]                                      # [1, H]
+
+    def _lm_head(self, hidden: np.ndarray) -> np.ndarray:
+        return self.runner.run("lm_head", {"hidden_states": hidden.reshape(1, -1)})[0][0].astype(np.float32)
+
+
+def prefill_mask(S: int, T: int) -> np.ndarray:
+    """[1, 1, S, S]: row i < T sees columns 0..i; padding rows (i >= T) see nothing useful."""
+    i = np.arange(S)[:, None]
+    j = np.arange(S)[None, :]
+    visible = (j <= i) & (i < T)
+    return np.where(visible, 0.0, MASK_VALUE).astype(np.float32).reshape(1, 1, S, S)
+
+
+def decode_mask(S: int, n: int) -> np.ndarray:
+    """[1, 1, 1, S+1] for one new token with n cached rows at the tail (slots S-n..S-1) and itself at S."""
+    m = np.full(S + 1, MASK_VALUE, np.float32)
+    m[S - n:] = 0.0
+    return m.reshape(1, 1, 1, S + 1)
+
+
+# ---------------------------------------------------------------- runners
+
+class OrtRunner:
+    """Host emulation: onnxruntime runs the exact exported parts."""
+
+    kind = "host"
+
+    def __init__(self, parts_dir, manifest: dict, threads: int | None = None):
+        import onnxruntime as ort
+        opts = ort.SessionOptions()
+        if threads:
+            opts.intra_op_num_threads = threads
+        opts.inter_op_num_threads = 1
+        # No busy-waiting between the many small runs: spinning threads starve whatever else runs on
+        # the host (the torch reference during conformance, other processes) for little gain here.
+        opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
+        self.float_dtype = {"f32": np.float32, "f16": np.float16}[manifest["key"]["dtype"]]
+        self._ort, self._opts, self._dir = ort, opts, parts_dir
+        # lm_head_top1 (the device's greedy fast path) would hold a second copy of the output layer:
+        # open it only when used. Everything else opens now, so a broken part fails at load.
+        self.sessions = {p["name"]: self._open(p["name"]) for p in manifest["parts"] if p["name"] != "lm_head_top1"}
+
+    def _open(self, name: str):
+        return self._ort.InferenceSession(str(self._dir / f"{name}.onnx"), self._opts,
+                                          providers=["CPUExecutionProvider"])
+
+    def run(self, name: str, feeds: dict) -> list[np.ndarray]:
+        if name not in self.sessions:
+            self.sessions[name] = self._open(name)
+        return self.sessions[name].run(None, feeds)
+
+    def close(self) -> None:
+        self.sessions = {}
+
+
+class SailRunner:
+    """On a BM1684X: the Sophon runtime (sophon.sail) runs the combined bmodel's graphs. Inputs are
+    cast to the dtypes the bmodel declares (F16 for --quant_input parts); outputs come back in the
+    bmodel's output order. The KV cache round-trips through host memory (SYSIO), which is simple
+    and correct but slower than chat.cpp's device-to-device copies."""
+
+    kind = "device"
+
+    def __init__(self, bmodel: str, device_id: int = 0):
+        import sophon.sail as sail
+        self.engine = sail.Engine(str(bmodel), device_id, sail.IOMode.SYSIO)
+        self.graphs = set(self.engine.get_graph_names())
+        missing = [g for g in ("embedding", "embedding_cache", "block_0", "block_cache_0", "lm_head")
+                   if g not in self.graphs]
+        if missing:
+            raise BackendError(f"{bmodel}: no graph {missing[0]!r}; it was not compiled by glmcore convert "
+                               "--backend tpu_bm1684x's compile.sh")
+        self.dtypes = {sail.Dtype.BM_FLOAT32: np.float32, sail.Dtype.BM_FLOAT16: np.float16,
+                       sail.Dtype.BM_INT32: np.int32}
+        if hasattr(sail.Dtype, "BM_BFLOAT16"):                # BF16 bmodels with --quant_input
+            import ml_dtypes
+            self.dtypes[sail.Dtype.BM_BFLOAT16] = ml_dtypes.bfloat16
+        kdt = self.engine.get_input_dtype("block_cache_0", "history_k")
+        self.float_dtype = self.dtypes.get(kdt, np.float32)
+
+    def seq_len(self) -> int:
+        return int(self.engine.get_input_shape("embedding", "input_ids")[1])
+
+    def num_layers(self) -> int:
+        return sum(1 for g in self.graphs if g.startswith("block_cache_"))
+
+    def run(self, name: str, feeds: dict) -> list[np.ndarray]:
+        e = self.engine
+        inputs = {k: np.ascontiguousarray(v, dtype=self.dtypes.get(e.get_input_dtype(name, k), v.dtype))
+                  for k, v in feeds.items()}
+        out = e.process(name, inputs)
+        return [out[k] for k in e.get_output_names(name)]
+
+    def close(self) -> None:
+        self.engine = None
