@@ -1,0 +1,121 @@
+"""The GLM forward pass written for whole-graph capture (torch.compile fullgraph / torchair).
+
+Rules that keep it one static graph: every shape is fixed by the inputs' shapes (the token block
+length T and the cache slots S), positions arrive as a tensor (never a Python int taken from data),
+masks are computed from that tensor, and nothing branches on tensor values. Device kernels come from
+the Ops chosen at load (ops.py). The math is plugins/torch_ref's: RMSNorm, fused QKV + bias, GQA,
+rotary on the first half of each head's dims in interleaved pairs with fp32 angles, keys cached after
+rotation, SwiGLU, final norm, lm_head.
+"""
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from glmcore.config import ModelConfig
+from glmcore.weights import BF16
+
+from .ops import Ops
+
+
+def to_device(arr: np.ndarray, device: torch.device, dtype: torch.dtype) -> nn.Parameter:
+    """One checkpoint array -> a frozen parameter on `device` in `dtype`, without an fp32 detour for
+    bf16/f16 checkpoints (bf16 is reinterpreted bitwise, then cast only if the dtypes differ)."""
+    with warnings.catch_warnings():   # memory-mapped arrays are read-only; we copy, never write
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+        if arr.dtype == BF16:
+            t = torch.from_numpy(arr.view(np.uint16)).view(torch.bfloat16)
+        else:
+            t = torch.from_numpy(arr)
+        t = t.to(device=device, dtype=dtype, copy=True)
+    return nn.Parameter(t, requires_grad=False)
+
+
+def rotary_tables(cfg: ModelConfig, slots: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin [slots, rotary_dim/2] in fp32 for every cache slot, computed once at load."""
+    dim = cfg.rotary_dim
+    inv_freq = 1.0 / (cfg.rope_base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+    angles = torch.arange(slots, dtype=torch.float32)[:, None] * inv_freq[None, :]
+    return angles.cos().to(device), angles.sin().to(device)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [T, heads, head_dim]; rotate the first half of the dims in interleaved pairs, in fp32."""
+    rot = x.shape[-1] // 2
+    xf = x.float()
+    x0, x1, x_pass = xf[..., 0:rot:2], xf[..., 1:rot:2], xf[..., rot:]
+    c, s = cos[:, None, :], sin[:, None, :]
+    out = torch.stack((x0 * c - x1 * s, x1 * c + x0 * s), dim=-1).flatten(-2)
+    return torch.cat((out, x_pass), dim=-1).to(x.dtype)
+
+
+class Layer(nn.Module):
+    def __init__(self, cfg: ModelConfig, weights, i: int, device, dtype):
+        super().__init__()
+        p = f"layers.{i}."
+        # Norm weights stay fp32 (0.01% of the parameters): norms run in fp32 on the fp32 residual.
+        self.input_norm = to_device(weights[p + "input_norm.weight"], device, torch.float32)
+        self.qkv = to_device(weights[p + "qkv.weight"], device, dtype)
+        self.qkv_bias = to_device(weights[p + "qkv.bias"], device, dtype) if cfg.qkv_bias else None
+        self.attn_out = to_device(weights[p + "attn_out.weight"], device, dtype)
+        self.post_attn_norm = to_device(weights[p + "post_attn_norm.weight"], device, torch.float32)
+        self.ffn_up = to_device(weights[p + "ffn_up.weight"], device, dtype)
+        self.ffn_down = to_device(weights[p + "ffn_down.weight"], device, dtype)
+
+
+class GLMGraphModel(nn.Module):
+    """Weights on the device in the compute dtype (norm weights in fp32); `forward` is the captured step."""
+
+    def __init__(self, cfg: ModelConfig, weights, device: torch.device, dtype: torch.dtype, ops: Ops, slots: int):
+        super().__init__()
+        self.cfg, self.ops, self.dtype = cfg, ops, dtype
+        self.embed = to_device(weights["embed.weight"], device, dtype)
+        self.layers = nn.ModuleList(Layer(cfg, weights, i, device, dtype) for i in range(cfg.num_layers))
+        self.final_norm = to_device(weights["final_norm.weight"], device, torch.float32)
+        self.lm_head = to_device(weights["lm_head.weight"], device, dtype)
+        cos, sin = rotary_tables(cfg, slots, device)
+        self.register_buffer("cos", cos, persistent=False)
+        self.register_buffer("sin", sin, persistent=False)
+        self.register_buffer("slot_ids", torch.arange(slots, device=device), persistent=False)
+
+    def forward(self, ids: torch.Tensor, start: torch.Tensor, last: torch.Tensor,
+                k_cache: list[torch.Tensor], v_cache: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """ids [T] int64 at positions start..start+T-1 (start: [1] int64). Writes K/V into the static
+        caches in place and returns (float32 logits [1, vocab] of row `last` ([1] int64), final
+        hidden states [T, hidden]). Rows past the real tokens are padding; their results are unused."""
+        cfg, ops = self.cfg, self.ops
+        t = ids.shape[0]
+        hd, nh, nkv = cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
+        pos = start + self.slot_ids[:t]                      # [T] absolute positions
+        cos, sin = self.cos[pos], self.sin[pos]
+        allowed = self.slot_ids[None, :] <= pos[:, None]     # [T, S]: causal over the whole cache
+        # The residual stream stays fp32 in every precision; matmuls and the cache run in self.dtype.
+        dt = self.dtype
+        x = self.embed[ids].float()
+        for i, layer in enumerate(self.layers):
+            h = ops.rms_norm(x, layer.input_norm, cfg.norm_eps).to(dt)
+            qkv = F.linear(h, layer.qkv, layer.qkv_bias)
+            q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
+            q = apply_rotary(q.view(t, nh, hd), cos, sin)
+            k = apply_rotary(k.view(t, nkv, hd), cos, sin)
+            # [T, heads, D] -> BNSD [1, heads, T, D]
+            q = q.transpose(0, 1)[None]
+            ops.cache_write(k_cache[i], pos, start, k.transpose(0, 1)[None])   # keys cached after rotation
+            ops.cache_write(v_cache[i], pos, start, v.view(t, nkv, hd).transpose(0, 1)[None])
+            attn = ops.attention(q, k_cache[i], v_cache[i], allowed)           # [1, H, T, D]
+            attn = attn[0].transpose(0, 1).reshape(t, cfg.q_size)
+            x = x + F.linear(attn, layer.attn_out).float()
+            h = ops.rms_norm(x, layer.post_attn_norm, cfg.norm_eps).to(dt)
+            gate, up = F.linear(h, layer.ffn_up).chunk(2, dim=-1)
+            x = x + F.linear(F.silu(gate) * up, layer.ffn_down).float()
+        x = ops.rms_norm(x, self.final_norm, cfg.norm_eps).to(dt)
+        logits = F.linear(x.index_select(0, last), self.lm_head).float()
+        return logits, x
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """float32 logits of final hidden rows (all-positions requests, outside the captured step)."""
+        return F.linear(hidden, self.lm_head).float()
