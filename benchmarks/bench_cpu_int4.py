@@ -1,0 +1,279 @@
+"""cpu_int4 benchmark: prefill and decode tok/s beside torch fp32 (and openvino_amx where installed),
+bytes per token, fraction of the measured memory bandwidth, peak RSS against the packed model size.
+
+    python benchmarks/bench_cpu_int4.py --size tiny                  # CI smoke, seconds
+    python benchmarks/bench_cpu_int4.py --size 1b --model /tmp/glm-1b --threads 2
+
+Each backend runs in its own process, so one's threads, memory and page cache state do not leak into
+another's numbers (torch's OpenMP pool keeps spinning after its ops, for one). The int4 model is
+converted in a separate process before the measured one, so peak RSS is that of serving, not quantizing.
+Timings on a shared machine are noisy: prefill takes the best of --repeat runs, decode the median step.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+# ---------------------------------------------------------------- memory bandwidth (numpy)
+
+def bandwidth(threads: int, mib: int = 512, repeat: int = 5) -> dict:
+    """Read and copy bandwidth with `threads` numpy threads (ufunc loops release the GIL). The read test
+    is a max-reduction: numpy's float sum is compute-bound here (about 8 GB/s even on cached data),
+    which would understate the bandwidth and flatter the kernels; max runs ~3x faster than memory."""
+    a = np.ones(mib << 18, np.float32)              # mib MiB, far beyond the caches
+    b = np.empty_like(a)
+    parts = np.array_split(np.arange(a.size), threads)
+    spans = [(p[0], p[-1] + 1) for p in parts]
+    out = {}
+    with ThreadPoolExecutor(threads) as ex:
+        def timed(fn):
+            best = float("inf")
+            for _ in range(repeat):
+                t = time.perf_counter()
+                list(ex.map(fn, spans))
+                best = min(best, time.perf_counter() - t)
+            return best
+        out["read_GBps"] = a.nbytes / timed(lambda s: a[s[0]:s[1]].max()) / 1e9
+        out["copy_GBps"] = 2 * a.nbytes / timed(lambda s: np.copyto(b[s[0]:s[1]], a[s[0]:s[1]])) / 1e9
+    return out
+
+
+# ---------------------------------------------------------------- one backend in this process
+
+def peak_rss_bytes() -> int:
+    """This process's peak resident set. VmHWM belongs to the address space, so unlike ru_maxrss it is not
+    inherited from the parent across fork+exec."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024     # Linux reports KiB
+
+
+def reset_peak_rss() -> bool:
+    """Restart VmHWM from the current RSS (Linux 4.0+), so a bandwidth probe's arrays are not counted."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+        return True
+    except OSError:
+        return False
+
+
+def measure(args) -> dict:
+    from glmcore.backend import LoadOptions, registry
+    from glmcore.config import ModelConfig
+    from glmcore.weights import load_weights
+    cfg = ModelConfig.from_dir(args.model)
+    weights = load_weights(args.model, cfg)
+    backend = registry().get(args.worker)
+    extra = json.loads(args.extra or "{}")
+    opts = backend.resolve(LoadOptions(weights=args.weights, capacity=args.prefill + args.decode + 8,
+                                       threads=args.threads, cache_dir=Path(args.cache), extra=extra))
+    t = time.perf_counter()
+    session = backend.load(cfg, weights, opts)
+    load_s = time.perf_counter() - t
+    rng = np.random.default_rng(0)
+    prompt = [int(i) for i in rng.integers(0, cfg.vocab_size, args.prefill)]
+    times = []
+    for _ in range(args.repeat):
+        session.reset()
+        t = time.perf_counter()
+        logits = session.prefill(prompt)
+        times.append(time.perf_counter() - t)
+    # Decode in rounds, each next to a bandwidth probe in this same process: on a shared machine the
+    # bandwidth left to us moves by 2x within a minute, so a fraction is only meaningful pairwise.
+    steps, rounds = [], []
+    tok = int(np.argmax(logits))
+    per_round = max(1, args.decode // args.rounds)
+    peak, exact = peak_rss_bytes(), True          # loading and prefill
+    for _ in range(args.rounds):
+        bw = bandwidth(args.threads, mib=args.bw_mib, repeat=2)["read_GBps"]
+        exact = reset_peak_rss() and exact       # the probe's arrays are freed; do not count them
+        t0 = time.perf_counter()
+        for _ in range(per_round):
+            t = time.perf_counter()
+            logits = session.decode(tok)
+            steps.append(time.perf_counter() - t)
+            tok = int(np.argmax(logits))
+        rounds.append({"bw_GBps": bw, "decode_tps": per_round / (time.perf_counter() - t0)})
+        peak = max(peak, peak_rss_bytes())
+    res = {"backend": args.worker, "load_s": load_s, "prefill_tokens": args.prefill,
+           "prefill_tps": args.prefill / min(times), "prefill_tps_median": args.prefill / statistics.median(times),
+           "decode_tps": 1.0 / statistics.median(steps), "decode_tps_mean": len(steps) / sum(steps),
+           "rounds": rounds, "peak_rss": peak, "peak_rss_exact": exact}
+    if hasattr(session, "info"):
+        res["info"] = session.info()
+    session.close()
+    return res
+
+
+def run_worker(args, worker: str, extra: dict | None = None, weights: str | None = None) -> dict | None:
+    cmd = [sys.executable, __file__, "--worker", worker, "--model", str(args.model), "--cache", str(args.cache),
+           "--prefill", str(args.prefill), "--decode", str(args.decode), "--repeat", str(args.repeat),
+           "--rounds", str(args.rounds), "--bw-mib", str(args.bw_mib),
+           "--threads", str(args.threads), "--extra", json.dumps(extra or {})]
+    if weights:
+        cmd += ["--weights", weights]
+    env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))
+    r = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT)
+    if r.returncode != 0:
+        print(f"  {worker}: failed: {(r.stderr.strip().splitlines() or ['?'])[-1]}", file=sys.stderr)
+        return None
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def convert(args, extra: dict) -> None:
+    """Quantize into the cache in a separate process (prints the progress bar and bits per weight)."""
+    code = ("import sys, json; from pathlib import Path; from glmcore.config import ModelConfig; "
+            "from glmcore.weights import load_weights; from glmcore_plugins.cpu_int4.quant import QuantOptions, "
+            "ensure_packed; m=sys.argv[1]; cfg=ModelConfig.from_dir(m); "
+            "ensure_packed(cfg, load_weights(m, cfg), QuantOptions.from_extra(json.loads(sys.argv[3])), "
+            "Path(sys.argv[2]), progress=lambda s: print(s, file=sys.stderr, flush=True))")
+    subprocess.run([sys.executable, "-c", code, str(args.model), str(args.cache), json.dumps(extra)], check=True,
+                   cwd=ROOT)
+
+
+# ---------------------------------------------------------------- the report
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--size", default="tiny", choices=["tiny", "small", "1b", "6b"])
+    ap.add_argument("--family", default="chatglm3", choices=["chatglm2", "chatglm3", "glm4"])
+    ap.add_argument("--model", help="checkpoint dir (made with `glmcore make-model` if missing)")
+    ap.add_argument("--work", default=str(Path(tempfile.gettempdir()) / "glmcore-bench"),
+                    help="where synthetic checkpoints go")
+    ap.add_argument("--cache", help="packed-model cache (default: the glmcore cache)")
+    ap.add_argument("--prefill", type=int, default=128)
+    ap.add_argument("--decode", type=int, default=32)
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=4, help="decode rounds, each beside a bandwidth probe")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--group-size", type=int, nargs="+", default=[32, 128])
+    ap.add_argument("--asym", action="store_true", help="asymmetric int4 (default symmetric, Q4_0)")
+    ap.add_argument("--head-bits", type=int, default=None)
+    ap.add_argument("--kv-dtype", default=None)
+    ap.add_argument("--no-torch", action="store_true", help="skip the torch fp32 reference")
+    ap.add_argument("--no-openvino", action="store_true")
+    ap.add_argument("--bw-mib", type=int, default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--worker", help=argparse.SUPPRESS)
+    ap.add_argument("--extra", help=argparse.SUPPRESS)
+    ap.add_argument("--weights", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+
+    if args.cache is None:
+        from glmcore.model import cache_root
+        args.cache = str(cache_root() / "converted")
+    if args.bw_mib is None:
+        args.bw_mib = 128 if args.size == "tiny" else 512
+    if args.worker:
+        print(json.dumps(measure(args)))
+        return 0
+
+    if args.model is None:
+        args.model = Path(args.work) / f"{args.family}-{args.size}"
+    args.model = Path(args.model)
+    if not (args.model / "config.json").is_file():
+        from glmcore.synth import make_model
+        print(f"making a synthetic {args.family} {args.size} checkpoint in {args.model} ...", file=sys.stderr)
+        make_model(args.family, args.size, args.model)
+    from glmcore.config import ModelConfig
+    cfg = ModelConfig.from_dir(args.model)
+    print(f"model: {args.model} ({cfg.family}, {cfg.num_params() / 1e6:.0f}M parameters); "
+          f"{args.threads} threads; prompt {args.prefill} tokens, {args.decode} decode steps")
+
+    bw = bandwidth(args.threads, mib=args.bw_mib)
+    print(f"memory bandwidth (numpy, {args.threads} threads) at start: read {bw['read_GBps']:.1f} GB/s, "
+          f"copy {bw['copy_GBps']:.1f} GB/s; each decode round is paired with its own read probe")
+
+    rows = []
+    for g in args.group_size:
+        extra = {"group_size": g, "sym": not args.asym}
+        if args.head_bits:
+            extra["head_bits"] = args.head_bits
+        if args.kv_dtype:
+            extra["kv_dtype"] = args.kv_dtype
+        convert(args, {k: v for k, v in extra.items() if k != "kv_dtype"})
+        r = run_worker(args, "cpu_int4", extra)
+        if r:
+            r["label"] = f"cpu_int4 g{g} {'asym' if args.asym else 'sym'}"
+            rows.append(r)
+    torch_row = None
+    if not args.no_torch:
+        torch_row = run_worker(args, "torch")
+        if torch_row:
+            torch_row["label"] = "torch fp32"
+            rows.append(torch_row)
+    if not args.no_openvino:
+        from glmcore.backend import registry
+        reg = registry()
+        if "openvino_amx" in reg.entries and reg.probe("openvino_amx").ready:
+            fmts = reg.get("openvino_amx").capabilities().weight_formats
+            w = "int4" if "int4" in fmts else None
+            r = run_worker(args, "openvino_amx", weights=w)
+            if r:
+                r["label"] = f"openvino_amx {w or 'default'}"
+                rows.append(r)
+        else:
+            print("  openvino_amx: not installed or not ready here; skipped")
+
+    print()
+    print(f"{'backend':<22}{'prefill tok/s':>14}{'decode tok/s':>14}{'peak RSS':>11}{'MB/token':>10}"
+          f"{'GB/s':>7}{'bw':>7}{'of bw':>7}{'roofline':>10}")
+    for r in rows:
+        line = (f"{r['label']:<22}{r['prefill_tps']:>14.1f}{r['decode_tps']:>14.1f}"
+                f"{r['peak_rss'] / 2**20:>9.0f}Mi")
+        info = r.get("info")
+        if info:
+            ctx = args.prefill + args.decode / 2
+            kv_elt = 2 if info["kv_dtype"] == "f16" else 4
+            kv = cfg.num_layers * 2 * cfg.kv_size * kv_elt * ctx        # KV cache read per step, mid-run
+            per_tok = info["bytes_per_token"] + kv
+            # per round: achieved GB/s against the bandwidth probed right before it; report the median
+            fr = sorted(per_tok * x["decode_tps"] / 1e9 / x["bw_GBps"] for x in r["rounds"])
+            frac = statistics.median(fr)
+            bw_med = statistics.median(x["bw_GBps"] for x in r["rounds"])
+            gbps = per_tok * r["decode_tps"] / 1e9
+            r["roofline"] = {"bytes_per_token": per_tok, "fraction_median": frac, "fractions": fr, "bw_median": bw_med}
+            line += (f"{per_tok / 1e6:>10.1f}{gbps:>7.1f}{bw_med:>7.1f}{frac:>7.0%}"
+                     f"{bw_med * 1e9 / per_tok:>8.1f}/s")
+        print(line)
+    for r in rows:
+        info = r.get("info")
+        if not info:
+            continue
+        print(f"\n{r['label']}: {info['quantization']}; kernels {info['isa']}, {info['threads']} threads, "
+              f"KV cache {info['kv_dtype']}")
+        print(f"  packed file {info['file_bytes'] / 2**20:.1f} MiB ({info['bits_per_weight']} bits/weight overall, "
+              f"{info['linear_bits_per_weight']} in the layers); peak RSS {r['peak_rss'] / 2**20:.0f} MiB = "
+              f"{r['peak_rss'] / info['file_bytes']:.2f}x the packed size"
+              + ("" if r.get("peak_rss_exact", True) else " (includes the bandwidth probes: clear_refs refused)"))
+        print(f"  decode median {r['decode_tps']:.1f} tok/s (mean {r['decode_tps_mean']:.1f}); "
+              f"prefill best {r['prefill_tps']:.1f} tok/s (median {r['prefill_tps_median']:.1f})")
+        rl = r["roofline"]
+        print(f"  decode rounds, fraction of the bandwidth probed beside each: "
+              + ", ".join(f"{f:.0%}" for f in rl["fractions"]) + f" (probes: "
+              + ", ".join(f"{x['bw_GBps']:.1f}" for x in r["rounds"]) + " GB/s)")
+        if torch_row:
+            print(f"  vs torch fp32: prefill {r['prefill_tps'] / torch_row['prefill_tps']:.2f}x, "
+                  f"decode {r['decode_tps'] / torch_row['decode_tps']:.2f}x")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,151 @@
+"""Backend `cpu_int4`: group-wise INT4 weights, our own C kernels, and a StreamingLLM KV window.
+
+Weights are quantized from the canonical checkpoint at load (Q4_0-style symmetric or Q4_1-style
+asymmetric, groups of 32/64/128, f16 or bf16 scales), repacked into the kernels' tile layout and
+cached on disk, then memory-mapped, so the resident set is about the packed size. A decode or
+prefill step is one call into a small C library (plain C reference, AVX2, AVX-512 VNNI, chosen at
+run time) that runs every layer with its own thread pool. The KV cache is a fixed ring buffer;
+`shift(n_keep, n_discard)` keeps the attention sinks, drops the next n_discard tokens and re-rotates
+the cached keys in place.
+
+Options (LoadOptions.extra, `--opt key=value`): group_size 32|64|128 (32), sym true|false (true),
+scale_dtype f16|bf16 (f16), embed_bits 4|8 (4), head_bits 4|8 (8), kv_dtype f16|f32 (f16),
+isa auto|plain|avx2|avx512vnni (auto), packed DIR (a `glmcore convert` output to load).
+Only numpy and a C compiler (or the library built at install) are needed: no torch.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+
+from glmcore.backend import Backend, Capabilities, LoadOptions, Probe, hookimpl
+from glmcore.errors import BackendError
+
+QUANT_OPTIONS = ("group_size", "sym", "scale_dtype", "embed_bits", "head_bits")
+OPTIONS = QUANT_OPTIONS + ("kv_dtype", "isa", "packed")
+
+
+def default_threads() -> int:
+    """Physical cores this process may run on (decode is memory-bound: SMT siblings do not help)."""
+    try:
+        cpus = sorted(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1
+    cores = set()
+    for c in cpus:
+        try:
+            base = Path(f"/sys/devices/system/cpu/cpu{c}/topology")
+            cores.add(((base / "physical_package_id").read_text().strip(), (base / "core_id").read_text().strip()))
+        except OSError:
+            cores.add(("", str(c)))
+    return max(1, len(cores))
+
+
+class CpuInt4Backend(Backend):
+    name = "cpu_int4"
+    extra = "int4"
+    description = "INT4 group-quantized weights, own AVX2/AVX-512 C kernels, StreamingLLM window (CPU)"
+
+    def probe(self) -> Probe:
+        from . import native
+        try:
+            path, how = native.library_path(build=False)
+        except BackendError as e:
+            return Probe(False, reason=str(e), install=self.install_hint())
+        details = {"threads": default_threads(), "runs on": "this machine's CPU"}
+        if path is None:
+            cc = native.compiler()
+            if cc is None:
+                return Probe(False, reason="no prebuilt kernel library and no C compiler (cc, gcc or clang) to "
+                             "build one; install a C compiler", install=self.install_hint())
+            details.update(kernels=f"compiled with {cc} on first load", isa=native.expected_isa())
+            return Probe(True, device="cpu", details=details)
+        try:
+            lib = native.lib()
+        except BackendError as e:
+            return Probe(False, reason=str(e), install=self.install_hint())
+        isa = native.ISAS[lib.glmi4_best_isa()]
+        details.update(kernels=f"{how}: {path}", isa=isa,
+                       **({"isa note": f"the CPU flags suggest {native.expected_isa()}"}
+                          if isa != native.expected_isa() else {}))
+        return Probe(True, device="cpu", details=details)
+
+    def capabilities(self) -> Capabilities:
+        # int8 activations x int4 weights, accumulated and kept in fp32 between the matrix products
+        return Capabilities(precisions=("f32",), weight_formats=("int4",), default_precision="f32",
+                            default_weights="int4", max_context=None, can_shift=True, speed_rank=5)
+
+    def _settings(self, options: LoadOptions):
+        from . import native
+        from .quant import QuantOptions
+        unknown = sorted(set(options.extra) - set(OPTIONS))
+        if unknown:
+            raise BackendError(f"cpu_int4: unknown option {unknown[0]!r}; known: {', '.join(OPTIONS)}")
+        q = QuantOptions.from_extra(options.extra)
+        kv = str(options.extra.get("kv_dtype", "f16"))
+        if kv not in ("f16", "f32"):
+            raise BackendError(f"cpu_int4: kv_dtype {kv!r} is not supported; use f16 or f32")
+        isa, _ = native.choose_isa(str(options.extra.get("isa", "auto")))
+        threads = options.threads or default_threads()
+        return q, kv, isa, threads
+
+    def load(self, config, weights, options: LoadOptions):
+        from .session import Int4Session
+        _, kv, isa, threads = self._settings(options)
+        packed = self._packed_dir(config, weights, options)
+        return Int4Session(config, packed, options, self.capabilities(), isa, threads, kv)
+
+    # ---------------------------------------------------------------- optional conformance/bench hooks
+
+    def conformance_variants(self) -> list[dict]:
+        """Every group size, symmetric and asymmetric (bf16 scales in one), and the plain C path."""
+        return [{}, {"group_size": 64}, {"group_size": 128}, {"sym": False}, {"sym": False, "group_size": 64},
+                {"sym": False, "group_size": 128, "scale_dtype": "bf16"},
+                {"isa": "plain", "kv_dtype": "f32", "head_bits": 4, "embed_bits": 8}]
+
+    def conformance_weights(self, config, weights, options: LoadOptions):
+        """The float32 weights this configuration computes with (read back from the packed file), and
+        the tolerance row of what remains: int8 activations."""
+        from .quant import dequantized_weights, read_packed
+        meta, blob = read_packed(self._packed_dir(config, weights, options), config)
+        return dequantized_weights(meta, np.asarray(blob)), "int8"
+
+    def bytes_per_token(self, config, options: LoadOptions, kv_len: int) -> int:
+        """What one decode step reads: every layer's packed matrices, the output layer, the KV cache."""
+        from .quant import QuantOptions, _layout, _stats
+        q = QuantOptions.from_extra({k: v for k, v in options.extra.items() if k in QUANT_OPTIONS})
+        weights = _stats(config, _layout(config, q), 0)["bytes_per_token"]
+        kv_elt = 4 if options.extra.get("kv_dtype") == "f32" else 2
+        return int(weights + config.num_layers * 2 * config.kv_size * kv_elt * kv_len)
+
+    def _packed_dir(self, config, weights, options: LoadOptions) -> Path:
+        if options.extra.get("packed"):
+            return Path(options.extra["packed"])
+        from glmcore.model import cache_root
+        from .quant import QuantOptions, ensure_packed
+        q = QuantOptions.from_extra(options.extra)
+        cache = Path(options.cache_dir) if options.cache_dir else cache_root() / "converted"
+        return ensure_packed(config, weights, q, cache, progress=_stderr)
+
+    def convert(self, config, weights, options: LoadOptions, out: Path, progress) -> None:
+        from .quant import QuantOptions, write_packed
+        extra = {k: v for k, v in options.extra.items() if v is not None}
+        unknown = sorted(set(extra) - set(OPTIONS))
+        if unknown:
+            raise BackendError(f"cpu_int4: unknown option {unknown[0]!r}; known: {', '.join(OPTIONS)}")
+        q = QuantOptions.from_extra(extra)
+        fp = weights.fingerprint() if hasattr(weights, "fingerprint") else ""
+        write_packed(config, weights, q, Path(out), progress, fingerprint=fp)
+        progress(f"load it with: --backend cpu_int4 --opt packed={out}")
+
+
+def _stderr(msg: str) -> None:
+    import sys
+    print(msg, file=sys.stderr, flush=True)
+
+
+@hookimpl
+def glmcore_backends():
+    return [CpuInt4Backend()]

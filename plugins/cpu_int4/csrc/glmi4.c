@@ -1,0 +1,1431 @@
+/* glmi4: the native half of the cpu_int4 backend (group-wise INT4 GLM inference on the CPU).
+ *
+ * One call runs a whole forward step (embedding, every layer, final norm, output layer) so Python
+ * never sits in the per-layer loop. Decode on a CPU is memory-bound, so the matrix kernels exist to
+ * stream packed weights at the machine's bandwidth:
+ *
+ *   - weights are repacked at conversion time into tiles of 16 output rows: for each quantization
+ *     group, the 16 scales (and, asymmetric, 16 minimums) sit inline before the group's nibbles,
+ *     and each 32-wide block of nibbles is 8 chunks of 32 bytes: chunk c holds inputs 4c..4c+3 of
+ *     all 16 rows, byte 4r+e = q[r][4c+e] | q[r+8][4c+e] << 4, so one broadcast of 4 activation
+ *     bytes feeds all 16 rows (low nibbles: rows 0-7, high nibbles: rows 8-15);
+ *   - activations are quantized to int8 per block of 32 (scale = absmax/127), so a block's dot
+ *     product is integer arithmetic: u4 x s8 -> s16 (vpmaddubsw) -> s32 (vpmaddwd), or one
+ *     vpdpbusd with AVX-512 VNNI, whose 16 int32 lanes are exactly the tile's 16 rows;
+ *   - the sign of the 4-bit code is handled once per group: w = d*q + m with q in 0..15 and
+ *     m = -8d (symmetric) or a stored minimum (asymmetric), so sum(w*x) = d*sum(q*x) + m*sum(x).
+ *
+ * Variants are chosen at run time: plain C (the correctness reference), AVX2+FMA+F16C, and
+ * AVX-512 VNNI. The fast variants are compiled with function-level target attributes, never
+ * -march, so one binary serves every x86-64 CPU. Threads are a small pthread pool (no OpenMP):
+ * workers spin briefly between the many short parallel regions of a step, then sleep.
+ */
+#define _POSIX_C_SOURCE 200809L
+#include <math.h>
+#include <pthread.h>
+#include <sched.h>
+#include <stdatomic.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#if defined(__x86_64__) || defined(_M_X64)
+#define GLMI4_X86 1
+#include <immintrin.h>
+#define T_AVX2 __attribute__((target("avx2,fma,f16c")))
+#define T_VNNI __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")))
+#define INLINE static inline __attribute__((always_inline))
+#else
+#define GLMI4_X86 0
+#endif
+
+#define GLMI4_ABI 4
+#define QK 32          /* activation block: one int8 scale per 32 inputs */
+#define TILE 16        /* output rows per packed tile */
+#define PREFETCH 4096   /* decode streams weights: prefetch this far ahead (measured: +40% on one core) */
+#define NTMAX 4        /* tokens sharing one unpacked weight block in the fast kernels */
+
+enum { ISA_REF = 0, ISA_AVX2 = 1, ISA_VNNI = 2, ISA_COUNT = 3 };
+static const char *ISA_NAMES[ISA_COUNT] = {"plain", "avx2", "avx512vnni"};
+
+/* ------------------------------------------------------------------ public structs (ctypes mirrors) */
+
+typedef struct {
+    const uint8_t *data;      /* tiles, see the header comment */
+    int32_t n, k;             /* logical rows (outputs), columns (inputs) */
+    int32_t n_pad, k_pad;     /* n rounded up to 16, k rounded up to the group size */
+    int32_t bits;             /* 4 or 8 (8: symmetric int8, 32 scale bytes + 512-byte blocks) */
+    int32_t group, asym, scale_bf16;
+} glmi4_mat;
+
+typedef struct {               /* row-major quantized embedding table */
+    const uint8_t *scales;    /* [n][k_pad/group] f16/bf16 */
+    const uint8_t *mins;      /* [n][k_pad/group] or NULL */
+    const uint8_t *q;         /* bits 4: [n][k_pad/2] (element 2i low nibble), bits 8: [n][k_pad] int8 */
+    int32_t n, k, k_pad, bits, group, asym, scale_bf16;
+} glmi4_emb;
+
+typedef struct {
+    const float *input_norm, *qkv_bias, *post_norm;
+    glmi4_mat qkv, attn_out, ffn_up, ffn_down;
+} glmi4_layer;
+
+typedef struct {
+    int32_t hidden, n_layers, n_heads, n_kv, head_dim, ffn, vocab, capacity;
+    int32_t kv_f16, max_batch, nthreads, isa;
+    float norm_eps;
+    const float *rope_cos, *rope_sin;   /* [capacity][head_dim/4], fp32 as the reference computes them */
+    const float *inv_freq;              /* [head_dim/4], for shifting cached keys */
+    glmi4_emb embed;
+    const float *final_norm;
+    glmi4_mat head;
+    const glmi4_layer *layers;
+} glmi4_spec;
+
+/* ------------------------------------------------------------------ small helpers */
+
+static uint64_t now_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
+}
+
+static inline void cpu_relax(void) {
+#if GLMI4_X86
+    _mm_pause();
+#elif defined(__aarch64__)
+    __asm__ __volatile__("yield");
+#endif
+}
+
+static inline float h2f(uint16_t h) {
+    uint32_t s = (uint32_t)(h & 0x8000u) << 16, e = (h >> 10) & 0x1f, m = h & 0x3ffu, f;
+    if (e == 0) {
+        if (m == 0) {
+            f = s;
+        } else {                            /* subnormal half: normalize */
+            e = 113;
+            while (!(m & 0x400u)) { m <<= 1; e--; }
+            f = s | (e << 23) | ((m & 0x3ffu) << 13);
+        }
+    } else if (e == 31) {
+        f = s | 0x7f800000u | (m << 13);
+    } else {
+        f = s | ((e + 112) << 23) | (m << 13);
+    }
+    float out;
+    memcpy(&out, &f, 4);
+    return out;
+}
+
+/* float -> half, round to nearest even (F. Giesen's float_to_half_fast3_rtne); matches F16C. */
+static inline uint16_t f2h(float fl) {
+    const uint32_t infty = 255u << 23, f16max = (127u + 16u) << 23, magic = ((127u - 15u) + (23u - 10u) + 1u) << 23;
+    uint32_t x;
+    memcpy(&x, &fl, 4);
+    uint32_t sign = x & 0x80000000u;
+    x ^= sign;
+    uint16_t o;
+    if (x >= f16max) {
+        o = x > infty ? 0x7e00 : 0x7c00;
+    } else if (x < (113u << 23)) {
+        float f, fm;
+        memcpy(&f, &x, 4);
+        memcpy(&fm, &magic, 4);
+        f += fm;
+        uint32_t r;
+        memcpy(&r, &f, 4);
+        o = (uint16_t)(r - magic);
+    } else {
+        uint32_t odd = (x >> 13) & 1u;
+        x += ((uint32_t)(15 - 127) << 23) + 0xfffu;
+        x += odd;
+        o = (uint16_t)(x >> 13);
+    }
+    return o | (uint16_t)(sign >> 16);
+}
+
+static inline float bf2f(uint16_t b) {
+    uint32_t u = (uint32_t)b << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static inline float scale_at(const uint8_t *p, int i, int bf16) {
+    uint16_t v;
+    memcpy(&v, p + 2 * i, 2);
+    return bf16 ? bf2f(v) : h2f(v);
+}
+
+static inline int imin(int a, int b) { return a < b ? a : b; }
+
+static size_t group_bytes(const glmi4_mat *W) {
+    if (W->bits == 8) return 32 + (size_t)(W->group / QK) * 512;
+    return (W->asym ? 64 : 32) + (size_t)(W->group / QK) * 256;
+}
+
+static size_t tile_bytes(const glmi4_mat *W) { return (size_t)(W->k_pad / W->group) * group_bytes(W); }
+
+static void *xalloc(size_t bytes) {
+    void *p = NULL;
+    if (posix_memalign(&p, 64, bytes ? (bytes + 63) / 64 * 64 : 64)) return NULL;
+    return p;
+}
+
+/* ------------------------------------------------------------------ CPU features and self-report */
+
+static int isa_supported(int isa) {
+    if (isa == ISA_REF) return 1;
+#if GLMI4_X86
+    __builtin_cpu_init();
+    int avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+    if (isa == ISA_AVX2) return avx2;
+    if (isa == ISA_VNNI)
+        return avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+               __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
+#endif
+    return 0;
+}
+
+static _Atomic uint64_t g_calls[ISA_COUNT];   /* matrix kernel calls per variant: tests prove dispatch */
+
+#ifndef GLMI4_SRC_SHA
+#define GLMI4_SRC_SHA ""
+#endif
+int glmi4_abi_version(void) { return GLMI4_ABI; }
+/* sha256 of this file, passed in by the build, so a loader can tell a stale library from a current one */
+const char *glmi4_source_sha(void) { return GLMI4_SRC_SHA; }
+int glmi4_isa_supported(int isa) { return isa >= 0 && isa < ISA_COUNT && isa_supported(isa); }
+const char *glmi4_isa_name(int isa) { return isa >= 0 && isa < ISA_COUNT ? ISA_NAMES[isa] : "?"; }
+uint64_t glmi4_kernel_calls(int isa) { return isa >= 0 && isa < ISA_COUNT ? atomic_load(&g_calls[isa]) : 0; }
+int glmi4_best_isa(void) {
+    for (int i = ISA_COUNT - 1; i > 0; i--)
+        if (isa_supported(i)) return i;
+    return ISA_REF;
+}
+
+/* ------------------------------------------------------------------ thread pool */
+
+typedef void (*task_fn)(void *arg, int tid, int nth);
+
+typedef struct pool pool;
+typedef struct { pool *p; int tid; } worker_arg;
+
+struct pool {
+    int nth;
+    pthread_t *th;
+    worker_arg *args;
+    _Atomic int gen, pending, nsleep, stop;
+    task_fn fn;
+    void *arg;
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+};
+
+#define SPIN_NS 2000000ull   /* spin 2 ms for the next region before sleeping */
+#define SMALL_WORK (1u << 18)  /* multiply-adds below which a region runs on the calling thread */
+
+static void *worker_main(void *a) {
+    pool *p = ((worker_arg *)a)->p;
+    int tid = ((worker_arg *)a)->tid, seen = 0;
+    for (;;) {
+        int g;
+        uint64_t t0 = 0;
+        unsigned it = 0;
+        while ((g = atomic_load(&p->gen)) == seen) {
+            cpu_relax();
+            if ((++it & 255u) != 0) continue;
+            sched_yield();          /* an oversubscribed machine: let whoever shares this core run */
+            uint64_t t = now_ns();
+            if (!t0) {
+                t0 = t;
+            } else if (t - t0 > SPIN_NS) {
+                pthread_mutex_lock(&p->mu);
+                atomic_fetch_add(&p->nsleep, 1);
+                while ((g = atomic_load(&p->gen)) == seen) pthread_cond_wait(&p->cv, &p->mu);
+                atomic_fetch_sub(&p->nsleep, 1);
+                pthread_mutex_unlock(&p->mu);
+                break;
+            }
+        }
+        seen = g;
+        if (atomic_load(&p->stop)) return NULL;
+        p->fn(p->arg, tid, p->nth);
+        atomic_fetch_sub(&p->pending, 1);
+    }
+}
+
+static void pool_run(pool *p, task_fn fn, void *arg) {
+    if (!p || p->nth == 1) {
+        fn(arg, 0, 1);
+        return;
+    }
+    p->fn = fn;
+    p->arg = arg;
+    atomic_store(&p->pending, p->nth - 1);
+    atomic_fetch_add(&p->gen, 1);
+    if (atomic_load(&p->nsleep) > 0) {   /* seq_cst pairs with the worker's nsleep++ then gen check */
+        pthread_mutex_lock(&p->mu);
+        pthread_cond_broadcast(&p->cv);
+        pthread_mutex_unlock(&p->mu);
+    }
+    fn(arg, 0, p->nth);
+    for (unsigned it = 1; atomic_load(&p->pending) > 0; it++) {
+        cpu_relax();
+        if ((it & 255u) == 0) sched_yield();    /* a worker may be waiting for this very core */
+    }
+}
+
+static void pool_free(pool *p) {
+    if (!p) return;
+    if (p->th) {
+        atomic_store(&p->stop, 1);
+        atomic_fetch_add(&p->gen, 1);
+        pthread_mutex_lock(&p->mu);
+        pthread_cond_broadcast(&p->cv);
+        pthread_mutex_unlock(&p->mu);
+        for (int i = 1; i < p->nth; i++) pthread_join(p->th[i], NULL);
+    }
+    pthread_mutex_destroy(&p->mu);
+    pthread_cond_destroy(&p->cv);
+    free(p->th);
+    free(p->args);
+    free(p);
+}
+
+static pool *pool_new(int nth) {
+    pool *p = calloc(1, sizeof(pool));
+    if (!p) return NULL;
+    p->nth = nth < 1 ? 1 : nth;
+    pthread_mutex_init(&p->mu, NULL);
+    pthread_cond_init(&p->cv, NULL);
+    if (p->nth == 1) return p;
+    p->th = calloc((size_t)p->nth, sizeof(pthread_t));
+    p->args = calloc((size_t)p->nth, sizeof(worker_arg));
+    if (!p->th || !p->args) { pool_free(p); return NULL; }
+    for (int i = 1; i < p->nth; i++) {
+        p->args[i].p = p;
+        p->args[i].tid = i;
+        if (pthread_create(&p->th[i], NULL, worker_main, &p->args[i])) {
+            p->nth = i;       /* join the ones that started */
+            pool_free(p);
+            return NULL;
+        }
+    }
+    return p;
+}
+
+/* ------------------------------------------------------------------ activation quantization */
+
+/* Shared tail: per-block scale and the per-group sums xs[g] = sum_b dx[b] * sum(q in b). */
+static void quant_finish(const int8_t *q, const float *dx, int Kp, int G, float *xs) {
+    int nb = Kp / QK, per = G / QK;
+    for (int g = 0; g < Kp / G; g++) {
+        float s = 0.f;
+        for (int b = g * per; b < (g + 1) * per && b < nb; b++) {
+            int is = 0;
+            for (int i = 0; i < QK; i++) is += q[b * QK + i];
+            s += dx[b] * (float)is;
+        }
+        xs[g] = s;
+    }
+}
+
+static void quant_act_ref(const float *x, int K, int Kp, int G, int8_t *q, float *dx, float *xs) {
+    for (int b = 0; b < Kp / QK; b++) {
+        float v[QK], amax = 0.f;
+        for (int i = 0; i < QK; i++) {
+            int k = b * QK + i;
+            v[i] = k < K ? x[k] : 0.f;
+            amax = fmaxf(amax, fabsf(v[i]));
+        }
+        float id = amax > 0.f ? 127.f / amax : 0.f;
+        dx[b] = amax / 127.f;
+        for (int i = 0; i < QK; i++) q[b * QK + i] = (int8_t)nearbyintf(v[i] * id);
+    }
+    quant_finish(q, dx, Kp, G, xs);
+}
+
+/* ------------------------------------------------------------------ matrix kernels */
+
+typedef struct gemm_job {
+    const glmi4_mat *W;
+    int M;                    /* tokens */
+    const int8_t *xq;         /* [M][ldq] */
+    const float *dx, *xs;     /* [M][ldq/32], [M][ldq/32] (group sums; first k_pad/group used) */
+    int ldq;
+    float *out;               /* [M][ldo], columns 0..W->n-1 */
+    int ldo;
+    const float *bias;        /* [W->n] or NULL */
+    int accum;                /* out += result */
+    int ntiles, chunk;
+    _Atomic int next;
+    void (*fn)(const struct gemm_job *, int, int);
+} gemm_job;
+
+static inline void store_tile(const gemm_job *j, int tile, int m, int nt, const float *acc) {
+    int n0 = tile * TILE, nr = imin(TILE, j->W->n - n0);
+    for (int t = 0; t < nt; t++) {
+        float *o = j->out + (size_t)(m + t) * j->ldo + n0;
+        const float *a = acc + t * TILE;
+        for (int r = 0; r < nr; r++) {
+            float v = a[r] + (j->bias ? j->bias[n0 + r] : 0.f);
+            o[r] = j->accum ? o[r] + v : v;
+        }
+    }
+}
+
+static void gemm4_ref(const gemm_job *j, int t0, int t1) {
+    const glmi4_mat *W = j->W;
+    const int ng = W->k_pad / W->group, GB = W->group / QK, hdr = W->asym ? 64 : 32;
+    const size_t gb = group_bytes(W), tb = tile_bytes(W);
+    const int nbx = j->ldq / QK;
+    for (int tile = t0; tile < t1; tile++) {
+        for (int m = 0; m < j->M; m++) {
+            const int8_t *xq = j->xq + (size_t)m * j->ldq;
+            const float *dx = j->dx + (size_t)m * nbx, *xs = j->xs + (size_t)m * nbx;
+            float acc[TILE] = {0};
+            for (int g = 0; g < ng; g++) {
+                const uint8_t *p = W->data + (size_t)tile * tb + (size_t)g * gb;
+                float gacc[TILE] = {0};
+                for (int s = 0; s < GB; s++) {
+                    const uint8_t *q = p + hdr + s * 256;
+                    const int8_t *x = xq + (size_t)(g * GB + s) * QK;
+                    int32_t isum[TILE] = {0};
+                    for (int c = 0; c < 8; c++)
+                        for (int r = 0; r < TILE / 2; r++)
+                            for (int e = 0; e < 4; e++) {
+                                const uint8_t byte = q[32 * c + 4 * r + e];
+                                isum[r] += (byte & 15) * x[4 * c + e];
+                                isum[r + 8] += (byte >> 4) * x[4 * c + e];
+                            }
+                    for (int r = 0; r < TILE; r++) gacc[r] += (float)isum[r] * dx[g * GB + s];
+                }
+                for (int r = 0; r < TILE; r++) {
+                    float d = scale_at(p, r, W->scale_bf16);
+                    if (W->asym)
+                        acc[r] += d * gacc[r] + scale_at(p + 32, r, W->scale_bf16) * xs[g];
+                    else
+                        acc[r] += d * (gacc[r] - 8.f * xs[g]);
+                }
+            }
+            store_tile(j, tile, m, 1, acc);
+        }
+    }
+}
+
+static void gemm8_ref(const gemm_job *j, int t0, int t1) {
+    const glmi4_mat *W = j->W;
+    const int ng = W->k_pad / W->group, GB = W->group / QK;
+    const size_t gb = group_bytes(W), tb = tile_bytes(W);
+    const int nbx = j->ldq / QK;
+    for (int tile = t0; tile < t1; tile++) {
+        for (int m = 0; m < j->M; m++) {
+            const int8_t *xq = j->xq + (size_t)m * j->ldq;
+            const float *dx = j->dx + (size_t)m * nbx;
+            float acc[TILE] = {0};
+            for (int g = 0; g < ng; g++) {
+                const uint8_t *p = W->data + (size_t)tile * tb + (size_t)g * gb;
+                float gacc[TILE] = {0};
+                for (int s = 0; s < GB; s++) {
+                    const int8_t *q = (const int8_t *)(p + 32 + s * 512);
+                    const int8_t *x = xq + (size_t)(g * GB + s) * QK;
+                    int32_t isum[TILE] = {0};
+                    for (int c = 0; c < 8; c++)
+                        for (int r = 0; r < TILE; r++)
+                            for (int e = 0; e < 4; e++) isum[r] += q[64 * c + 4 * r + e] * x[4 * c + e];
+                    for (int r = 0; r < TILE; r++) gacc[r] += (float)isum[r] * dx[g * GB + s];
+                }
+                for (int r = 0; r < TILE; r++) acc[r] += scale_at(p, r, W->scale_bf16) * gacc[r];
+            }
+            store_tile(j, tile, m, 1, acc);
+        }
+    }
+}
+
+#if GLMI4_X86
+/* ---------------- AVX2 */
+
+T_AVX2 INLINE __m256 ld8_scales(const uint8_t *p, int bf16) {
+    __m128i h = _mm_loadu_si128((const __m128i *)p);
+    if (bf16) return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+    return _mm256_cvtph_ps(h);
+}
+
+T_AVX2 INLINE int32_t ld32(const int8_t *p) {
+    int32_t v;
+    memcpy(&v, p, 4);
+    return v;
+}
+
+/* One 16-row tile against NT tokens (NT = 4 for prefill, 1 for decode). acc[t][0]: rows 0-7 of token t,
+ * acc[t][1]: rows 8-15. Per chunk: one load, three ops to split the nibbles, then per token one
+ * broadcast and two vpmaddubsw. |q*x| <= 15*127, so eight pair sums stay below 32767 and the int16
+ * accumulation over a 32-block is exact. */
+T_AVX2 INLINE void q4_tile_avx2(const gemm_job *j, const uint8_t *p, int m, const int NT, float *outbuf) {
+    const glmi4_mat *W = j->W;
+    const int ng = W->k_pad / W->group, GB = W->group / QK, hdr = W->asym ? 64 : 32, bf = W->scale_bf16;
+    const int nbx = j->ldq / QK;
+    const __m256i m4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+    const int8_t *xq[NTMAX];
+    const float *dx[NTMAX], *xs[NTMAX];
+    for (int t = 0; t < NT; t++) {
+        xq[t] = j->xq + (size_t)(m + t) * j->ldq;
+        dx[t] = j->dx + (size_t)(m + t) * nbx;
+        xs[t] = j->xs + (size_t)(m + t) * nbx;
+    }
+    __m256 acc[NTMAX][2];
+    for (int t = 0; t < NT; t++) acc[t][0] = acc[t][1] = _mm256_setzero_ps();
+    for (int g = 0; g < ng; g++) {
+        __m256 gacc[NTMAX][2];
+        for (int t = 0; t < NT; t++) gacc[t][0] = gacc[t][1] = _mm256_setzero_ps();
+        const uint8_t *q = p + hdr;
+        for (int s = 0; s < GB; s++, q += 256) {
+            const int b = g * GB + s;
+            __m256i i16[NTMAX][2];
+            for (int t = 0; t < NT; t++) i16[t][0] = i16[t][1] = _mm256_setzero_si256();
+            if (NT == 4) {
+                /* The prefill hot loop, in assembly so that the 8 accumulators stay in registers: compilers
+                 * hoist the broadcasts and spill two accumulators, and the store-to-load round trip on
+                 * the loop-carried chain halves the speed. 16 ymm: 8 acc, mask, 2 nibble halves, 3 temps. */
+                const int8_t *x0 = xq[0] + b * QK, *x1 = xq[1] + b * QK, *x2 = xq[2] + b * QK, *x3 = xq[3] + b * QK;
+                for (int c = 0; c < 8; c++) {
+                    __m256i lo, hi, bx, p0, p1;
+                    __asm__("vmovdqu %[w], %[lo]\n\t"
+                            "vpsrlw $4, %[lo], %[hi]\n\t"
+                            "vpand %[m4], %[lo], %[lo]\n\t"
+                            "vpand %[m4], %[hi], %[hi]\n\t"
+                            "vpbroadcastd %[x0], %[bx]\n\t"
+                            "vpmaddubsw %[bx], %[lo], %[p0]\n\t"
+                            "vpmaddubsw %[bx], %[hi], %[p1]\n\t"
+                            "vpaddw %[p0], %[a0], %[a0]\n\t"
+                            "vpaddw %[p1], %[a1], %[a1]\n\t"
+                            "vpbroadcastd %[x1], %[bx]\n\t"
+                            "vpmaddubsw %[bx], %[lo], %[p0]\n\t"
+                            "vpmaddubsw %[bx], %[hi], %[p1]\n\t"
+                            "vpaddw %[p0], %[a2], %[a2]\n\t"
+                            "vpaddw %[p1], %[a3], %[a3]\n\t"
+                            "vpbroadcastd %[x2], %[bx]\n\t"
+                            "vpmaddubsw %[bx], %[lo], %[p0]\n\t"
+                            "vpmaddubsw %[bx], %[hi], %[p1]\n\t"
+                            "vpaddw %[p0], %[a4], %[a4]\n\t"
+                            "vpaddw %[p1], %[a5], %[a5]\n\t"
+                            "vpbroadcastd %[x3], %[bx]\n\t"
+                            "vpmaddubsw %[bx], %[lo], %[p0]\n\t"
+                            "vpmaddubsw %[bx], %[hi], %[p1]\n\t"
+                            "vpaddw %[p0], %[a6], %[a6]\n\t"
+                            "vpaddw %[p1], %[a7], %[a7]"
+                            : [a0] "+x"(i16[0][0]), [a1] "+x"(i16[0][1]), [a2] "+x"(i16[1][0]), [a3] "+x"(i16[1][1]),
+                              [a4] "+x"(i16[2][0]), [a5] "+x"(i16[2][1]), [a6] "+x"(i16[3][0]), [a7] "+x"(i16[3][1]),
+                              [lo] "=&x"(lo), [hi] "=&x"(hi), [bx] "=&x"(bx), [p0] "=&x"(p0), [p1] "=&x"(p1)
+                            : [w] "m"(*(const __m256i *)(q + 32 * c)), [m4] "x"(m4),
+                              [x0] "m"(*(const int32_t *)(x0 + 4 * c)), [x1] "m"(*(const int32_t *)(x1 + 4 * c)),
+                              [x2] "m"(*(const int32_t *)(x2 + 4 * c)), [x3] "m"(*(const int32_t *)(x3 + 4 * c)));
+                }
+            } else if (NT == 1) {
+                /* decode: the same, one token; keeps the instruction count per byte low so the loads
+                 * of both threads can keep the memory bus busy */
+                const int8_t *x0 = xq[0] + b * QK;
+                for (int l = 0; l < 256; l += 64) _mm_prefetch((const char *)q + PREFETCH + l, _MM_HINT_T0);
+                for (int c = 0; c < 8; c++) {
+                    __m256i lo, hi, bx, p0, p1;
+                    __asm__("vmovdqu %[w], %[lo]\n\t"
+                            "vpsrlw $4, %[lo], %[hi]\n\t"
+                            "vpand %[m4], %[lo], %[lo]\n\t"
+                            "vpand %[m4], %[hi], %[hi]\n\t"
+                            "vpbroadcastd %[x0], %[bx]\n\t"
+                            "vpmaddubsw %[bx], %[lo], %[p0]\n\t"
+                            "vpmaddubsw %[bx], %[hi], %[p1]\n\t"
+                            "vpaddw %[p0], %[a0], %[a0]\n\t"
+                            "vpaddw %[p1], %[a1], %[a1]"
+                            : [a0] "+x"(i16[0][0]), [a1] "+x"(i16[0][1]),
+                              [lo] "=&x"(lo), [hi] "=&x"(hi), [bx] "=&x"(bx), [p0] "=&x"(p0), [p1] "=&x"(p1)
+                            : [w] "m"(*(const __m256i *)(q + 32 * c)), [m4] "x"(m4),
+                              [x0] "m"(*(const int32_t *)(x0 + 4 * c)));
+                }
+            } else {
+                for (int c = 0; c < 8; c++) {
+                    const __m256i v = _mm256_loadu_si256((const __m256i *)(q + 32 * c));
+                    const __m256i lo = _mm256_and_si256(v, m4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+                    for (int t = 0; t < NT; t++) {
+                        const __m256i bx = _mm256_set1_epi32(ld32(xq[t] + b * QK + 4 * c));
+                        i16[t][0] = _mm256_add_epi16(i16[t][0], _mm256_maddubs_epi16(lo, bx));
+                        i16[t][1] = _mm256_add_epi16(i16[t][1], _mm256_maddubs_epi16(hi, bx));
+                    }
+                }
+            }
+            if (GB == 1 && !W->asym) {   /* group 32, symmetric: fold the block straight into acc */
+                const __m256 d0 = ld8_scales(p, bf), d1 = ld8_scales(p + 16, bf);
+                for (int t = 0; t < NT; t++) {
+                    const __m256 db = _mm256_set1_ps(dx[t][b]), c8 = _mm256_set1_ps(-8.f * xs[t][g]);
+                    acc[t][0] = _mm256_fmadd_ps(d0, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(i16[t][0], ones)),
+                                                                    db, c8), acc[t][0]);
+                    acc[t][1] = _mm256_fmadd_ps(d1, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(i16[t][1], ones)),
+                                                                    db, c8), acc[t][1]);
+                }
+                continue;
+            }
+            for (int t = 0; t < NT; t++) {
+                const __m256 db = _mm256_set1_ps(dx[t][b]);
+                gacc[t][0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(i16[t][0], ones)), db, gacc[t][0]);
+                gacc[t][1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(i16[t][1], ones)), db, gacc[t][1]);
+            }
+        }
+        if (GB == 1 && !W->asym) {
+            p = q;
+            continue;
+        }
+        const __m256 d0 = ld8_scales(p, bf), d1 = ld8_scales(p + 16, bf);
+        if (W->asym) {
+            const __m256 m0 = ld8_scales(p + 32, bf), m1 = ld8_scales(p + 48, bf);
+            for (int t = 0; t < NT; t++) {
+                const __m256 xg = _mm256_set1_ps(xs[t][g]);
+                acc[t][0] = _mm256_fmadd_ps(m0, xg, _mm256_fmadd_ps(d0, gacc[t][0], acc[t][0]));
+                acc[t][1] = _mm256_fmadd_ps(m1, xg, _mm256_fmadd_ps(d1, gacc[t][1], acc[t][1]));
+            }
+        } else {
+            const __m256 eight = _mm256_set1_ps(8.f);
+            for (int t = 0; t < NT; t++) {
+                const __m256 xg = _mm256_set1_ps(xs[t][g]);
+                acc[t][0] = _mm256_fmadd_ps(d0, _mm256_fnmadd_ps(eight, xg, gacc[t][0]), acc[t][0]);
+                acc[t][1] = _mm256_fmadd_ps(d1, _mm256_fnmadd_ps(eight, xg, gacc[t][1]), acc[t][1]);
+            }
+        }
+        p = q;
+    }
+    for (int t = 0; t < NT; t++) {
+        _mm256_storeu_ps(outbuf + t * TILE, acc[t][0]);
+        _mm256_storeu_ps(outbuf + t * TILE + 8, acc[t][1]);
+    }
+}
+
+T_AVX2 static void gemm4_avx2(const gemm_job *j, int t0, int t1) {
+    const size_t tb = tile_bytes(j->W);
+    float buf[NTMAX * TILE];
+    for (int tile = t0; tile < t1; tile++) {
+        const uint8_t *p = j->W->data + (size_t)tile * tb;
+        int m = 0;
+        for (; m + 4 <= j->M; m += 4) { q4_tile_avx2(j, p, m, 4, buf); store_tile(j, tile, m, 4, buf); }
+        for (; m + 2 <= j->M; m += 2) { q4_tile_avx2(j, p, m, 2, buf); store_tile(j, tile, m, 2, buf); }
+        for (; m < j->M; m++) { q4_tile_avx2(j, p, m, 1, buf); store_tile(j, tile, m, 1, buf); }
+    }
+}
+
+/* int8 x int8 (output layer): vpmaddubsw needs one unsigned operand, so multiply |x| by sign(x)*w. */
+T_AVX2 INLINE void q8_tile_avx2(const gemm_job *j, const uint8_t *p, int m, const int NT, float *outbuf) {
+    const glmi4_mat *W = j->W;
+    const int ng = W->k_pad / W->group, GB = W->group / QK, bf = W->scale_bf16, nbx = j->ldq / QK;
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256 acc[NTMAX][2];
+    for (int t = 0; t < NT; t++) acc[t][0] = acc[t][1] = _mm256_setzero_ps();
+    for (int g = 0; g < ng; g++) {
+        const __m256 d0 = ld8_scales(p, bf), d1 = ld8_scales(p + 16, bf);
+        __m256 gacc[NTMAX][2];
+        for (int t = 0; t < NT; t++) gacc[t][0] = gacc[t][1] = _mm256_setzero_ps();
+        const uint8_t *q = p + 32;
+        for (int s = 0; s < GB; s++, q += 512) {
+            const int b = g * GB + s;
+            __m256i i32[NTMAX][2];
+            for (int t = 0; t < NT; t++) i32[t][0] = i32[t][1] = _mm256_setzero_si256();
+            if (NT == 1)
+                for (int l = 0; l < 512; l += 64) _mm_prefetch((const char *)q + PREFETCH + l, _MM_HINT_T0);
+            for (int c = 0; c < 8; c++) {
+                const __m256i w0 = _mm256_loadu_si256((const __m256i *)(q + 64 * c));
+                const __m256i w1 = _mm256_loadu_si256((const __m256i *)(q + 64 * c + 32));
+                for (int t = 0; t < NT; t++) {
+                    const __m256i bx = _mm256_set1_epi32(ld32(j->xq + (size_t)(m + t) * j->ldq + b * QK + 4 * c));
+                    const __m256i ax = _mm256_abs_epi8(bx);
+                    i32[t][0] = _mm256_add_epi32(i32[t][0], _mm256_madd_epi16(
+                        _mm256_maddubs_epi16(ax, _mm256_sign_epi8(w0, bx)), ones));
+                    i32[t][1] = _mm256_add_epi32(i32[t][1], _mm256_madd_epi16(
+                        _mm256_maddubs_epi16(ax, _mm256_sign_epi8(w1, bx)), ones));
+                }
+            }
+            for (int t = 0; t < NT; t++) {
+                const __m256 db = _mm256_set1_ps(j->dx[(size_t)(m + t) * nbx + b]);
+                gacc[t][0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i32[t][0]), db, gacc[t][0]);
+                gacc[t][1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i32[t][1]), db, gacc[t][1]);
+            }
+        }
+        for (int t = 0; t < NT; t++) {
+            acc[t][0] = _mm256_fmadd_ps(d0, gacc[t][0], acc[t][0]);
+            acc[t][1] = _mm256_fmadd_ps(d1, gacc[t][1], acc[t][1]);
+        }
+        p = q;
+    }
+    for (int t = 0; t < NT; t++) {
+        _mm256_storeu_ps(outbuf + t * TILE, acc[t][0]);
+        _mm256_storeu_ps(outbuf + t * TILE + 8, acc[t][1]);
+    }
+}
+
+T_AVX2 static void gemm8_avx2(const gemm_job *j, int t0, int t1) {
+    const size_t tb = tile_bytes(j->W);
+    float buf[NTMAX * TILE];
+    for (int tile = t0; tile < t1; tile++) {
+        const uint8_t *p = j->W->data + (size_t)tile * tb;
+        int m = 0;
+        for (; m + 4 <= j->M; m += 4) { q8_tile_avx2(j, p, m, 4, buf); store_tile(j, tile, m, 4, buf); }
+        for (; m < j->M; m++) { q8_tile_avx2(j, p, m, 1, buf); store_tile(j, tile, m, 1, buf); }
+    }
+}
+
+T_AVX2 static void quant_act_avx2(const float *x, int K, int Kp, int G, int8_t *q, float *dx, float *xs) {
+    const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    for (int b = 0; b < Kp / QK; b++) {
+        float tmp[QK];
+        const float *v = x + b * QK;
+        if ((b + 1) * QK > K) {      /* partial block: zero padding */
+            for (int i = 0; i < QK; i++) tmp[i] = b * QK + i < K ? x[b * QK + i] : 0.f;
+            v = tmp;
+        }
+        __m256 a0 = _mm256_loadu_ps(v), a1 = _mm256_loadu_ps(v + 8), a2 = _mm256_loadu_ps(v + 16),
+               a3 = _mm256_loadu_ps(v + 24);
+        __m256 mx = _mm256_max_ps(_mm256_max_ps(_mm256_and_ps(a0, absmask), _mm256_and_ps(a1, absmask)),
+                                  _mm256_max_ps(_mm256_and_ps(a2, absmask), _mm256_and_ps(a3, absmask)));
+        __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+        m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+        m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+        const float amax = _mm_cvtss_f32(m4);
+        const float id = amax > 0.f ? 127.f / amax : 0.f;
+        dx[b] = amax / 127.f;
+        const __m256 vid = _mm256_set1_ps(id);
+        const int R = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+        __m256i i0 = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(a0, vid), R));
+        __m256i i1 = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(a1, vid), R));
+        __m256i i2 = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(a2, vid), R));
+        __m256i i3 = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(a3, vid), R));
+        __m256i p01 = _mm256_packs_epi32(i0, i1), p23 = _mm256_packs_epi32(i2, i3);
+        __m256i p = _mm256_packs_epi16(p01, p23);
+        /* packs interleave 128-bit lanes: restore element order */
+        p = _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+        _mm256_storeu_si256((__m256i *)(q + b * QK), p);
+    }
+    quant_finish(q, dx, Kp, G, xs);
+}
+
+/* ---------------- AVX-512 VNNI: one zmm register holds the 16 rows of a tile.
+ * Written for, but never run on, the development machine (AVX2 only). Before it is used, native.py
+ * compares it with the plain C kernels on random matrices and falls back, with a warning, if they
+ * differ; tests/test_cpu_int4.py runs the full kernel checks on any CPU that has it. */
+
+T_VNNI INLINE __m512 ld16_scales(const uint8_t *p, int bf16) {
+    __m256i h = _mm256_loadu_si256((const __m256i *)p);
+    if (bf16) return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+    return _mm512_cvtph_ps(h);
+}
+
+T_VNNI INLINE int32_t ld32v(const int8_t *p) {
+    int32_t v;
+    memcpy(&v, p, 4);
+    return v;
+}
+
+T_VNNI INLINE void q4_tile_vnni(const gemm_job *j, const uint8_t *p, int m, const int NT, float *outbuf) {
+    const glmi4_mat *W = j->W;
+    const int ng = W->k_pad / W->group, GB = W->group / QK, hdr = W->asym ? 64 : 32, bf = W->scale_bf16;
+    const int nbx = j->ldq / QK;
+    const __m512i m4 = _mm512_set1_epi8(0x0F);
+    const __m512i shift = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(4), 1);
+    __m512 acc[NTMAX];
+    for (int t = 0; t < NT; t++) acc[t] = _mm512_setzero_ps();
+    for (int g = 0; g < ng; g++) {
+        const __m512 d = ld16_scales(p, bf);
+        __m512 gacc[NTMAX];
+        for (int t = 0; t < NT; t++) gacc[t] = _mm512_setzero_ps();
+        const uint8_t *q = p + hdr;
+        for (int s = 0; s < GB; s++, q += 256) {
+            const int b = g * GB + s;
+            __m512i isum[NTMAX];
+            for (int t = 0; t < NT; t++) isum[t] = _mm512_setzero_si512();
+            for (int c = 0; c < 8; c++) {
+                /* both 256-bit halves get chunk c; the upper half shifts by 4 to take rows 8-15 */
+                const __m512i v = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(q + 32 * c)));
+                const __m512i w = _mm512_and_si512(_mm512_srlv_epi16(v, shift), m4);
+                for (int t = 0; t < NT; t++)
+                    isum[t] = _mm512_dpbusd_epi32(
+                        isum[t], w, _mm512_set1_epi32(ld32v(j->xq + (size_t)(m + t) * j->ldq + b * QK + 4 * c)));
+            }
+            for (int t = 0; t < NT; t++)
+                gacc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[t]),
+                                          _mm512_set1_ps(j->dx[(size_t)(m + t) * nbx + b]), gacc[t]);
+        }
+        for (int t = 0; t < NT; t++) {
+            const __m512 xg = _mm512_set1_ps(j->xs[(size_t)(m + t) * nbx + g]);
+            if (W->asym)
+                acc[t] = _mm512_fmadd_ps(ld16_scales(p + 32, bf), xg, _mm512_fmadd_ps(d, gacc[t], acc[t]));
+            else
+                acc[t] = _mm512_fmadd_ps(d, _mm512_fnmadd_ps(_mm512_set1_ps(8.f), xg, gacc[t]), acc[t]);
+        }
+        p = q;
+    }
+    for (int t = 0; t < NT; t++) _mm512_storeu_ps(outbuf + t * TILE, acc[t]);
+}
+
+T_VNNI static void gemm4_vnni(const gemm_job *j, int t0, int t1) {
+    const size_t tb = tile_bytes(j->W);
+    float buf[NTMAX * TILE];
+    for (int tile = t0; tile < t1; tile++) {
+        const uint8_t *p = j->W->data + (size_t)tile * tb;
+        int m = 0;
+        for (; m + 4 <= j->M; m += 4) { q4_tile_vnni(j, p, m, 4, buf); store_tile(j, tile, m, 4, buf); }
+        for (; m < j->M; m++) { q4_tile_vnni(j, p, m, 1, buf); store_tile(j, tile, m, 1, buf); }
+    }
+}
+
+/* int8 weights: vpdpbusd wants u8 x s8, so use (q ^ 0x80) = q + 128 and subtract 128 * sum(x). */
+T_VNNI INLINE void q8_tile_vnni(const gemm_job *j, const uint8_t *p, int m, const int NT, float *outbuf) {
+    const glmi4_mat *W = j->W;
+    const int ng = W->k_pad / W->group, GB = W->group / QK, bf = W->scale_bf16, nbx = j->ldq / QK;
+    const __m512i flip = _mm512_set1_epi8((char)0x80);
+    __m512 acc[NTMAX];
+    for (int t = 0; t < NT; t++) acc[t] = _mm512_setzero_ps();
+    for (int g = 0; g < ng; g++) {
+        const __m512 d = ld16_scales(p, bf);
+        __m512 gacc[NTMAX];
+        for (int t = 0; t < NT; t++) gacc[t] = _mm512_setzero_ps();
+        const uint8_t *q = p + 32;
+        for (int s = 0; s < GB; s++, q += 512) {
+            const int b = g * GB + s;
+            __m512i isum[NTMAX];
+            for (int t = 0; t < NT; t++) isum[t] = _mm512_setzero_si512();
+            for (int c = 0; c < 8; c++) {
+                const __m512i v = _mm512_xor_si512(_mm512_loadu_si512((const void *)(q + 64 * c)), flip);
+                for (int t = 0; t < NT; t++)
+                    isum[t] = _mm512_dpbusd_epi32(
+                        isum[t], v, _mm512_set1_epi32(ld32v(j->xq + (size_t)(m + t) * j->ldq + b * QK + 4 * c)));
+            }
+            for (int t = 0; t < NT; t++)
+                gacc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[t]),
+                                          _mm512_set1_ps(j->dx[(size_t)(m + t) * nbx + b]), gacc[t]);
+        }
+        for (int t = 0; t < NT; t++) {
+            const __m512 xg = _mm512_set1_ps(j->xs[(size_t)(m + t) * nbx + g]);
+            acc[t] = _mm512_fmadd_ps(d, _mm512_fnmadd_ps(_mm512_set1_ps(128.f), xg, gacc[t]), acc[t]);
+        }
+        p = q;
+    }
+    for (int t = 0; t < NT; t++) _mm512_storeu_ps(outbuf + t * TILE, acc[t]);
+}
+
+T_VNNI static void gemm8_vnni(const gemm_job *j, int t0, int t1) {
+    const size_t tb = tile_bytes(j->W);
+    float buf[NTMAX * TILE];
+    for (int tile = t0; tile < t1; tile++) {
+        const uint8_t *p = j->W->data + (size_t)tile * tb;
+        int m = 0;
+        for (; m + 4 <= j->M; m += 4) { q8_tile_vnni(j, p, m, 4, buf); store_tile(j, tile, m, 4, buf); }
+        for (; m < j->M; m++) { q8_tile_vnni(j, p, m, 1, buf); store_tile(j, tile, m, 1, buf); }
+    }
+}
+#endif /* GLMI4_X86 */
+
+typedef void (*gemm_fn)(const gemm_job *, int, int);
+typedef void (*quant_fn)(const float *, int, int, int, int8_t *, float *, float *);
+
+static gemm_fn pick_gemm(int isa, int bits) {
+#if GLMI4_X86
+    if (isa == ISA_VNNI) return bits == 8 ? gemm8_vnni : gemm4_vnni;
+    if (isa == ISA_AVX2) return bits == 8 ? gemm8_avx2 : gemm4_avx2;
+#endif
+    (void)isa;
+    return bits == 8 ? gemm8_ref : gemm4_ref;
+}
+
+static quant_fn pick_quant(int isa) {
+#if GLMI4_X86
+    if (isa != ISA_REF) return quant_act_avx2;
+#endif
+    (void)isa;
+    return quant_act_ref;
+}
+
+static void gemm_task(void *arg, int tid, int nth) {
+    (void)tid; (void)nth;
+    gemm_job *j = arg;
+    for (;;) {
+        int t0 = atomic_fetch_add(&j->next, j->chunk);
+        if (t0 >= j->ntiles) break;
+        j->fn(j, t0, imin(t0 + j->chunk, j->ntiles));
+    }
+}
+
+/* out[M][n] (+)= x[M][k] @ W.T (+ bias); activations already quantized. */
+static void run_gemm(pool *p, int isa, const glmi4_mat *W, int M, const int8_t *xq, const float *dx,
+                     const float *xs, int ldq, float *out, int ldo, const float *bias, int accum) {
+    gemm_job j = {.W = W, .M = M, .xq = xq, .dx = dx, .xs = xs, .ldq = ldq, .out = out, .ldo = ldo,
+                  .bias = bias, .accum = accum, .ntiles = W->n_pad / TILE};
+    int nth = p ? p->nth : 1;
+    /* several chunks per thread: balances a core busy with something else, keeps streams long */
+    j.chunk = j.ntiles / (nth * 8);
+    if (j.chunk < 1) j.chunk = 1;
+    j.fn = pick_gemm(isa, W->bits);
+    atomic_store(&j.next, 0);
+    atomic_fetch_add(&g_calls[isa], 1);
+    if ((size_t)W->n_pad * W->k_pad * M < SMALL_WORK) gemm_task(&j, 0, 1);   /* waking threads costs more */
+    else pool_run(p, gemm_task, &j);
+}
+
+/* ------------------------------------------------------------------ attention and element-wise ops */
+
+#if GLMI4_X86
+/* exp(x) for x <= 88 (Cephes polynomial, ~1 ulp); used by softmax and SiLU in the AVX2 path */
+T_AVX2 INLINE __m256 exp8(__m256 x) {
+    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.3f));
+    __m256 fx = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
+    x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), x);
+    __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
+    y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.f)));
+    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(fx), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+}
+
+T_AVX2 INLINE float hsum8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+#endif
+
+typedef struct model model;
+
+struct model {
+    glmi4_spec s;
+    glmi4_layer *layers;       /* own copy of the layer table */
+    int isa, base, len;        /* ring buffer: logical slot i lives at (base + i) % capacity */
+    pool *pool;
+    void *kc, *vc;             /* [layers][n_kv][capacity][head_dim], f32 or f16 */
+    size_t kv_elt;
+    float *x, *h, *qkv, *att, *ff;
+    int8_t *aq;
+    float *adx, *axs;
+    int ldq;                   /* activation row stride: the largest k_pad */
+    float *scores;             /* per thread: [group heads][capacity] */
+    float *rowbuf;             /* per thread: 2 * head_dim converted K/V rows + head_dim * group outputs */
+};
+
+static inline size_t kv_off(const model *m, int layer, int kvh, int slot) {
+    const glmi4_spec *s = &m->s;
+    return (((size_t)layer * s->n_kv + kvh) * s->capacity + slot) * s->head_dim;
+}
+
+static inline int phys(const model *m, int i) {
+    int p = m->base + i;
+    return p >= m->s.capacity ? p - m->s.capacity : p;
+}
+
+static inline void kv_get(const model *m, const void *c, size_t off, float *dst, int n) {
+    if (m->s.kv_f16) {
+        const uint16_t *h = (const uint16_t *)c + off;
+        for (int i = 0; i < n; i++) dst[i] = h2f(h[i]);
+    } else {
+        memcpy(dst, (const float *)c + off, sizeof(float) * (size_t)n);
+    }
+}
+
+static inline void kv_put(const model *m, void *c, size_t off, const float *src, int n) {
+    if (m->s.kv_f16) {
+        uint16_t *h = (uint16_t *)c + off;
+        for (int i = 0; i < n; i++) h[i] = f2h(src[i]);
+    } else {
+        memcpy((float *)c + off, src, sizeof(float) * (size_t)n);
+    }
+}
+
+#if GLMI4_X86
+T_AVX2 static void kv_get_avx2(const model *m, const void *c, size_t off, float *dst, int n) {
+    if (!m->s.kv_f16) { memcpy(dst, (const float *)c + off, sizeof(float) * (size_t)n); return; }
+    const uint16_t *h = (const uint16_t *)c + off;
+    for (int i = 0; i < n; i += 8) _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(h + i))));
+}
+#endif
+
+typedef struct {
+    model *m;
+    int layer, T, start, hsplit, nitems;
+    _Atomic int next;
+} attn_job;
+
+/* One (token, kv head, part of its query heads) item; plain C. */
+static void attn_item_ref(model *m, attn_job *a, int item, int tid) {
+    const glmi4_spec *s = &m->s;
+    const int hd = s->head_dim, grp = s->n_heads / s->n_kv, per = grp / a->hsplit, ldq = s->n_heads * hd + 2 * s->n_kv * hd;
+    const int t = item / (s->n_kv * a->hsplit), kvh = (item / a->hsplit) % s->n_kv, part = item % a->hsplit;
+    const int h0 = kvh * grp + part * per, n = a->start + t + 1;
+    const float scale = 1.f / sqrtf((float)hd);
+    float *sc = m->scores + (size_t)tid * grp * s->capacity;
+    float *row = m->rowbuf + (size_t)tid * (hd * (2 + grp));
+    float *acc = row + hd;
+    const float *q = m->qkv + (size_t)t * ldq + (size_t)h0 * hd;
+    for (int i = 0; i < n; i++) {
+        kv_get(m, m->kc, kv_off(m, a->layer, kvh, phys(m, i)), row, hd);
+        for (int h = 0; h < per; h++) {
+            float d = 0.f;
+            for (int e = 0; e < hd; e++) d += q[h * hd + e] * row[e];
+            sc[(size_t)h * n + i] = d * scale;
+        }
+    }
+    for (int h = 0; h < per; h++) {
+        float *r = sc + (size_t)h * n, mx = r[0], sum = 0.f;
+        for (int i = 1; i < n; i++) mx = fmaxf(mx, r[i]);
+        for (int i = 0; i < n; i++) { r[i] = expf(r[i] - mx); sum += r[i]; }
+        for (int i = 0; i < n; i++) r[i] /= sum;
+    }
+    memset(acc, 0, sizeof(float) * (size_t)per * hd);
+    for (int i = 0; i < n; i++) {
+        kv_get(m, m->vc, kv_off(m, a->layer, kvh, phys(m, i)), row, hd);
+        for (int h = 0; h < per; h++) {
+            const float p = sc[(size_t)h * n + i];
+            for (int e = 0; e < hd; e++) acc[h * hd + e] += p * row[e];
+        }
+    }
+    memcpy(m->att + (size_t)t * s->n_heads * hd + (size_t)h0 * hd, acc, sizeof(float) * (size_t)per * hd);
+}
+
+#if GLMI4_X86
+T_AVX2 static void attn_item_avx2(model *m, attn_job *a, int item, int tid) {
+    const glmi4_spec *s = &m->s;
+    const int hd = s->head_dim, grp = s->n_heads / s->n_kv, per = grp / a->hsplit, ldq = s->n_heads * hd + 2 * s->n_kv * hd;
+    const int t = item / (s->n_kv * a->hsplit), kvh = (item / a->hsplit) % s->n_kv, part = item % a->hsplit;
+    const int h0 = kvh * grp + part * per, n = a->start + t + 1;
+    const float scale = 1.f / sqrtf((float)hd);
+    float *sc = m->scores + (size_t)tid * grp * s->capacity;
+    float *row = m->rowbuf + (size_t)tid * (hd * (2 + grp));
+    float *acc = row + hd;
+    const float *q = m->qkv + (size_t)t * ldq + (size_t)h0 * hd;
+    for (int i = 0; i < n; i++) {
+        const size_t off = kv_off(m, a->layer, kvh, phys(m, i));
+        const float *k = row;
+        if (s->kv_f16) kv_get_avx2(m, m->kc, off, row, hd); else k = (const float *)m->kc + off;
+        for (int h = 0; h < per; h++) {
+            __m256 d = _mm256_setzero_ps();
+            for (int e = 0; e < hd; e += 8) d = _mm256_fmadd_ps(_mm256_loadu_ps(q + h * hd + e), _mm256_loadu_ps(k + e), d);
+            sc[(size_t)h * n + i] = hsum8(d) * scale;
+        }
+    }
+    for (int h = 0; h < per; h++) {
+        float *r = sc + (size_t)h * n, mx = r[0];
+        for (int i = 1; i < n; i++) mx = fmaxf(mx, r[i]);
+        const __m256 vm = _mm256_set1_ps(mx);
+        __m256 vs = _mm256_setzero_ps();
+        int i = 0;
+        for (; i + 8 <= n; i += 8) {
+            __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(r + i), vm));
+            _mm256_storeu_ps(r + i, e);
+            vs = _mm256_add_ps(vs, e);
+        }
+        float sum = hsum8(vs);
+        for (; i < n; i++) { r[i] = expf(r[i] - mx); sum += r[i]; }
+        const __m256 inv = _mm256_set1_ps(1.f / sum);
+        for (i = 0; i + 8 <= n; i += 8) _mm256_storeu_ps(r + i, _mm256_mul_ps(_mm256_loadu_ps(r + i), inv));
+        for (; i < n; i++) r[i] *= 1.f / sum;
+    }
+    memset(acc, 0, sizeof(float) * (size_t)per * hd);
+    for (int i = 0; i < n; i++) {
+        const size_t off = kv_off(m, a->layer, kvh, phys(m, i));
+        const float *v = row;
+        if (s->kv_f16) kv_get_avx2(m, m->vc, off, row, hd); else v = (const float *)m->vc + off;
+        for (int h = 0; h < per; h++) {
+            const __m256 p = _mm256_set1_ps(sc[(size_t)h * n + i]);
+            float *o = acc + h * hd;
+            for (int e = 0; e < hd; e += 8)
+                _mm256_storeu_ps(o + e, _mm256_fmadd_ps(p, _mm256_loadu_ps(v + e), _mm256_loadu_ps(o + e)));
+        }
+    }
+    memcpy(m->att + (size_t)t * s->n_heads * hd + (size_t)h0 * hd, acc, sizeof(float) * (size_t)per * hd);
+}
+#endif
+
+static void attn_task(void *arg, int tid, int nth) {
+    (void)nth;
+    attn_job *a = arg;
+    for (;;) {
+        int it = atomic_fetch_add(&a->next, 1);
+        if (it >= a->nitems) break;
+#if GLMI4_X86
+        if (a->m->isa != ISA_REF && a->m->s.head_dim % 8 == 0) { attn_item_avx2(a->m, a, it, tid); continue; }
+#endif
+        attn_item_ref(a->m, a, it, tid);
+    }
+}
+
+static void rmsnorm(const float *x, const float *w, int n, float eps, float *out) {
+    double ss = 0.0;
+    for (int i = 0; i < n; i++) ss += (double)x[i] * x[i];
+    const float r = (float)(1.0 / sqrt(ss / n + eps));
+    for (int i = 0; i < n; i++) out[i] = x[i] * r * w[i];
+}
+
+/* rotate the first half of each head's dims in interleaved pairs (2i, 2i+1) */
+static void rope(float *v, int nheads, int hd, const float *c, const float *sn) {
+    for (int h = 0; h < nheads; h++) {
+        float *x = v + (size_t)h * hd;
+        for (int i = 0; i < hd / 4; i++) {
+            const float x0 = x[2 * i], x1 = x[2 * i + 1];
+            x[2 * i] = x0 * c[i] - x1 * sn[i];
+            x[2 * i + 1] = x1 * c[i] + x0 * sn[i];
+        }
+    }
+}
+
+static void silu_mul_ref(const float *gu, int F, float *out) {
+    for (int i = 0; i < F; i++) {
+        const float g = gu[i];
+        out[i] = g / (1.f + expf(-g)) * gu[F + i];
+    }
+}
+
+#if GLMI4_X86
+T_AVX2 static void silu_mul_avx2(const float *gu, int F, float *out) {
+    int i = 0;
+    const __m256 one = _mm256_set1_ps(1.f);
+    for (; i + 8 <= F; i += 8) {
+        const __m256 g = _mm256_loadu_ps(gu + i);
+        const __m256 sg = _mm256_div_ps(g, _mm256_add_ps(one, exp8(_mm256_sub_ps(_mm256_setzero_ps(), g))));
+        _mm256_storeu_ps(out + i, _mm256_mul_ps(sg, _mm256_loadu_ps(gu + F + i)));
+    }
+    for (; i < F; i++) {
+        const float g = gu[i];
+        out[i] = g / (1.f + expf(-g)) * gu[F + i];
+    }
+}
+#endif
+
+/* Row-parallel element-wise stages of a layer (norm + quantize, SiLU + quantize). */
+typedef struct {
+    model *m;
+    int kind, T;                 /* kind 0: rmsnorm(x) -> quantize;  1: silu(gate)*up -> quantize */
+    const float *w;              /* norm weight */
+    int K, Kp, G;
+    _Atomic int next;
+} rows_job;
+
+static void rows_task(void *arg, int tid, int nth) {
+    (void)nth;
+    rows_job *r = arg;
+    model *m = r->m;
+    const glmi4_spec *s = &m->s;
+    quant_fn qf = pick_quant(m->isa);
+    for (;;) {
+        const int t = atomic_fetch_add(&r->next, 1);
+        if (t >= r->T) break;
+        float *tmp = m->h + (size_t)t * m->ldq;
+        if (r->kind == 0) {
+            rmsnorm(m->x + (size_t)t * s->hidden, r->w, s->hidden, s->norm_eps, tmp);
+        } else {
+#if GLMI4_X86
+            if (m->isa != ISA_REF) silu_mul_avx2(m->ff + (size_t)t * 2 * s->ffn, s->ffn, tmp);
+            else
+#endif
+                silu_mul_ref(m->ff + (size_t)t * 2 * s->ffn, s->ffn, tmp);
+        }
+        const int nbx = m->ldq / QK;
+        qf(tmp, r->K, r->Kp, r->G, m->aq + (size_t)t * m->ldq, m->adx + (size_t)t * nbx, m->axs + (size_t)t * nbx);
+    }
+    (void)tid;
+}
+
+static void run_rows(model *m, int kind, int T, const float *w, const glmi4_mat *W) {
+    rows_job r = {.m = m, .kind = kind, .T = T, .w = w, .K = W->k, .Kp = W->k_pad, .G = W->group};
+    atomic_store(&r.next, 0);
+    if (T < 4) rows_task(&r, 0, 1);      /* decode: not worth waking the pool */
+    else pool_run(m->pool, rows_task, &r);
+}
+
+static void quant_rows(model *m, const float *src, int ld, int T, const glmi4_mat *W) {
+    quant_fn qf = pick_quant(m->isa);
+    const int nbx = m->ldq / QK;
+    for (int t = 0; t < T; t++)
+        qf(src + (size_t)t * ld, W->k, W->k_pad, W->group, m->aq + (size_t)t * m->ldq, m->adx + (size_t)t * nbx,
+           m->axs + (size_t)t * nbx);
+}
+
+static void embed_row(const glmi4_emb *E, int id, float *out) {
+    const int ng = E->k_pad / E->group;
+    const uint8_t *sc = E->scales + (size_t)id * ng * 2, *mn = E->mins ? E->mins + (size_t)id * ng * 2 : NULL;
+    for (int i = 0; i < E->k; i++) {
+        const int g = i / E->group;
+        const float d = scale_at(sc, g, E->scale_bf16);
+        if (E->bits == 8) {
+            out[i] = d * (float)((const int8_t *)E->q)[(size_t)id * E->k_pad + i];
+        } else {
+            const uint8_t b = E->q[(size_t)id * (E->k_pad / 2) + i / 2];
+            const int qv = (i & 1) ? b >> 4 : b & 15;
+            out[i] = E->asym ? d * (float)qv + scale_at(mn, g, E->scale_bf16) : d * (float)(qv - 8);
+        }
+    }
+}
+
+/* ------------------------------------------------------------------ the forward step */
+
+static int forward_chunk(model *m, const int32_t *ids, int T, float *logits, int all) {
+    const glmi4_spec *s = &m->s;
+    const int H = s->hidden, hd = s->head_dim, qs = s->n_heads * hd, kvs = s->n_kv * hd, ldqkv = qs + 2 * kvs;
+    const int start = m->len, nbx = m->ldq / QK;
+    for (int t = 0; t < T; t++) embed_row(&s->embed, ids[t], m->x + (size_t)t * H);
+    for (int l = 0; l < s->n_layers; l++) {
+        const glmi4_layer *L = &m->layers[l];
+        run_rows(m, 0, T, L->input_norm, &L->qkv);
+        run_gemm(m->pool, m->isa, &L->qkv, T, m->aq, m->adx, m->axs, m->ldq, m->qkv, ldqkv, L->qkv_bias, 0);
+        for (int t = 0; t < T; t++) {       /* rotary at the token's position, then cache K and V */
+            const int pos = start + t;
+            float *q = m->qkv + (size_t)t * ldqkv;
+            const float *c = s->rope_cos + (size_t)pos * (hd / 4), *sn = s->rope_sin + (size_t)pos * (hd / 4);
+            rope(q, s->n_heads, hd, c, sn);
+            rope(q + qs, s->n_kv, hd, c, sn);
+            for (int kh = 0; kh < s->n_kv; kh++) {
+                const size_t off = kv_off(m, l, kh, phys(m, pos));
+                kv_put(m, m->kc, off, q + qs + kh * hd, hd);
+                kv_put(m, m->vc, off, q + qs + kvs + kh * hd, hd);
+            }
+        }
+        {   /* split a kv head's query heads when there are fewer items than threads */
+            const int grp = s->n_heads / s->n_kv, nth = m->pool ? m->pool->nth : 1;
+            int hsplit = 1;
+            while (hsplit < grp && T * s->n_kv * hsplit < nth) {
+                hsplit++;
+                while (grp % hsplit) hsplit++;
+            }
+            attn_job a = {.m = m, .layer = l, .T = T, .start = start, .hsplit = hsplit, .nitems = T * s->n_kv * hsplit};
+            atomic_store(&a.next, 0);
+            if (a.nitems == 1 || (size_t)T * (start + T) * s->n_heads * hd < SMALL_WORK) attn_task(&a, 0, 1);
+            else pool_run(m->pool, attn_task, &a);
+        }
+        quant_rows(m, m->att, qs, T, &L->attn_out);
+        run_gemm(m->pool, m->isa, &L->attn_out, T, m->aq, m->adx, m->axs, m->ldq, m->x, H, NULL, 1);
+        run_rows(m, 0, T, L->post_norm, &L->ffn_up);
+        run_gemm(m->pool, m->isa, &L->ffn_up, T, m->aq, m->adx, m->axs, m->ldq, m->ff, 2 * s->ffn, NULL, 0);
+        run_rows(m, 1, T, NULL, &L->ffn_down);
+        run_gemm(m->pool, m->isa, &L->ffn_down, T, m->aq, m->adx, m->axs, m->ldq, m->x, H, NULL, 1);
+    }
+    m->len += T;
+    if (!logits) return 0;
+    const int r0 = all ? 0 : T - 1, R = T - r0;
+    for (int t = 0; t < R; t++) {
+        float *tmp = m->h + (size_t)t * m->ldq;
+        rmsnorm(m->x + (size_t)(r0 + t) * H, s->final_norm, H, s->norm_eps, tmp);
+        pick_quant(m->isa)(tmp, s->head.k, s->head.k_pad, s->head.group, m->aq + (size_t)t * m->ldq,
+                           m->adx + (size_t)t * nbx, m->axs + (size_t)t * nbx);
+    }
+    run_gemm(m->pool, m->isa, &s->head, R, m->aq, m->adx, m->axs, m->ldq, logits, s->vocab, NULL, 0);
+    return 0;
+}
+
+/* ------------------------------------------------------------------ public API */
+
+enum { E_OK = 0, E_ARG = -1, E_OVERFLOW = -2, E_TOKEN = -3, E_NOMEM = -4, E_ISA = -5 };
+
+static int mat_ok(const glmi4_mat *W, int n, int k) {
+    return W->data && W->n == n && W->k == k && W->n_pad % TILE == 0 && W->n_pad >= n && W->group % QK == 0 &&
+           W->group > 0 && W->k_pad % W->group == 0 && W->k_pad >= k && (W->bits == 4 || (W->bits == 8 && !W->asym));
+}
+
+void glmi4_destroy(void *handle);
+
+void *glmi4_create(const glmi4_spec *spec, char *err, int errlen) {
+    const glmi4_spec *s = spec;
+#define FAIL(...) do { if (err) snprintf(err, (size_t)errlen, __VA_ARGS__); glmi4_destroy(m); return NULL; } while (0)
+    model *m = calloc(1, sizeof(model));
+    if (!m) { if (err) snprintf(err, (size_t)errlen, "out of memory"); return NULL; }
+    m->s = *s;
+    if (s->n_kv <= 0 || s->n_heads % s->n_kv || s->head_dim % 4 || s->capacity < 1 || s->max_batch < 1)
+        FAIL("unsupported shape: heads %d, kv heads %d, head_dim %d", s->n_heads, s->n_kv, s->head_dim);
+    if (s->isa < 0 || s->isa >= ISA_COUNT || !isa_supported(s->isa))
+        FAIL("this CPU cannot run the %s kernels", glmi4_isa_name(s->isa));
+    m->isa = s->isa;
+    const int qkvn = s->n_heads * s->head_dim + 2 * s->n_kv * s->head_dim;
+    m->layers = calloc((size_t)s->n_layers, sizeof(glmi4_layer));
+    if (!m->layers) FAIL("out of memory");
+    int kmax = s->head.k_pad;
+    for (int l = 0; l < s->n_layers; l++) {
+        const glmi4_layer *L = &s->layers[l];
+        m->layers[l] = *L;
+        if (!mat_ok(&L->qkv, qkvn, s->hidden) || !mat_ok(&L->attn_out, s->hidden, s->n_heads * s->head_dim) ||
+            !mat_ok(&L->ffn_up, 2 * s->ffn, s->hidden) || !mat_ok(&L->ffn_down, s->hidden, s->ffn) ||
+            !L->input_norm || !L->post_norm)
+            FAIL("layer %d: packed weights do not match the model shape", l);
+        const glmi4_mat *ms[4] = {&L->qkv, &L->attn_out, &L->ffn_up, &L->ffn_down};
+        for (int i = 0; i < 4; i++) kmax = ms[i]->k_pad > kmax ? ms[i]->k_pad : kmax;
+    }
+    m->s.layers = m->layers;
+    if (!mat_ok(&s->head, s->vocab, s->hidden) || !s->final_norm || s->embed.n != s->vocab || s->embed.k != s->hidden)
+        FAIL("output layer or embedding does not match the model shape");
+    kmax = kmax > s->ffn ? kmax : s->ffn;
+    kmax = (kmax + 127) / 128 * 128;
+    m->ldq = kmax;
+    const size_t T = (size_t)s->max_batch, nth = (size_t)(s->nthreads < 1 ? 1 : s->nthreads);
+    const int grp = s->n_heads / s->n_kv;
+    m->kv_elt = s->kv_f16 ? 2 : 4;
+    const size_t kvn = (size_t)s->n_layers * s->n_kv * s->capacity * s->head_dim;
+    m->kc = xalloc(kvn * m->kv_elt);
+    m->vc = xalloc(kvn * m->kv_elt);
+    m->x = xalloc(T * s->hidden * 4);
+    m->h = xalloc(T * kmax * 4);
+    m->qkv = xalloc(T * qkvn * 4);
+    m->att = xalloc(T * s->n_heads * s->head_dim * 4);
+    m->ff = xalloc(T * 2 * s->ffn * 4);
+    m->aq = xalloc(T * kmax);
+    m->adx = xalloc(T * (kmax / QK) * 4);
+    m->axs = xalloc(T * (kmax / QK) * 4);
+    m->scores = xalloc(nth * grp * s->capacity * 4);
+    m->rowbuf = xalloc(nth * s->head_dim * (2 + grp) * 4);
+    if (!m->kc || !m->vc || !m->x || !m->h || !m->qkv || !m->att || !m->ff || !m->aq || !m->adx || !m->axs ||
+        !m->scores || !m->rowbuf)
+        FAIL("out of memory for the KV cache (%zu MiB) and work buffers; lower the context", 2 * kvn * m->kv_elt >> 20);
+    m->pool = pool_new((int)nth);
+    if (!m->pool) FAIL("could not start %d threads", (int)nth);
+    return m;
+#undef FAIL
+}
+
+void glmi4_destroy(void *handle) {
+    model *m = handle;
+    if (!m) return;
+    pool_free(m->pool);
+    free(m->layers);
+    free(m->kc); free(m->vc); free(m->x); free(m->h); free(m->qkv); free(m->att); free(m->ff);
+    free(m->aq); free(m->adx); free(m->axs); free(m->scores); free(m->rowbuf);
+    free(m);
+}
+
+int glmi4_kv_len(void *handle) { return ((model *)handle)->len; }
+
+void glmi4_reset(void *handle) {
+    model *m = handle;
+    m->len = 0;
+    m->base = 0;
+}
+
+/* Append n tokens. logits: NULL, [vocab] (last position) or [n][vocab] (all). */
+int glmi4_forward(void *handle, const int32_t *ids, int n, float *logits, int all) {
+    model *m = handle;
+    if (n < 1) return E_ARG;
+    if (m->len + n > m->s.capacity) return E_OVERFLOW;
+    for (int i = 0; i < n; i++)
+        if (ids[i] < 0 || ids[i] >= m->s.vocab) return E_TOKEN;
+    for (int done = 0; done < n;) {
+        const int T = imin(m->s.max_batch, n - done), last = done + T == n;
+        float *out = all ? logits + (size_t)done * m->s.vocab : (last ? logits : NULL);
+        int rc = forward_chunk(m, ids + done, T, out, all);
+        if (rc) return rc;
+        done += T;
+    }
+    return E_OK;
+}
+
+typedef struct {
+    model *m;
+    int n_keep;
+    const float *c, *sn;
+} shift_job;
+
+static void shift_task(void *arg, int tid, int nth) {
+    shift_job *j = arg;
+    model *m = j->m;
+    const glmi4_spec *s = &m->s;
+    float row[1024];
+    for (int l = tid; l < s->n_layers; l += nth)
+        for (int kh = 0; kh < s->n_kv; kh++)
+            for (int i = j->n_keep; i < m->len; i++) {
+                const size_t off = kv_off(m, l, kh, phys(m, i));
+                kv_get(m, m->kc, off, row, s->head_dim);
+                rope(row, 1, s->head_dim, j->c, j->sn);
+                kv_put(m, m->kc, off, row, s->head_dim);
+            }
+}
+
+/* StreamingLLM: drop logical slots n_keep..n_keep+n_discard-1. The ring advances by n_discard, the
+ * n_keep attention sinks are copied forward (O(n_keep)), and the remaining keys are re-rotated by
+ * -n_discard positions in place, so positions stay 0..len-1 without recomputing anything. */
+int glmi4_shift(void *handle, int n_keep, int n_discard) {
+    model *m = handle;
+    const glmi4_spec *s = &m->s;
+    if (n_keep < 0 || n_discard < 0 || n_keep + n_discard > m->len || s->head_dim > 1024) return E_ARG;
+    if (n_discard == 0) return E_OK;
+    const size_t rowb = (size_t)s->head_dim * m->kv_elt;
+    for (int l = 0; l < s->n_layers; l++)
+        for (int kh = 0; kh < s->n_kv; kh++)
+            for (int i = n_keep - 1; i >= 0; i--) {      /* descending: source and target may overlap */
+                const size_t src = kv_off(m, l, kh, phys(m, i)) * m->kv_elt;
+                const size_t dst = kv_off(m, l, kh, phys(m, i + n_discard)) * m->kv_elt;
+                memmove((char *)m->kc + dst, (char *)m->kc + src, rowb);
+                memmove((char *)m->vc + dst, (char *)m->vc + src, rowb);
+            }
+    m->base = (m->base + n_discard) % s->capacity;
+    m->len -= n_discard;
+    float c[256], sn[256];
+    for (int i = 0; i < s->head_dim / 4; i++) {   /* rotate by -n_discard; angles in double */
+        const double ang = -(double)n_discard * (double)s->inv_freq[i];
+        c[i] = (float)cos(ang);
+        sn[i] = (float)sin(ang);
+    }
+    shift_job j = {.m = m, .n_keep = n_keep, .c = c, .sn = sn};
+    pool_run(m->pool, shift_task, &j);
+    return E_OK;
+}
+
+/* ------------------------------------------------------------------ entry points for tests and benchmarks */
+
+int glmi4_quant_act(int isa, const float *x, int K, int Kp, int G, int8_t *q, float *dx, float *xs) {
+    if (!isa_supported(isa) || Kp % G || G % QK || Kp < K) return E_ISA;
+    pick_quant(isa)(x, K, Kp, G, q, dx, xs);
+    return E_OK;
+}
+
+/* out[M][W->n] = x[M][W->k] @ W.T with the given kernel variant and thread count. */
+int glmi4_matmul(int isa, const glmi4_mat *W, int M, const float *x, float *out, int nthreads) {
+    if (!isa_supported(isa)) return E_ISA;
+    if (!mat_ok(W, W->n, W->k) || M < 1) return E_ARG;
+    const int ldq = W->k_pad, nbx = ldq / QK;
+    int8_t *q = xalloc((size_t)M * ldq);
+    float *dx = xalloc((size_t)M * nbx * 4), *xs = xalloc((size_t)M * nbx * 4);
+    pool *p = nthreads > 1 ? pool_new(nthreads) : NULL;
+    int rc = (!q || !dx || !xs || (nthreads > 1 && !p)) ? E_NOMEM : E_OK;
+    if (!rc) {
+        for (int m = 0; m < M; m++)
+            pick_quant(isa)(x + (size_t)m * W->k, W->k, W->k_pad, W->group, q + (size_t)m * ldq, dx + (size_t)m * nbx,
+                            xs + (size_t)m * nbx);
+        run_gemm(p, isa, W, M, q, dx, xs, ldq, out, W->n, NULL, 0);
+    }
+    pool_free(p);
+    free(q); free(dx); free(xs);
+    return rc;
+}
+
+/* Time `iters` matrix-vector products (M tokens) on prepared activations: the kernel's own speed. */
+double glmi4_bench_matmul(int isa, const glmi4_mat *W, int M, int iters, int nthreads) {
+    if (!isa_supported(isa) || !mat_ok(W, W->n, W->k) || M < 1) return -1.0;
+    const int ldq = W->k_pad, nbx = ldq / QK;
+    int8_t *q = xalloc((size_t)M * ldq);
+    float *dx = xalloc((size_t)M * nbx * 4), *xs = xalloc((size_t)M * nbx * 4), *x = xalloc((size_t)W->k * 4),
+          *out = xalloc((size_t)M * W->n * 4);
+    pool *p = pool_new(nthreads);
+    double secs = -1.0;
+    if (q && dx && xs && x && out && p) {
+        for (int i = 0; i < W->k; i++) x[i] = (float)((i * 7919) % 255 - 127) / 127.f;
+        for (int m = 0; m < M; m++)
+            pick_quant(isa)(x, W->k, W->k_pad, W->group, q + (size_t)m * ldq, dx + (size_t)m * nbx, xs + (size_t)m * nbx);
+        run_gemm(p, isa, W, M, q, dx, xs, ldq, out, W->n, NULL, 0);
+        const uint64_t t0 = now_ns();
+        for (int i = 0; i < iters; i++) run_gemm(p, isa, W, M, q, dx, xs, ldq, out, W->n, NULL, 0);
+        secs = (double)(now_ns() - t0) * 1e-9 / iters;
+    }
+    pool_free(p);
+    free(q); free(dx); free(xs); free(x); free(out);
+    return secs;
+}
+
+/* f32 <-> f16 as the KV cache stores it (tests check the software conversion against numpy). */
+void glmi4_f2h(const float *x, uint16_t *out, int n) { for (int i = 0; i < n; i++) out[i] = f2h(x[i]); }
+void glmi4_h2f(const uint16_t *x, float *out, int n) { for (int i = 0; i < n; i++) out[i] = h2f(x[i]); }

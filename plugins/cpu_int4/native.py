@@ -1,0 +1,301 @@
+"""Finding, building and calling the glmi4 C library (ctypes: no Python headers, no torch).
+
+Where the library comes from, in order:
+  1. the copy built by the package build (setuptools ext-module `glmcore_plugins.cpu_int4._glmi4`,
+     next to this file), unless the C source beside it is newer (a developer edited it);
+  2. a copy compiled on first use from csrc/glmi4.c with the system C compiler ($CC, cc, gcc or
+     clang) into the glmcore cache, keyed by the source's hash, so a source checkout works as is.
+Both builds use the same flags: -O3, no -march (the fast paths carry their own target attributes and
+are chosen at run time), pthreads, no OpenMP, and -DGLMI4_SRC_SHA=<sha256 of glmi4.c>, by which a
+library built from an older source is recognised and not used.
+"""
+from __future__ import annotations
+
+import ctypes as C
+import hashlib
+import importlib.machinery
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import warnings
+from pathlib import Path
+
+import numpy as np
+
+from glmcore.errors import BackendError
+
+HERE = Path(__file__).resolve().parent
+SOURCE = HERE / "csrc" / "glmi4.c"
+ABI = 4
+ISAS = ("plain", "avx2", "avx512vnni")
+CFLAGS = ["-O3", "-std=c11", "-fPIC", "-shared", "-pthread"]
+
+_lib = None
+_lib_origin = ""
+_verified: dict[int, str] = {}     # isa -> "" (passed) or why it failed the self-test
+
+
+class Mat(C.Structure):
+    _fields_ = [("data", C.c_void_p), ("n", C.c_int32), ("k", C.c_int32), ("n_pad", C.c_int32),
+                ("k_pad", C.c_int32), ("bits", C.c_int32), ("group", C.c_int32), ("asym", C.c_int32),
+                ("scale_bf16", C.c_int32)]
+
+
+class Emb(C.Structure):
+    _fields_ = [("scales", C.c_void_p), ("mins", C.c_void_p), ("q", C.c_void_p), ("n", C.c_int32),
+                ("k", C.c_int32), ("k_pad", C.c_int32), ("bits", C.c_int32), ("group", C.c_int32),
+                ("asym", C.c_int32), ("scale_bf16", C.c_int32)]
+
+
+class Layer(C.Structure):
+    _fields_ = [("input_norm", C.c_void_p), ("qkv_bias", C.c_void_p), ("post_norm", C.c_void_p),
+                ("qkv", Mat), ("attn_out", Mat), ("ffn_up", Mat), ("ffn_down", Mat)]
+
+
+class Spec(C.Structure):
+    _fields_ = [("hidden", C.c_int32), ("n_layers", C.c_int32), ("n_heads", C.c_int32), ("n_kv", C.c_int32),
+                ("head_dim", C.c_int32), ("ffn", C.c_int32), ("vocab", C.c_int32), ("capacity", C.c_int32),
+                ("kv_f16", C.c_int32), ("max_batch", C.c_int32), ("nthreads", C.c_int32), ("isa", C.c_int32),
+                ("norm_eps", C.c_float), ("rope_cos", C.c_void_p), ("rope_sin", C.c_void_p),
+                ("inv_freq", C.c_void_p), ("embed", Emb), ("final_norm", C.c_void_p), ("head", Mat),
+                ("layers", C.POINTER(Layer))]
+
+
+def _declare(lib) -> None:
+    P, I, U64 = C.c_void_p, C.c_int, C.c_uint64
+    sig = {
+        "glmi4_abi_version": (I, []), "glmi4_source_sha": (C.c_char_p, []),
+        "glmi4_isa_supported": (I, [I]), "glmi4_isa_name": (C.c_char_p, [I]),
+        "glmi4_kernel_calls": (U64, [I]), "glmi4_best_isa": (I, []),
+        "glmi4_create": (P, [C.POINTER(Spec), C.c_char_p, I]), "glmi4_destroy": (None, [P]),
+        "glmi4_kv_len": (I, [P]), "glmi4_reset": (None, [P]),
+        "glmi4_forward": (I, [P, P, I, P, I]), "glmi4_shift": (I, [P, I, I]),
+        "glmi4_quant_act": (I, [I, P, I, I, I, P, P, P]),
+        "glmi4_matmul": (I, [I, C.POINTER(Mat), I, P, P, I]),
+        "glmi4_bench_matmul": (C.c_double, [I, C.POINTER(Mat), I, I, I]),
+        "glmi4_f2h": (None, [P, P, I]), "glmi4_h2f": (None, [P, P, I]),
+    }
+    for name, (res, args) in sig.items():
+        f = getattr(lib, name)
+        f.restype, f.argtypes = res, args
+
+
+def source_sha() -> str:
+    return hashlib.sha256(SOURCE.read_bytes()).hexdigest() if SOURCE.is_file() else ""
+
+
+def _prebuilt() -> Path | None:
+    for suffix in importlib.machinery.EXTENSION_SUFFIXES:
+        p = HERE / f"_glmi4{suffix}"
+        if p.is_file():
+            return p
+    return None
+
+
+def _current(handle) -> bool:
+    """Built from the source beside us (the build passes its sha256 in), or no source to compare with."""
+    src = source_sha()
+    return not src or handle.glmi4_source_sha().decode() == src
+
+
+def compiler() -> str | None:
+    for cc in (os.environ.get("CC"), "cc", "gcc", "clang"):
+        if cc and shutil.which(cc.split()[0]):
+            return cc
+    return None
+
+
+def _cache_path() -> Path:
+    from glmcore.model import cache_root
+    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(CFLAGS).encode()).hexdigest()[:16]
+    return cache_root() / "kernels" / f"glmi4-{digest}-{platform.machine()}.so"
+
+
+def build_flags() -> list[str]:
+    """The compiler flags both builds use, with the source's hash compiled in."""
+    return CFLAGS + [f'-DGLMI4_SRC_SHA="{source_sha()}"']
+
+
+def _compile() -> Path:
+    if not SOURCE.is_file():
+        raise BackendError(f"cpu_int4: the kernel source {SOURCE} is missing and no prebuilt library was found; "
+                           'reinstall: pip install "glmcore[int4]"')
+    out = _cache_path()
+    if out.is_file():
+        return out
+    cc = compiler()
+    if cc is None:
+        raise BackendError("cpu_int4: no prebuilt kernel library and no C compiler (cc, gcc or clang) to build one; "
+                           'install a C compiler (e.g. apt install gcc) or reinstall: pip install "glmcore[int4]"')
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=out.parent, suffix=".so")
+    os.close(fd)
+    cmd = cc.split() + build_flags() + [str(SOURCE), "-o", tmp, "-lm"]
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    if r.returncode != 0:
+        os.unlink(tmp)
+        first = (r.stderr.strip().splitlines() or ["no output"])[0]
+        raise BackendError(f"cpu_int4: compiling the kernels failed ({' '.join(cmd)}): {first}")
+    os.replace(tmp, out)      # atomic: concurrent first uses never load half a file
+    return out
+
+
+def library_path(build: bool = True) -> tuple[Path | None, str]:
+    """(path, how it was obtained) without compiling unless build; a stale prebuilt copy is skipped."""
+    env = os.environ.get("GLMCORE_INT4_LIB")
+    if env:
+        return Path(env), "GLMCORE_INT4_LIB"
+    pre = _prebuilt()
+    if pre is not None:
+        try:
+            handle = C.CDLL(str(pre))
+            handle.glmi4_source_sha.restype = C.c_char_p
+            if _current(handle):
+                return pre, "built with the package"
+        except (OSError, AttributeError):
+            pass                    # unloadable or from an older version: build from source instead
+    if SOURCE.is_file():
+        cached = _cache_path()
+        if cached.is_file():
+            return cached, "compiled on first use"
+    if not build:
+        return None, ""
+    return _compile(), "compiled on first use"
+
+
+def lib():
+    """The loaded library (compiled on first use when needed)."""
+    global _lib, _lib_origin
+    if _lib is None:
+        path, origin = library_path(build=True)
+        try:
+            handle = C.CDLL(str(path))
+        except OSError as e:
+            raise BackendError(f"cpu_int4: cannot load the kernel library {path}: {e}; delete it and retry") from None
+        _declare(handle)
+        if handle.glmi4_abi_version() != ABI:
+            raise BackendError(f"cpu_int4: kernel library {path} is from another version (ABI "
+                               f"{handle.glmi4_abi_version()}, need {ABI}); rebuild: pip install -e . (or delete it)")
+        _lib, _lib_origin = handle, f"{origin}: {path}"
+    return _lib
+
+
+def origin() -> str:
+    lib()
+    return _lib_origin
+
+
+def isa_index(name: str) -> int:
+    if name not in ISAS:
+        raise BackendError(f"cpu_int4: unknown isa {name!r}; choose auto, {', '.join(ISAS)}")
+    return ISAS.index(name)
+
+
+def supported(name: str) -> bool:
+    return bool(lib().glmi4_isa_supported(isa_index(name)))
+
+
+def cpu_flags() -> set[str]:
+    """The CPU's feature flags as the OS reports them (Linux), independent of the C library."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def expected_isa() -> str:
+    """What the dispatcher should pick on this CPU, judged from /proc/cpuinfo alone."""
+    f = cpu_flags()
+    if {"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni"} <= f:
+        return "avx512vnni"
+    if {"avx2", "fma", "f16c"} <= f:
+        return "avx2"
+    return "plain"
+
+
+def self_test(isa: int) -> str:
+    """Compare a fast kernel with the plain C reference on small random matrices ("" when equal)."""
+    if isa in _verified:
+        return _verified[isa]
+    from .quant import quantize4, quantize8, tile4, tile8
+    rng = np.random.default_rng(1234)
+    why = ""
+    for bits, group, sym, sd in ((4, 32, True, "f16"), (4, 64, False, "bf16"), (4, 128, True, "bf16"),
+                                 (8, 32, True, "f16")):
+        n, k, m = 40, 2 * group + 32 if group < 128 else 256, 6
+        w = rng.standard_normal((n, k), dtype=np.float32)
+        if bits == 4:
+            q, d, mins = quantize4(w, group, sym, sd)
+            buf = tile4(q, d, mins, group)
+        else:
+            q, d = quantize8(w, group, sd)
+            buf = tile8(q, d, group)
+        mat = make_mat(buf, n, k, bits, group, bits == 4 and not sym, sd)
+        x = rng.standard_normal((m, k), dtype=np.float32)
+        ref = matmul(mat, x, 0)
+        got = matmul(mat, x, isa)
+        err = float(np.abs(got - ref).max() / (np.abs(ref).max() + 1e-30))
+        if not err < 1e-5:
+            why = f"{ISAS[isa]} int{bits} g{group} kernel differs from the plain C reference (rel. error {err:.2e})"
+            break
+    _verified[isa] = why
+    return why
+
+
+def choose_isa(requested: str = "auto") -> tuple[int, str]:
+    """The kernel variant to use: the best one this CPU has that passes its self-test."""
+    req = os.environ.get("GLMCORE_INT4_ISA", "") if requested in ("auto", "", None) else requested
+    L = lib()
+    if req and req != "auto":
+        i = isa_index(req)
+        if not L.glmi4_isa_supported(i):
+            raise BackendError(f"cpu_int4: isa={req} is not supported by this CPU; use isa=auto")
+        why = self_test(i) if i else ""
+        if why:
+            raise BackendError(f"cpu_int4: {why}; report this bug, and use isa=plain meanwhile")
+        return i, ""
+    note = ""
+    for i in range(len(ISAS) - 1, 0, -1):
+        if L.glmi4_isa_supported(i):
+            why = self_test(i)
+            if not why:
+                return i, note
+            warnings.warn(f"cpu_int4: {why}; falling back")
+            note += f"{why}; "
+    return 0, note
+
+
+def make_mat(buf: np.ndarray | None, n: int, k: int, bits: int, group: int, asym: bool, scale_dtype: str,
+             base: int = 0) -> Mat:
+    """A Mat over tile bytes: either a standalone array, or (base != 0) an offset into a mapped file."""
+    addr = base if base else buf.ctypes.data
+    m = Mat(addr, n, k, -(-n // 16) * 16, -(-k // group) * group, bits, group, int(asym), int(scale_dtype == "bf16"))
+    if not base:
+        m._keep = buf
+    return m
+
+
+def matmul(mat: Mat, x: np.ndarray, isa: int, threads: int = 1) -> np.ndarray:
+    """x [M, k] float32 -> [M, n] with the given kernel variant (tests and self-test)."""
+    x = np.ascontiguousarray(x, np.float32)
+    out = np.empty((x.shape[0], mat.n), np.float32)
+    rc = lib().glmi4_matmul(isa, C.byref(mat), x.shape[0], x.ctypes.data, out.ctypes.data, threads)
+    if rc != 0:
+        raise BackendError(f"cpu_int4: matmul failed (code {rc})")
+    return out
+
+
+def quant_act(x: np.ndarray, group: int, isa: int):
+    """The kernels' int8 activation quantization of one row: (q int8, block scales, group sums)."""
+    x = np.ascontiguousarray(x, np.float32)
+    kp = -(-x.shape[0] // group) * group
+    q, dx, xs = np.empty(kp, np.int8), np.empty(kp // 32, np.float32), np.empty(kp // 32, np.float32)
+    rc = lib().glmi4_quant_act(isa, x.ctypes.data, x.shape[0], kp, group, q.ctypes.data, dx.ctypes.data, xs.ctypes.data)
+    if rc != 0:
+        raise BackendError(f"cpu_int4: quant_act failed (code {rc})")
+    return q, dx, xs[: kp // group]

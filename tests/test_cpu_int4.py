@@ -1,0 +1,506 @@
+"""Backend cpu_int4: quantization and tile layout, the C kernels against exact emulation and against each
+other, the whole model against the torch reference on the dequantized weights, the StreamingLLM shift,
+the on-disk cache, `glmcore convert`, options and errors."""
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from glmcore.backend import LoadOptions, registry
+from glmcore.config import ModelConfig
+from glmcore.engine import Engine, WindowPolicy
+from glmcore.errors import BackendError, ContextOverflow, GlmcoreError
+from glmcore.synth import init_tensor
+from glmcore.weights import canonical_shapes, load_weights
+from glmcore_plugins.cpu_int4 import CpuInt4Backend, native, quant
+
+FAMILIES = ("chatglm2", "chatglm3", "glm4")
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def ready_or_skip():
+    p = CpuInt4Backend().probe()
+    if not p.ready:
+        pytest.skip(f"cpu_int4 not ready: {p.reason}")
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    ready_or_skip()
+    return tmp_path_factory.mktemp("int4-cache")
+
+
+def load(cfg, weights, cache, capacity=256, **extra):
+    with contextlib.redirect_stderr(io.StringIO()):
+        return CpuInt4Backend().load(cfg, weights, LoadOptions(capacity=capacity, cache_dir=cache, extra=extra))
+
+
+def torch_ref(cfg, weights, capacity=256):
+    pytest.importorskip("torch")
+    from glmcore_plugins.torch_ref import TorchBackend
+    return TorchBackend().load(cfg, weights, LoadOptions(capacity=capacity))
+
+
+def dequantized(session) -> dict:
+    return quant.dequantized_weights(session.meta, np.asarray(session._blob))
+
+
+def cosine(a, b) -> float:
+    a, b = np.ravel(a).astype(np.float64), np.ravel(b).astype(np.float64)
+    return float(a @ b / (np.linalg.norm(a) * np.linalg.norm(b)))
+
+
+def run(session, prompt, steps):
+    """Teacher-forced: all prompt positions, then one decode per token of `steps`."""
+    out = [session.prefill(prompt, all_logits=True)]
+    out += [session.decode(t)[None] for t in steps]
+    return np.concatenate(out)
+
+
+def close_to(got, ref, cos_min=0.9995, top1_min=0.9):
+    """The int8 activations are the only approximation left against the dequantized reference: logits
+    agree to cos >= 0.9995 (measured 0.9998) and in top-1 on >= 90% of positions (measured 95-98%)."""
+    c, top1 = cosine(got, ref), float((got.argmax(-1) == ref.argmax(-1)).mean())
+    assert c >= cos_min and top1 >= top1_min, f"cosine {c:.6f}, top-1 agreement {top1:.3f}"
+    return c, top1
+
+
+def toy_config(layers=2, vocab=512, kv=2, heads=4, head_dim=16, hidden=64, ffn=160, base=10000.0) -> ModelConfig:
+    return ModelConfig(family="chatglm3", hidden_size=hidden, num_layers=layers, num_heads=heads,
+                       num_kv_heads=kv, head_dim=head_dim, ffn_hidden_size=ffn, vocab_size=vocab,
+                       max_seq_len=4096, rope_base=base, norm_eps=1e-5)
+
+
+def toy_weights(cfg, seed=0) -> dict:
+    return {n: init_tensor(n, s, cfg, seed) for n, s in canonical_shapes(cfg).items()}
+
+
+# ---------------------------------------------------------------- quantization and layout
+
+@pytest.mark.parametrize("group", [32, 64, 128])
+@pytest.mark.parametrize("sym", [True, False])
+@pytest.mark.parametrize("scale_dtype", ["f16", "bf16"])
+def test_int4_tiles_roundtrip(group, sym, scale_dtype):
+    rng = np.random.default_rng(group)
+    w = rng.standard_normal((37, 200), dtype=np.float32)        # rows not a multiple of 16, k not of the group
+    q, d, m = quant.quantize4(w, group, sym, scale_dtype)
+    assert q.min() >= 0 and q.max() <= 15 and q.shape == (37, -(-200 // group) * group)
+    deq = quant.dequantize(q, d, m, group, 4, 200)
+    buf = quant.tile4(q, d, m, group)
+    assert buf.nbytes == quant.tile_nbytes(37, 200, 4, group, not sym)
+    assert np.array_equal(quant.untile(buf, 37, 200, 4, group, not sym, scale_dtype), deq)
+    # within one step of the group's scale (half a step, plus clipping at the code range's end)
+    step = np.repeat(np.abs(d.astype(np.float32)), group, axis=1)[:, :200]
+    assert np.all(np.abs(deq - w) <= 1.01 * step + 1e-6)
+    if sym:   # Q4_0: the largest-magnitude value of each group maps to code 0 and is reproduced up to scale rounding
+        g = np.pad(w, ((0, 0), (0, q.shape[1] - 200))).reshape(37, -1, group)
+        idx = np.abs(g).argmax(-1)
+        assert np.all(np.take_along_axis(q.reshape(37, -1, group), idx[..., None], -1) == 0)
+
+
+def test_int8_tiles_roundtrip():
+    w = np.random.default_rng(0).standard_normal((20, 96), dtype=np.float32)
+    q, d = quant.quantize8(w, 32, "f16")
+    assert np.abs(q).max() == 127
+    buf = quant.tile8(q, d, 32)
+    deq = quant.untile(buf, 20, 96, 8, 32, False, "f16")
+    assert np.array_equal(deq, quant.dequantize(q, d, None, 32, 8, 96))
+    assert np.abs(deq - w).max() < np.abs(w).max() / 127
+
+
+def test_half_conversion_matches_numpy(cache):
+    rng = np.random.default_rng(0)
+    x = np.concatenate([rng.standard_normal(4000).astype(np.float32) * 10.0 ** rng.integers(-9, 6, 4000),
+                        np.float32([0.0, -0.0, 65504, 65519.99, 65520, 1e6, -1e6, 6.1e-5, 5.96e-8, 2.98e-8, 1e-9])])
+    x = x.astype(np.float32)
+    h = np.empty(x.size, np.uint16)
+    native.lib().glmi4_f2h(x.ctypes.data, h.ctypes.data, x.size)
+    with np.errstate(over="ignore"):
+        assert np.array_equal(h, x.astype(np.float16).view(np.uint16))
+    back = np.empty(x.size, np.float32)
+    native.lib().glmi4_h2f(h.ctypes.data, back.ctypes.data, x.size)
+    assert np.array_equal(back, h.view(np.float16).astype(np.float32))
+
+
+# ---------------------------------------------------------------- kernels
+
+def isa_or_skip(isa: str) -> int:
+    ready_or_skip()
+    if not native.supported(isa):
+        pytest.skip(f"this CPU cannot run the {isa} kernels (flags: expected path {native.expected_isa()})")
+    return native.isa_index(isa)
+
+
+def emulate(x, w_deq, group):
+    """What the integer kernel computes, in float64: the kernels' own int8 activations times the weights."""
+    rows = []
+    for r in x:
+        q, dx, _ = native.quant_act(r, group, 0)
+        rows.append(q[: x.shape[1]].astype(np.float64) * np.repeat(dx, 32)[: x.shape[1]])
+    return np.stack(rows) @ w_deq.astype(np.float64).T
+
+
+@pytest.mark.parametrize("isa", native.ISAS)
+@pytest.mark.parametrize("bits,group,sym,scale_dtype", [
+    (4, 32, True, "f16"), (4, 64, True, "bf16"), (4, 128, True, "f16"),
+    (4, 32, False, "bf16"), (4, 64, False, "f16"), (4, 128, False, "bf16"),
+    (8, 32, True, "f16"), (8, 128, True, "bf16")])
+def test_kernel_matches_exact_emulation(isa, bits, group, sym, scale_dtype):
+    i = isa_or_skip(isa)
+    rng = np.random.default_rng(bits + group)
+    n, k = 53, 320                                      # partial last tile, k padded for group 64/128
+    w = rng.standard_normal((n, k), dtype=np.float32)
+    if bits == 4:
+        q, d, m = quant.quantize4(w, group, sym, scale_dtype)
+        buf, deq = quant.tile4(q, d, m, group), quant.dequantize(q, d, m, group, 4, k)
+    else:
+        q, d = quant.quantize8(w, group, scale_dtype)
+        buf, deq = quant.tile8(q, d, group), quant.dequantize(q, d, None, group, 8, k)
+    mat = native.make_mat(buf, n, k, bits, group, bits == 4 and not sym, scale_dtype)
+    for M in (1, 3, 9):                                  # the fast kernels block tokens by 4
+        x = (rng.standard_normal((M, k)) * rng.uniform(0.1, 10, (M, 1))).astype(np.float32)
+        ref = emulate(x, deq, group)
+        for threads in (1, 2):
+            got = native.matmul(mat, x, i, threads)
+            assert np.abs(got - ref).max() <= 1e-5 * np.abs(ref).max(), (M, threads)
+
+
+@pytest.mark.parametrize("isa", native.ISAS[1:])
+def test_activation_quantization_identical_across_isas(isa):
+    i = isa_or_skip(isa)
+    x = np.random.default_rng(3).standard_normal(333).astype(np.float32) * 3
+    x[40:72] = 0.0                                        # an all-zero block
+    for group in (32, 64, 128):
+        a, b = native.quant_act(x, group, 0), native.quant_act(x, group, i)
+        for u, v in zip(a, b):
+            assert np.array_equal(u, v)
+        assert np.abs(a[0]).max() == 127
+
+
+def test_fast_kernel_is_used_when_the_cpu_has_it(cache):
+    """Fails if dispatch silently falls back to plain C on a CPU that has AVX2 or AVX-512 VNNI."""
+    expected = native.expected_isa()
+    if expected == "plain":
+        pytest.skip("this CPU has neither AVX2+FMA+F16C nor AVX-512 VNNI; only the plain path can run")
+    assert native.ISAS[native.lib().glmi4_best_isa()] == expected
+    cfg = toy_config()
+    s = load(cfg, toy_weights(cfg), cache)
+    assert native.ISAS[s.isa] == expected and s.info()["isa"] == expected
+    lib = native.lib()
+    before = [lib.glmi4_kernel_calls(i) for i in range(len(native.ISAS))]
+    s.prefill([1, 2, 3])
+    s.decode(4)
+    after = [lib.glmi4_kernel_calls(i) for i in range(len(native.ISAS))]
+    fast = native.isa_index(expected)
+    assert after[fast] - before[fast] >= 2 * (4 * cfg.num_layers + 1)
+    assert after[0] == before[0], "the plain C kernels ran although the CPU has a fast path"
+    assert CpuInt4Backend().probe().details["isa"] == expected
+    s.close()
+
+
+@pytest.mark.parametrize("isa", native.ISAS[1:])
+def test_fast_path_equals_plain_path_whole_model(isa, cache):
+    isa_or_skip(isa)
+    cfg = toy_config()
+    w = toy_weights(cfg)
+    ids = list(range(3, 70))
+    outs = []
+    for which in ("plain", isa):
+        s = load(cfg, w, cache, isa=which, kv_dtype="f32")
+        outs.append(run(s, ids[:50], ids[50:]))
+        s.close()
+    assert np.abs(outs[0] - outs[1]).max() <= 1e-4 * np.abs(outs[0]).max()
+
+
+# ---------------------------------------------------------------- the whole model against the reference
+
+@pytest.fixture(scope="module")
+def tiny(make_tiny):
+    made = {}
+
+    def get(family):
+        if family not in made:
+            d = make_tiny(family)
+            cfg = ModelConfig.from_dir(d)
+            made[family] = (cfg, load_weights(d, cfg))
+        return made[family]
+    return get
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("group", [32, 64, 128])
+@pytest.mark.parametrize("sym", [True, False])
+def test_matches_reference_on_dequantized_weights(family, group, sym, tiny, cache):
+    cfg, w = tiny(family)
+    s = load(cfg, w, cache, group_size=group, sym=sym)
+    ref = torch_ref(cfg, dequantized(s))
+    ids = list(np.random.default_rng(7).integers(0, cfg.vocab_size, 72))
+    got, want = run(s, ids[:56], ids[56:]), run(ref, ids[:56], ids[56:])
+    close_to(got, want)
+    # reset and reuse: the same sequence gives the same logits
+    s.reset()
+    assert s.kv_len == 0
+    assert np.allclose(s.prefill(ids[:56]), got[55], rtol=0, atol=1e-4 * np.abs(got).max())
+    s.close()
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_agreement_with_original_weights(family, tiny, cache):
+    """The int4 weights themselves change the logits (tiny random models are sensitive): report and bound it."""
+    cfg, w = tiny(family)
+    ref = torch_ref(cfg, w)
+    ids = list(np.random.default_rng(8).integers(0, cfg.vocab_size, 64))
+    want = run(ref, ids[:48], ids[48:])
+    lines = []
+    for group in (32, 128):
+        got = run(load(cfg, w, cache, group_size=group), ids[:48], ids[48:])
+        c, top1 = cosine(got, want), float((got.argmax(-1) == want.argmax(-1)).mean())
+        lines.append(f"{family} int4 g{group}: cosine {c:.4f}, top-1 {top1:.2f}")
+        assert c > 0.85 and top1 > 0.3, lines[-1]
+    print("; ".join(lines))
+
+
+def test_near_capacity_and_chunked_prefill(tiny, cache):
+    """A prompt longer than one native chunk (128) that fills the cache exactly, then overflow."""
+    cfg, w = tiny("chatglm3")
+    s = load(cfg, w, cache, capacity=300)
+    ref = torch_ref(cfg, dequantized(s), capacity=300)
+    ids = list(np.random.default_rng(9).integers(0, cfg.vocab_size, 300))
+    got = np.concatenate([s.prefill(ids[:299], all_logits=True), s.decode(ids[299])[None]])
+    want = np.concatenate([ref.prefill(ids[:299], all_logits=True), ref.decode(ids[299])[None]])
+    close_to(got, want)
+    assert s.kv_len == 300 == s.capacity
+    with pytest.raises(ContextOverflow):
+        s.decode(1)
+    s.close()
+
+
+# ---------------------------------------------------------------- StreamingLLM shift
+
+def torch_shift(ref, n_keep, n_discard):
+    """The reference semantics of a window shift: keep the cached K/V of the kept tokens and rotate their
+    keys to the new positions (undo the old rotation, apply the new one, with the reference's own rotary)."""
+    import torch
+    from glmcore_plugins.torch_ref.model import apply_rotary, rotary_tables
+    n = ref.kv_len
+    kept = list(range(n_keep)) + list(range(n_keep + n_discard, n))
+    cos_o, sin_o = rotary_tables(ref.cfg, torch.tensor(kept))
+    cos_n, sin_n = rotary_tables(ref.cfg, torch.arange(len(kept)))
+    for layer in range(ref.cfg.num_layers):
+        k = apply_rotary(ref.k_cache[layer, kept], cos_o, -sin_o)          # inverse rotation
+        ref.k_cache[layer, : len(kept)] = apply_rotary(k, cos_n, sin_n)
+        ref.v_cache[layer, : len(kept)] = ref.v_cache[layer, kept].clone()
+    ref._len = len(kept)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("kv_dtype", ["f32", "f16"])
+def test_shift_matches_reference_rerotation(family, kv_dtype, tiny, cache):
+    cfg, w = tiny(family)
+    s = load(cfg, w, cache, capacity=64, kv_dtype=kv_dtype)
+    ref = torch_ref(cfg, dequantized(s), capacity=64)
+    rng = np.random.default_rng(11)
+    ids = list(rng.integers(0, cfg.vocab_size, 60))
+    s.prefill(ids)
+    ref.prefill(ids)
+    got, want = [], []
+    for n_keep, n_discard in ((4, 28), (4, 30), (0, 20)):     # repeated shifts wrap the ring buffer
+        s.shift(n_keep, n_discard)
+        torch_shift(ref, n_keep, n_discard)
+        assert s.kv_len == ref.kv_len
+        more = list(rng.integers(0, cfg.vocab_size, 64 - s.kv_len))
+        got.append(run(s, more[:-6], more[-6:]))
+        want.append(run(ref, more[:-6], more[-6:]))
+        assert s.kv_len == 64
+    close_to(np.concatenate(got), np.concatenate(want))
+    s.close()
+
+
+def test_shift_equals_reprefill_for_one_layer(cache):
+    """With one layer a token's K/V depend only on the token and its position, so re-rotating in place must
+    equal recomputing the kept tokens at their new positions: this isolates the shift-RoPE arithmetic.
+    f32 cache: equal to float rounding. f16 cache: the shifted keys are rounded to f16 twice, so allow the
+    error that storing in f16 causes anyway (measured: 0.79% shift vs 0.74% f16-vs-f32, of the max logit)."""
+    cfg = toy_config(layers=1, base=500000.0)
+    w = toy_weights(cfg, seed=3)
+    ids = list(np.random.default_rng(12).integers(0, cfg.vocab_size, 200))
+    tail = ids[120:160]
+    out = {}
+    for kv_dtype in ("f32", "f16"):
+        a = load(cfg, w, cache, capacity=128, kv_dtype=kv_dtype)
+        b = load(cfg, w, cache, capacity=128, kv_dtype=kv_dtype)
+        a.prefill(ids[:120])
+        a.shift(4, 70)
+        assert a.kv_len == 50
+        b.prefill(ids[:4] + ids[74:120])
+        out[kv_dtype, "shift"] = np.stack([a.decode(t) for t in tail])
+        out[kv_dtype, "recompute"] = np.stack([b.decode(t) for t in tail])
+        a.close()
+        b.close()
+
+    def rel(x, y):
+        return float(np.abs(x - y).max() / np.abs(y).max())
+    assert rel(out["f32", "shift"], out["f32", "recompute"]) < 2e-5
+    f16_storage = rel(out["f16", "recompute"], out["f32", "recompute"])
+    assert rel(out["f16", "shift"], out["f16", "recompute"]) < 2 * f16_storage + 1e-4
+    assert cosine(out["f16", "shift"], out["f16", "recompute"]) > 0.9999
+
+
+def test_engine_window_uses_shift_past_capacity(tiny, cache):
+    """The core's window policy drives shift() on this backend: a stream twice the capacity runs, and its
+    logits track the reference doing the same shifts."""
+    cfg, w = tiny("glm4")
+    s = load(cfg, w, cache, capacity=48)
+    ref = torch_ref(cfg, dequantized(s), capacity=48)
+    engine = Engine(s, WindowPolicy("window", n_keep=4), can_shift=CpuInt4Backend().capabilities().can_shift)
+    ids = list(np.random.default_rng(13).integers(0, cfg.vocab_size, 120))
+    engine.feed(ids[:40])
+    ref.prefill(ids[:40])
+    got, want = [], []
+    for t in ids[40:]:
+        if ref.kv_len + 1 > 48:
+            torch_shift(ref, 4, (ref.kv_len - 4) // 2)
+        got.append(engine.feed([t]))
+        want.append(ref.decode(t))
+    assert engine.shifts >= 3 and s.kv_len == len(engine.tokens) <= 48
+    close_to(np.stack(got), np.stack(want))
+    s.close()
+
+
+def test_shift_rejects_bad_ranges(cache):
+    cfg = toy_config()
+    s = load(cfg, toy_weights(cfg), cache, capacity=32)
+    s.prefill([1, 2, 3, 4, 5])
+    with pytest.raises(GlmcoreError):
+        s.shift(3, 3)
+    s.shift(2, 0)
+    assert s.kv_len == 5
+    s.close()
+
+
+# ---------------------------------------------------------------- cache, convert, options, registry
+
+def test_cache_is_reused_and_memory_mapped(tiny, tmp_path):
+    ready_or_skip()
+    cfg, w = tiny("chatglm3")
+    s1 = load(cfg, w, tmp_path, group_size=64)
+    files = list(tmp_path.glob("cpu_int4-*/weights.bin"))
+    assert len(files) == 1
+    mtime = files[0].stat().st_mtime_ns
+    s2 = load(cfg, w, tmp_path, group_size=64)
+    assert files[0].stat().st_mtime_ns == mtime and s2.packed_dir == s1.packed_dir
+    assert isinstance(s2._blob, np.memmap)            # weights are mapped, not copied
+    load(cfg, w, tmp_path, group_size=128)
+    assert len(list(tmp_path.glob("cpu_int4-*/weights.bin"))) == 2   # options are part of the key
+    s1.close()
+    s2.close()
+
+
+def test_convert_cli_and_load_packed(make_tiny, tmp_path, cache):
+    ready_or_skip()
+    model = make_tiny("glm4")
+    out = tmp_path / "packed"
+    r = subprocess.run([sys.executable, "-m", "glmcore.cli", "convert", "--backend", "cpu_int4", "--model", str(model),
+                        "--out", str(out), "--group-size", "128"], capture_output=True, text=True, cwd=ROOT)
+    assert r.returncode == 0, r.stderr
+    assert "100%" in r.stderr and "bits per weight" in r.stderr and "MiB" in r.stderr
+    meta = json.loads((out / "meta.json").read_text())
+    assert meta["options"]["group_size"] == 128
+    assert meta["stats"]["file_bytes"] == (out / "weights.bin").stat().st_size
+    cfg = ModelConfig.from_dir(model)
+    w = load_weights(model, cfg)
+    a = load(cfg, w, cache, packed=str(out))
+    b = load(cfg, w, cache, group_size=128)
+    ids = [5, 6, 7, 8, 9]
+    assert np.array_equal(a.prefill(ids), b.prefill(ids))
+    other = ModelConfig.from_dir(make_tiny("chatglm3"))
+    with pytest.raises(BackendError, match="different model"):
+        load(other, load_weights(make_tiny("chatglm3"), other), cache, packed=str(out))
+
+
+def test_bits_per_weight_on_real_shapes():
+    """Layout arithmetic on the 1b shape (no data): g32 sym = 4.5 bits, g128 asym = 4.25."""
+    from glmcore.synth import SIZES
+    sz = SIZES["1b"]
+    cfg = ModelConfig("chatglm3", sz["hidden_size"], 1, sz["num_attention_heads"], sz["multi_query_group_num"],
+                      sz["kv_channels"], sz["ffn_hidden_size"], 65024, 8192, 10000.0, 1e-5)
+    for o, bpw in ((quant.QuantOptions(32, True), 4.5), (quant.QuantOptions(128, False), 4.25),
+                   (quant.QuantOptions(128, True), 4.125)):
+        stats = quant._stats(cfg, quant._layout(cfg, o), 0)
+        assert abs(stats["linear_bits_per_weight"] - bpw) < 1e-9
+
+
+@pytest.mark.parametrize("extra,match", [
+    ({"group_size": 48}, "group_size 48"), ({"scale_dtype": "f8"}, "scale_dtype"), ({"head_bits": 2}, "head_bits"),
+    ({"kv_dtype": "int8"}, "kv_dtype"), ({"grup_size": 32}, "unknown option"), ({"isa": "neon"}, "unknown isa")])
+def test_bad_options_are_clear_errors(extra, match, cache):
+    cfg = toy_config()
+    with pytest.raises(BackendError, match=match):
+        load(cfg, toy_weights(cfg), cache, **extra)
+
+
+def test_unsupported_isa_is_refused(cache):
+    ready_or_skip()
+    missing = [i for i in native.ISAS if not native.supported(i)]
+    if not missing:
+        pytest.skip("this CPU supports every kernel variant")
+    cfg = toy_config()
+    with pytest.raises(BackendError, match="not supported by this CPU"):
+        load(cfg, toy_weights(cfg), cache, isa=missing[0])
+
+
+def test_bad_tokens_and_closed_session(cache):
+    cfg = toy_config()
+    s = load(cfg, toy_weights(cfg), cache)
+    with pytest.raises(GlmcoreError, match="outside the vocabulary"):
+        s.prefill([1, cfg.vocab_size])
+    with pytest.raises(GlmcoreError):
+        s.prefill([])
+    assert s.kv_len == 0
+    s.close()
+    with pytest.raises(GlmcoreError, match="closed"):
+        s.decode(1)
+
+
+def test_registered_and_probed():
+    entry = registry().entries.get("cpu_int4")
+    assert entry is not None and entry.backend is not None, entry
+    p = registry().probe("cpu_int4")
+    caps = entry.backend.capabilities()
+    assert caps.can_shift and caps.weight_formats == ("int4",)
+    if p.ready:
+        assert p.details["isa"] in native.ISAS and p.details["threads"] >= 1
+    else:
+        assert p.reason
+
+
+def test_benchmark_smoke(tmp_path):
+    """benchmarks/bench_cpu_int4.py runs end to end at the tiny size (CI smoke)."""
+    ready_or_skip()
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_cpu_int4.py"), "--size", "tiny",
+                        "--work", str(tmp_path), "--prefill", "16", "--decode", "8", "--no-torch", "--no-openvino"],
+                       capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "decode" in r.stdout and "tok/s" in r.stdout and "peak RSS" in r.stdout
+
+
+def test_conformance_suite_all_variants(tmp_path, monkeypatch):
+    """The project's conformance suite on this backend, every variant it declares (group 32/64/128,
+    symmetric and asymmetric, bf16 scales, the plain C path), one family here for time; `glmcore
+    conformance --backend cpu_int4` runs all three."""
+    ready_or_skip()
+    pytest.importorskip("torch")
+    from glmcore_conformance import format_table, run_suite
+    monkeypatch.setenv("GLMCORE_CACHE", str(tmp_path))
+    report = run_suite([CpuInt4Backend()], families=["glm4"], decode_steps=16, threads=2)
+    assert report.passed, format_table(report)
+    assert len({r.config for r in report.results}) == len(CpuInt4Backend().conformance_variants())
+    # the tight comparison ran: the reference on the dequantized weights, window shift included
+    assert {r.case for r in report.results if r.against == "own weights"} >= {"prefill", "decode", "window_shift"}
