@@ -1,0 +1,287 @@
+"""openvino_amx benchmark: prefill and decode tok/s and peak RSS for each weight format beside the torch fp32
+reference, and the same IR run through openvino_genai.LLMPipeline (greedy, same prompt) as the ceiling for our
+Python generation loop.
+
+    python benchmarks/bench_openvino_amx.py --size tiny            # CI smoke, well under a minute
+    python benchmarks/bench_openvino_amx.py --size 1b              # the real numbers (/tmp/glm-1b, made if absent)
+
+Each measurement runs in its own process, so one runtime's threads, memory and page cache do not leak into
+another's numbers, and peak RSS (VmHWM) is that process's own. The IR is converted in a separate process first,
+so peak RSS is that of serving, not of converting. Every measurement does one untimed warm-up generation
+(kernel compilation, first touch of the weights), then --runs timed ones (median): ours through the core's Engine
+(the loop `glmcore run` uses), LLMPipeline through its generate() on token ids, both greedy with stop tokens
+ignored and with identical plugin settings (precision, KV-cache precision, no dynamic quantization, SDPA attention).
+Timings on a shared machine are noisy; the numbers come from one run of this script.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from statistics import median
+
+import numpy as np
+
+FORMATS = ("f32", "f16", "int8", "int4")
+DEFAULT_1B = Path("/tmp/glm-1b")
+
+
+def peak_rss_mib() -> float:
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+# ---------------------------------------------------------------- the model
+
+def model_dir(size: str, explicit: str | None, say) -> Path:
+    if explicit:
+        return Path(explicit)
+    from glmcore.synth import make_model
+    if size == "1b":
+        d = DEFAULT_1B
+        if (d / "config.json").is_file():
+            _wait_complete(d, say)
+        else:
+            say(f"making the synthetic chatglm3 1b checkpoint in {d} (bf16, ~2.5 GB, once)")
+            make_model("chatglm3", "1b", d, progress=say)
+        return d
+    d = Path(tempfile.gettempdir()) / f"glmcore-bench-chatglm3-{size}"
+    if not (d / "config.json").is_file():
+        make_model("chatglm3", size, d)
+    return d
+
+
+def _wait_complete(d: Path, say, timeout: float = 3600) -> None:
+    """Someone else may be writing this checkpoint now: make_model writes the index after the last shard."""
+    t0 = time.time()
+    while True:
+        index = d / "model.safetensors.index.json"
+        if index.is_file() or (d / "model.safetensors").is_file():
+            if index.is_file():
+                files = set(json.loads(index.read_text())["weight_map"].values())
+                if all((d / f).is_file() for f in files):
+                    return
+            else:
+                return
+        if time.time() - t0 > timeout:
+            raise SystemExit(f"{d}: shards still incomplete after {timeout:.0f} s; remove it and rerun")
+        say(f"waiting for {d} to be completed by another process ...")
+        time.sleep(15)
+
+
+# ---------------------------------------------------------------- workers (one per process)
+
+def _prompt(cfg, n: int) -> list[int]:
+    return np.random.default_rng(0).integers(100, min(cfg.vocab_size, 30000), n).tolist()
+
+
+def serve(spec: dict) -> None:
+    """Load one runtime, then answer the parent: "run" -> one timed greedy generation, "quit" -> peak RSS."""
+    from glmcore.backend import LoadOptions, registry
+    from glmcore.config import ModelConfig
+    from glmcore.engine import Engine, Timings
+    from glmcore.sampling import SamplingParams
+    from glmcore.weights import load_weights
+    cfg = ModelConfig.from_dir(spec["model"])
+    weights = load_weights(spec["model"], cfg)
+    prompt, new = _prompt(cfg, spec["prompt_len"]), spec["new_tokens"]
+    capacity = len(prompt) + new + 8
+    kind = spec["kind"]
+    info: dict = {}
+    if kind in ("ours", "prepare", "genai"):
+        from glmcore_plugins.openvino_amx import session as ovs
+        backend = registry().get("openvino_amx")
+        opts = backend.resolve(LoadOptions(spec["precision"], spec["weights"], capacity, spec["threads"],
+                                           Path(spec["cache"])))
+    if kind == "prepare":            # convert (once per model + options) outside the measured processes
+        path = ovs.cached_ir(cfg, weights, opts, lambda m: print(f"  {m}", file=sys.stderr, flush=True))
+        _reply({"ir": str(path.parent)})
+        return
+    t = time.perf_counter()
+    if kind == "genai":
+        import openvino as ov
+        import openvino_genai
+        ir = ovs.cached_ir(cfg, weights, opts, lambda m: None).parent
+        pipe = openvino_genai.LLMPipeline(str(ir), "CPU", ATTENTION_BACKEND="SDPA", **ovs.compile_config(opts))
+        gc = openvino_genai.GenerationConfig()
+        gc.do_sample, gc.ignore_eos = False, True
+        ids = ov.Tensor(np.array([prompt], dtype=np.int64))
+
+        def one(n: int) -> dict:
+            gc.max_new_tokens = n
+            r = pipe.generate(ids, gc)           # each generate() starts from an empty state
+            m = r.perf_metrics
+            return dict(prefill_tps=len(prompt) / (m.get_ttft().mean / 1000), decode_tps=1000 / m.get_tpot().mean,
+                        tokens=list(r.tokens[0]))
+    else:
+        if kind == "torch":
+            backend = registry().get("torch")
+            opts = backend.resolve(LoadOptions(capacity=capacity, threads=spec["threads"]))
+        session = backend.load(cfg, weights, opts)
+        if kind == "ours":
+            info["runtime_precision"] = session.runtime_precision
+        engine = Engine(session)
+        greedy = SamplingParams(temperature=0)
+
+        def one(n: int) -> dict:
+            engine.reset()
+            timings = Timings()
+            tokens = list(engine.generate(prompt, greedy, n, timings=timings))
+            return dict(prefill_tps=timings.prefill_tps, decode_tps=timings.decode_tps, tokens=tokens)
+    info["load_s"] = time.perf_counter() - t
+    one(4)                                       # warm-up: kernel compilation, first touch of the weights
+    _reply({"ready": True, **info})
+    for line in sys.stdin:
+        if line.strip() == "run":
+            _reply(one(new))
+        else:
+            _reply({"peak_rss_mib": peak_rss_mib(), **info})
+            return
+
+
+def _reply(obj: dict) -> None:
+    print(json.dumps(obj), flush=True)
+
+
+class Worker:
+    """One runtime in its own process, driven run by run, so two of them can take turns (A, B, A, B, ...) and a
+    busy phase of a shared machine hits both alike."""
+
+    def __init__(self, spec: dict):
+        self.spec = spec
+        self.proc = subprocess.Popen([sys.executable, __file__, "--worker", json.dumps(spec)], text=True,
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+        self.runs: list[dict] = []
+        self.info = self._read()
+
+    def _read(self) -> dict:
+        line = self.proc.stdout.readline()
+        if not line:
+            raise SystemExit(f"worker {self.spec['kind']} {self.spec.get('weights', '')} failed "
+                             f"(exit {self.proc.wait()})")
+        return json.loads(line)
+
+    def run(self) -> None:
+        self.proc.stdin.write("run\n")
+        self.proc.stdin.flush()
+        self.runs.append(self._read())
+
+    def finish(self) -> dict:
+        self.proc.stdin.write("quit\n")
+        self.proc.stdin.flush()
+        end = self._read()
+        self.proc.wait()
+        return {**self.info, **end, "prefill_tps": median(r["prefill_tps"] for r in self.runs),
+                "decode_tps": median(r["decode_tps"] for r in self.runs), "tokens": self.runs[-1]["tokens"]}
+
+
+def measure(specs: list[dict], runs: int, together: bool) -> list[dict]:
+    """Each spec in its own process; with `together`, all loaded at once and run in turns."""
+    if not together:
+        return [measure([s], runs, True)[0] for s in specs]
+    workers = [Worker(s) for s in specs]
+    for _ in range(runs):
+        for w in workers:
+            w.run()
+    return [w.finish() for w in workers]
+
+
+# ---------------------------------------------------------------- the table
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--size", default="tiny", choices=["tiny", "small", "1b"])
+    ap.add_argument("--model", help="checkpoint directory (default: synthetic chatglm3 of --size)")
+    ap.add_argument("--weights", default=",".join(FORMATS), help="comma-separated weight formats")
+    ap.add_argument("--precision", help="f32 or bf16 (default: the backend's default for this CPU)")
+    ap.add_argument("--prompt-len", type=int, default=64)
+    ap.add_argument("--new-tokens", type=int, default=32)
+    ap.add_argument("--runs", type=int, default=3, help="timed generations per measurement (median)")
+    ap.add_argument("--threads", type=int)
+    ap.add_argument("--cache", help="IR cache directory (default: the glmcore cache)")
+    ap.add_argument("--no-torch", action="store_true")
+    ap.add_argument("--no-genai", action="store_true")
+    ap.add_argument("--sequential", action="store_true",
+                    help="load ours and LLMPipeline one after the other (half the memory), not side by side in turns")
+    ap.add_argument("--json", help="also write the results here")
+    ap.add_argument("--worker", help=argparse.SUPPRESS)
+    a = ap.parse_args(argv)
+    if a.worker:
+        serve(json.loads(a.worker))
+        return 0
+
+    say = lambda m: print(m, file=sys.stderr, flush=True)   # noqa: E731
+    import importlib.util
+
+    import openvino as ov
+    from glmcore.backend import registry
+    from glmcore.config import ModelConfig
+    from glmcore.model import cache_root
+    from glmcore_plugins.openvino_amx.cpu import cpu_name, has_amx, has_avx512_bf16
+    d = model_dir(a.size, a.model, say)
+    cfg = ModelConfig.from_dir(d)
+    backend = registry().get("openvino_amx")
+    precision = a.precision or backend.capabilities().default_precision
+    cache = a.cache or str(cache_root() / "converted")
+    base = dict(model=str(d), prompt_len=a.prompt_len, new_tokens=a.new_tokens, threads=a.threads, cache=cache,
+                precision=precision, runs=a.runs)
+    genai = not a.no_genai and importlib.util.find_spec("openvino_genai") is not None
+    torch = not a.no_torch and registry().probe("torch").ready
+    rows: list[tuple[str, dict]] = []
+    if torch:
+        say("bench: torch fp32 reference")
+        rows.append(("torch fp32 (reference)", measure([{**base, "kind": "torch"}], a.runs, True)[0]))
+    for w in a.weights.split(","):
+        spec = {**base, "weights": w}
+        say(f"bench: openvino_amx {precision}/{w}: converting (cached)")
+        Worker({**spec, "kind": "prepare"})
+        say(f"bench: openvino_amx {precision}/{w}: our generation loop" + (" and LLMPipeline on the same IR, "
+            "in turns" if genai else ""))
+        results = measure([{**spec, "kind": "ours"}] + ([{**spec, "kind": "genai"}] if genai else []), a.runs,
+                          not a.sequential)
+        rows.append((f"openvino_amx {precision}/{w}", {**results[0], "weights": w}))
+        if genai:
+            rows.append(("  LLMPipeline, same IR", {**results[1], "weights": w, "genai": True}))
+
+    ref = rows[0][1]["decode_tps"] if torch else None
+    ours_by_w = {r["weights"]: r for label, r in rows if label.startswith("openvino_amx")}
+    print(f"Model: {d} ({cfg.family}, {cfg.num_params() / 1e6:.1f}M parameters); prompt {a.prompt_len} tokens, "
+          f"{a.new_tokens} generated, greedy; median of {a.runs} runs after one warm-up.")
+    print(f"Machine: {cpu_name()}, {os.cpu_count()} cores, AMX {'yes' if has_amx() else 'no'}, AVX512-BF16 "
+          f"{'yes' if has_avx512_bf16() else 'no'}; OpenVINO {ov.get_version()}; Python {platform.python_version()}; "
+          f"threads {a.threads or 'default'}; {time.strftime('%Y-%m-%d %H:%M')}.")
+    runtime = next((r.get("runtime_precision") for _, r in rows if r.get("runtime_precision")), None)
+    if runtime and runtime != precision:
+        print(f"Note: precision {precision} requested; OpenVINO runs {runtime} on this CPU.")
+    print()
+    print(f"| {'configuration':<26} | prefill tok/s | decode tok/s | peak RSS MiB | decode vs torch fp32 | "
+          "ours vs LLMPipeline |")
+    print(f"|{'-' * 28}|--------------:|-------------:|-------------:|---------------------:|--------------------:|")
+    for label, r in rows:
+        vs_torch = f"{r['decode_tps'] / ref:.2f}x" if ref else "-"
+        vs_genai = "-"
+        if r.get("genai"):
+            mine = ours_by_w[r["weights"]]
+            same = "same tokens" if mine["tokens"] == r["tokens"] else "TOKENS DIFFER"
+            vs_genai = f"{mine['decode_tps'] / r['decode_tps']:.2f}x ({same})"
+        print(f"| {label:<26} | {r['prefill_tps']:13.1f} | {r['decode_tps']:12.2f} | {r['peak_rss_mib']:12.0f} | "
+              f"{vs_torch:>20} | {vs_genai:>19} |")
+    if a.json:
+        Path(a.json).write_text(json.dumps({"model": str(d), "precision": precision, "rows": rows}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,109 @@
+"""Backend `openvino_amx`: the GLM decoder as a stateful OpenVINO model on the CPU plugin.
+
+The graph is built directly with the opset API from the canonical weights (graph.py): the KV cache lives in
+the model's variables, attention/rotary/RMSNorm compile to the plugin's fused kernels, compute is bf16 where
+the CPU has AMX or AVX512-BF16, and the linear layers can carry int8 (per channel) or int4 (group-wise)
+compressed weights with no calibration step. The IR is written once per model + options into the cache
+directory and reused; it follows OpenVINO GenAI's stateful-LLM convention, so openvino_genai.LLMPipeline runs
+it too. openvino is imported only in probe()/load()/convert().
+"""
+from __future__ import annotations
+
+import importlib.util
+import sys
+
+from glmcore.backend import Backend, Capabilities, LoadOptions, Probe, default_capacity, hookimpl
+from glmcore.errors import BackendError
+
+from .cpu import cpu_name, has_amx, has_avx512_bf16, native_bf16
+
+
+class OpenVINOBackend(Backend):
+    name = "openvino_amx"
+    extra = "openvino"
+    description = "OpenVINO stateful model on the CPU: fused attention/rotary/RMSNorm, bf16 on AMX, int8/int4 weights"
+
+    def probe(self) -> Probe:
+        problem = _runtime_problem()
+        if problem:
+            return Probe(False, reason=problem, install=self.install_hint())
+        import openvino as ov
+        core = ov.Core()
+        if "CPU" not in core.available_devices:
+            return Probe(False, reason="OpenVINO has no CPU device here", install=self.install_hint())
+        precision = ("bf16 (native: " + ("AMX" if has_amx() else "AVX512-BF16") + ")" if native_bf16() else
+                     "f32 (this CPU has neither AMX nor AVX512-BF16: --precision bf16 is accepted but OpenVINO "
+                     "runs it as f32)")
+        details = {
+            "openvino": ov.get_version(),
+            "cpu": core.get_property("CPU", "FULL_DEVICE_NAME") or cpu_name(),
+            "amx": "yes" if has_amx() else "no",
+            "avx512_bf16": "yes" if has_avx512_bf16() else "no",
+            "precision": precision,
+            "weights": "int8 (default), int4 (group 128), f16, f32",
+            "kv cache": "in the model (stateful); f32 with --precision f32, f16 with bf16",
+            "options": "--opt kv_cache=f32|f16|bf16|u8, dynamic_quant=0 (off)|N, group_size=128, ir=DIR",
+            "runs on": "this machine's CPU through OpenVINO's CPU plugin",
+        }
+        if importlib.util.find_spec("openvino_genai") is not None:
+            import openvino_genai
+            details["openvino_genai"] = openvino_genai.get_version()
+        return Probe(True, device="cpu", details=details)
+
+    def capabilities(self) -> Capabilities:
+        return Capabilities(precisions=("f32", "bf16"), weight_formats=("f32", "f16", "int8", "int4"),
+                            default_precision="bf16" if native_bf16() else "f32", default_weights="int8",
+                            max_context=None, can_shift=False, speed_rank=20)
+
+    def _require(self) -> None:
+        problem = _runtime_problem()
+        if problem:
+            raise BackendError(f"backend {self.name!r}: {problem}; fix: {self.install_hint()}")
+
+    def load(self, config, weights, options: LoadOptions):
+        self._require()
+        from . import graph, session
+        options = self.resolve(options)
+        capacity = default_capacity(config, self.capabilities(), options.capacity)
+        if options.extra.get("ir"):
+            model = session.read_ir(options.extra["ir"], config, options.weights)
+        elif options.cache_dir is not None:
+            path = session.cached_ir(config, weights, options, _stderr)
+            import openvino as ov
+            model = ov.Core().read_model(path)
+        else:    # no cache directory: build in memory
+            opts = session.ir_options(options)
+            model = graph.build_model(config, weights, opts["weights"], opts.get("group_size", 128))
+        sess = session.OpenVINOSession(config, model, options, capacity)
+        if sess.runtime_precision != options.precision:
+            _stderr(f"note: {options.precision} requested, but this CPU has neither AMX nor AVX512-BF16: "
+                    f"OpenVINO computes in {sess.runtime_precision}")
+        return sess
+
+    def convert(self, config, weights, options: LoadOptions, out, progress) -> None:
+        self._require()
+        from . import session
+        options = self.resolve(options)
+        session.write_ir(config, weights, session.ir_options(options), out, progress)
+        progress(f"run it with: glmcore run --backend {self.name} --weights {options.weights} --opt ir={out} ...; "
+                 "or with openvino_genai.LLMPipeline (token ids in, token ids out)")
+
+
+def _runtime_problem() -> str:
+    """Why the installed OpenVINO cannot run this backend, or "". The graph uses the top-level opset modules
+    (OpenVINO 2025.0 and newer); the fusions it relies on are checked by tests/test_openvino_amx.py."""
+    if importlib.util.find_spec("openvino") is None:
+        return "openvino is not installed"
+    if importlib.util.find_spec("openvino.opset13") is None:
+        import openvino as ov
+        return f"openvino {ov.get_version().split('-')[0]} is too old: this backend needs 2025.0 or newer"
+    return ""
+
+
+def _stderr(msg: str) -> None:
+    print(f"openvino_amx: {msg}", file=sys.stderr, flush=True)
+
+
+@hookimpl
+def glmcore_backends():
+    return [OpenVINOBackend()]

@@ -1,0 +1,42 @@
+"""What this CPU offers for bf16: AMX (Sapphire Rapids and later) or AVX512-BF16 (Cooper Lake, Zen 4)."""
+from __future__ import annotations
+
+import platform
+from functools import lru_cache
+
+
+@lru_cache(maxsize=1)
+def cpu_flags() -> frozenset[str]:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return frozenset(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return frozenset()
+
+
+@lru_cache(maxsize=1)
+def cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def has_amx() -> bool:
+    return {"amx_tile", "amx_bf16"} <= cpu_flags()
+
+
+def has_avx512_bf16() -> bool:
+    return "avx512_bf16" in cpu_flags()
+
+
+def native_bf16() -> bool:
+    """OpenVINO's CPU plugin runs bf16 only where the ISA has it; elsewhere a bf16 hint runs as f32."""
+    return has_amx() or has_avx512_bf16()
