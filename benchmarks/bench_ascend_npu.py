@@ -2,7 +2,7 @@
 first compile timed apart.
 
     python benchmarks/bench_ascend_npu.py                      # tiny chatglm3: CI smoke
-    python benchmarks/bench_ascend_npu.py --size small         # /tmp/glm-small (made if absent)
+    python benchmarks/bench_ascend_npu.py --size small         # synthetic small, made once in the cache
     python benchmarks/bench_ascend_npu.py --size small --cold  # fresh inductor cache: true compile time
 
 How it measures:
@@ -30,43 +30,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def wait_for_checkpoint(path: Path, timeout: float = 900.0) -> None:
-    """Another process may be writing the checkpoint: wait until it loads and its files stop growing."""
-    from glmcore.config import ModelConfig
-    from glmcore.errors import GlmcoreError
-    from glmcore.weights import load_weights
-    deadline = time.time() + timeout
-    last = None
-    while True:
-        try:
-            sizes = sorted((f.name, f.stat().st_size) for f in path.iterdir() if f.is_file())
-            cfg = ModelConfig.from_dir(path)
-            load_weights(path, cfg)
-            if sizes == last:
-                return
-        except (GlmcoreError, OSError):
-            sizes = None
-        if time.time() > deadline:
-            raise SystemExit(f"{path}: checkpoint still incomplete after {timeout:.0f}s; remove it and rerun")
-        last = sizes
-        time.sleep(3)
-
-
 def model_dir(size: str, family: str, given: str | None) -> Path:
-    from glmcore.synth import make_model
-    path = Path(given) if given else Path(tempfile.gettempdir()) / f"glm-{size}" if size == "small" else \
-        Path(tempfile.gettempdir()) / f"glmcore-bench-{family}-{size}"
-    if not (path / "config.json").is_file():
-        print(f"making a synthetic {family} {size} checkpoint in {path} ...", file=sys.stderr)
-        tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}-"))
-        make_model(family, size, tmp)
-        try:
-            tmp.rename(path)        # atomic: a concurrent run never sees half a checkpoint
-        except OSError:             # someone else made it meanwhile
-            import shutil
-            shutil.rmtree(tmp, ignore_errors=True)
-    wait_for_checkpoint(path)
-    return path
+    """--model, or the synthetic checkpoint of that size in the cache (made once; the bench harness's)."""
+    from glmcore_conformance.bench import model_dir_for
+    return model_dir_for(given, size, family)[0]
 
 
 def timed(fn, *args):
@@ -79,7 +46,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--size", default="tiny", choices=["tiny", "small", "1b"])
     ap.add_argument("--family", default="chatglm3", choices=["chatglm2", "chatglm3", "glm4"])
-    ap.add_argument("--model", help="checkpoint directory (default: made in the temp dir; small: /tmp/glm-small)")
+    ap.add_argument("--model", help="checkpoint directory (default: the synthetic --size, made once in the cache)")
     ap.add_argument("--precision", default="f32", choices=["f32", "bf16", "f16"])
     ap.add_argument("--prompt", type=int, default=64, help="prompt length (graph mode pads to a bucket)")
     ap.add_argument("--steps", type=int, default=32, help="decode steps per round")

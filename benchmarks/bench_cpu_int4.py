@@ -18,7 +18,6 @@ import resource
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -155,9 +154,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--size", default="tiny", choices=["tiny", "small", "1b", "6b"])
     ap.add_argument("--family", default="chatglm3", choices=["chatglm2", "chatglm3", "glm4"])
-    ap.add_argument("--model", help="checkpoint dir (made with `glmcore make-model` if missing)")
-    ap.add_argument("--work", default=str(Path(tempfile.gettempdir()) / "glmcore-bench"),
-                    help="where synthetic checkpoints go")
+    ap.add_argument("--model", help="checkpoint dir (default: the synthetic --size, made once in the cache)")
     ap.add_argument("--cache", help="packed-model cache (default: the glmcore cache)")
     ap.add_argument("--prefill", type=int, default=128)
     ap.add_argument("--decode", type=int, default=32)
@@ -185,13 +182,8 @@ def main(argv=None) -> int:
         print(json.dumps(measure(args)))
         return 0
 
-    if args.model is None:
-        args.model = Path(args.work) / f"{args.family}-{args.size}"
-    args.model = Path(args.model)
-    if not (args.model / "config.json").is_file():
-        from glmcore.synth import make_model
-        print(f"making a synthetic {args.family} {args.size} checkpoint in {args.model} ...", file=sys.stderr)
-        make_model(args.family, args.size, args.model)
+    from glmcore_conformance.bench import model_dir_for   # --model, or the synthetic size, made once
+    args.model = model_dir_for(args.model, args.size, args.family)[0]
     from glmcore.config import ModelConfig
     cfg = ModelConfig.from_dir(args.model)
     print(f"model: {args.model} ({cfg.family}, {cfg.num_params() / 1e6:.0f}M parameters); "
@@ -266,8 +258,8 @@ def main(argv=None) -> int:
         print(f"  decode median {r['decode_tps']:.1f} tok/s (mean {r['decode_tps_mean']:.1f}); "
               f"prefill best {r['prefill_tps']:.1f} tok/s (median {r['prefill_tps_median']:.1f})")
         rl = r["roofline"]
-        print(f"  decode rounds, fraction of the bandwidth probed beside each: "
-              + ", ".join(f"{f:.0%}" for f in rl["fractions"]) + f" (probes: "
+        print("  decode rounds, fraction of the bandwidth probed beside each: "
+              + ", ".join(f"{f:.0%}" for f in rl["fractions"]) + " (probes: "
               + ", ".join(f"{x['bw_GBps']:.1f}" for x in r["rounds"]) + " GB/s)")
         if torch_row:
             print(f"  vs torch fp32: prefill {r['prefill_tps'] / torch_row['prefill_tps']:.2f}x, "

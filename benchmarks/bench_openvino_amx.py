@@ -3,7 +3,7 @@ reference, and the same IR run through openvino_genai.LLMPipeline (greedy, same 
 Python generation loop.
 
     python benchmarks/bench_openvino_amx.py --size tiny            # CI smoke, well under a minute
-    python benchmarks/bench_openvino_amx.py --size 1b              # the real numbers (/tmp/glm-1b, made if absent)
+    python benchmarks/bench_openvino_amx.py --size 1b              # the real numbers (made once in the cache)
 
 Each measurement runs in its own process, so one runtime's threads, memory and page cache do not leak into
 another's numbers, and peak RSS (VmHWM) is that process's own. The IR is converted in a separate process first,
@@ -22,7 +22,6 @@ import platform
 import resource
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 from statistics import median
@@ -30,7 +29,6 @@ from statistics import median
 import numpy as np
 
 FORMATS = ("f32", "f16", "int8", "int4")
-DEFAULT_1B = Path("/tmp/glm-1b")
 
 
 def peak_rss_mib() -> float:
@@ -45,40 +43,10 @@ def peak_rss_mib() -> float:
 
 # ---------------------------------------------------------------- the model
 
-def model_dir(size: str, explicit: str | None, say) -> Path:
-    if explicit:
-        return Path(explicit)
-    from glmcore.synth import make_model
-    if size == "1b":
-        d = DEFAULT_1B
-        if (d / "config.json").is_file():
-            _wait_complete(d, say)
-        else:
-            say(f"making the synthetic chatglm3 1b checkpoint in {d} (bf16, ~2.5 GB, once)")
-            make_model("chatglm3", "1b", d, progress=say)
-        return d
-    d = Path(tempfile.gettempdir()) / f"glmcore-bench-chatglm3-{size}"
-    if not (d / "config.json").is_file():
-        make_model("chatglm3", size, d)
-    return d
-
-
-def _wait_complete(d: Path, say, timeout: float = 3600) -> None:
-    """Someone else may be writing this checkpoint now: make_model writes the index after the last shard."""
-    t0 = time.time()
-    while True:
-        index = d / "model.safetensors.index.json"
-        if index.is_file() or (d / "model.safetensors").is_file():
-            if index.is_file():
-                files = set(json.loads(index.read_text())["weight_map"].values())
-                if all((d / f).is_file() for f in files):
-                    return
-            else:
-                return
-        if time.time() - t0 > timeout:
-            raise SystemExit(f"{d}: shards still incomplete after {timeout:.0f} s; remove it and rerun")
-        say(f"waiting for {d} to be completed by another process ...")
-        time.sleep(15)
+def model_dir(size: str, family: str, given: str | None) -> Path:
+    """--model, or the synthetic checkpoint of that size in the cache (made once; the bench harness's)."""
+    from glmcore_conformance.bench import model_dir_for
+    return model_dir_for(given, size, family)[0]
 
 
 # ---------------------------------------------------------------- workers (one per process)
@@ -230,7 +198,7 @@ def main(argv=None) -> int:
     from glmcore.config import ModelConfig
     from glmcore.model import cache_root
     from glmcore_plugins.openvino_amx.cpu import cpu_name, has_amx, has_avx512_bf16
-    d = model_dir(a.size, a.model, say)
+    d = model_dir(a.size, "chatglm3", a.model)
     cfg = ModelConfig.from_dir(d)
     backend = registry().get("openvino_amx")
     precision = a.precision or backend.capabilities().default_precision

@@ -2,7 +2,7 @@
 speed and peak memory.
 
     python benchmarks/bench_tpu_bm1684x.py                      # tiny chatglm3 (CI smoke, seconds)
-    python benchmarks/bench_tpu_bm1684x.py --size small         # 187M-parameter chatglm3 (/tmp/glm-small)
+    python benchmarks/bench_tpu_bm1684x.py --size small         # synthetic chatglm3 small (~100M), made once in the cache
     python benchmarks/bench_tpu_bm1684x.py --size small --seq-len 256 --prompt 128 --gen 32 --json out.json
 
 Each measurement runs in its own process, so its peak RSS is its own and torch's and onnxruntime's
@@ -25,15 +25,10 @@ import time
 from pathlib import Path
 
 
-def model_dir(size: str, family: str) -> Path:
-    """The synthetic checkpoint: /tmp/glm-small for small (as in the project's instructions), else a
-    per-family directory under /tmp; made once, reused."""
-    path = Path("/tmp/glm-small") if (size, family) == ("small", "chatglm3") else Path(f"/tmp/glm-{size}-{family}")
-    if not (path / "config.json").is_file():
-        from glmcore.synth import make_model
-        print(f"making {family} {size} in {path} ...", file=sys.stderr, flush=True)
-        make_model(family, size, path)
-    return path
+def model_dir(size: str, family: str, given: str | None) -> Path:
+    """--model, or the synthetic checkpoint of that size in the cache (made once; the bench harness's)."""
+    from glmcore_conformance.bench import model_dir_for
+    return model_dir_for(given, size, family)[0]
 
 
 def _peak_rss_mb() -> float:
@@ -111,7 +106,7 @@ def main(argv=None) -> int:
     if a.cache_dir is None:
         from glmcore.model import cache_root
         a.cache_dir = str(cache_root() / "converted")
-    model = Path(a.model) if a.model else model_dir(a.size, a.family)
+    model = model_dir(a.size, a.family, a.model)
     common = ["--model", str(model), "--seq-len", str(a.seq_len), "--prompt", str(a.prompt), "--gen", str(a.gen),
               "--threads", str(a.threads), "--repeat", str(a.repeat), "--cache-dir", a.cache_dir]
     rows = [("torch", "f32", run_worker(common + ["--backend", "torch", "--precision", "f32"]))]

@@ -5,8 +5,6 @@ Synthetic checkpoints are made once with glmcore.synth.make_model under
 """
 from __future__ import annotations
 
-import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -47,24 +45,9 @@ FAMILY_SEEDS = {"chatglm2": 2, "chatglm3": 3, "glm4": 4}
 
 
 def synthetic_dir(family: str, size: str = "tiny", purpose: str = "conformance", seed: int | None = None) -> Path:
-    """A synthetic checkpoint in the cache, made on first use. Made in a temporary directory and
-    renamed into place, so a concurrent run never sees half a checkpoint."""
-    from glmcore.model import cache_root
-    seed = FAMILY_SEEDS.get(family, 0) if seed is None else seed
-    path = cache_root() / purpose / f"{family}-{size}-seed{seed}"
-    if not (path / "config.json").is_file():
-        from glmcore.synth import make_model
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}-"))
-        try:
-            make_model(family, size, tmp, seed=seed)
-            tmp.rename(path)
-        except OSError:
-            if not (path / "config.json").is_file():
-                raise
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
-    return path
+    """A synthetic checkpoint in the cache, made on first use (glmcore.synth.cached_model)."""
+    from glmcore.synth import cached_model
+    return cached_model(family, size, FAMILY_SEEDS.get(family, 0) if seed is None else seed, purpose)
 
 
 def open_model(path: str | Path, synthetic: bool = False) -> Model:

@@ -9,6 +9,10 @@ from .sampling import Sampler, SamplingParams
 from .weights import Weights, load_weights
 
 __version__ = "0.1.0"
+__all__ = ["Backend", "BackendError", "Capabilities", "CheckpointError", "ConfigError", "ContextOverflow", "Engine",
+           "GlmcoreError", "LoadOptions", "ModelConfig", "Pipeline", "Probe", "Sampler", "SamplingError",
+           "SamplingParams", "Session", "Timings", "Weights", "WindowPolicy", "hookimpl", "load_model",
+           "load_weights", "registry"]
 
 
 def __getattr__(name):   # Pipeline pulls in the tokenizer and chat modules; import on first use

@@ -2,9 +2,7 @@
 from __future__ import annotations
 
 import os
-import shutil
 import sys
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,16 +24,8 @@ def cache_root() -> Path:
 
 def demo_model_dir(notice=lambda msg: print(msg, file=sys.stderr)) -> Path:
     """The built-in demo: a tiny synthetic ChatGLM3 checkpoint, created once in the cache directory."""
-    path = cache_root() / f"demo-{DEMO_FAMILY}-{DEMO_SIZE}-seed{DEMO_SEED}"
-    if not (path / "config.json").is_file():
-        from .synth import make_model
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=".demo-"))
-        make_model(DEMO_FAMILY, DEMO_SIZE, tmp, seed=DEMO_SEED)
-        try:
-            tmp.rename(path)     # atomic: a concurrent first run never sees half a checkpoint
-        except OSError:
-            shutil.rmtree(tmp, ignore_errors=True)
+    from .synth import cached_model
+    path = cached_model(DEMO_FAMILY, DEMO_SIZE, DEMO_SEED, purpose="demo")
     notice(f"note: using the built-in demo model ({path}): a tiny {DEMO_FAMILY} with random weights, "
            "so its text is gibberish; pass --model DIR for a real checkpoint")
     return path

@@ -32,7 +32,7 @@ def test_run_on_demo_model_streams_text_and_timing(cache, capsys):
     assert rc == 0 and out.strip()
     assert "built-in demo model" in err and "random weights" in err
     assert "time to first token" in err and "decode" in err and "tok/s" in err
-    assert (cache / "demo-chatglm3-tiny-seed0" / "config.json").is_file()
+    assert (cache / "demo" / "chatglm3-tiny-seed0" / "config.json").is_file()
     for special in ("<|user|>", "<|assistant|>", "<|observation|>", "[gMASK]", "sop"):
         assert special not in out
 

@@ -462,10 +462,11 @@ T_AVX2 INLINE int32_t ld32(const int8_t *p) {
 }
 
 /* One 16-row tile against NT tokens (NT = 4 for prefill, 1 for decode). acc[t][0]: rows 0-7 of token t,
- * acc[t][1]: rows 8-15. Per chunk: one load, three ops to split the nibbles, then per token one
- * broadcast and two vpmaddubsw. |q*x| <= 15*127, so eight pair sums stay below 32767 and the int16
+ * acc[t][1]: rows 8-15. Per chunk: one load, three ops to split the nibbles (for NT = 4 done once per
+ * tile by unpack_tile_avx2, into unp), then per token one broadcast and two vpmaddubsw. |q*x| <= 15*127, so eight pair sums stay below 32767 and the int16
  * accumulation over a 32-block is exact. */
-T_AVX2 INLINE void q4_tile_avx2(const gemm_job *j, const uint8_t *p, int m, const int NT, float *outbuf) {
+T_AVX2 INLINE void q4_tile_avx2(const gemm_job *j, const uint8_t *p, const uint8_t *unp, int m, const int NT,
+                                float *outbuf) {
     const glmi4_mat *W = j->W;
     const int ng = W->k_pad / W->group, GB = W->group / QK, hdr = W->asym ? 64 : 32, bf = W->scale_bf16;
     const int nbx = j->ldq / QK;
@@ -490,14 +491,15 @@ T_AVX2 INLINE void q4_tile_avx2(const gemm_job *j, const uint8_t *p, int m, cons
             if (NT == 4) {
                 /* The prefill hot loop, in assembly so that the 8 accumulators stay in registers: compilers
                  * hoist the broadcasts and spill two accumulators, and the store-to-load round trip on
-                 * the loop-carried chain halves the speed. 16 ymm: 8 acc, mask, 2 nibble halves, 3 temps. */
+                 * the loop-carried chain halves the speed. 13 ymm: 8 acc, 2 nibble halves, 3 temps. */
                 const int8_t *x0 = xq[0] + b * QK, *x1 = xq[1] + b * QK, *x2 = xq[2] + b * QK, *x3 = xq[3] + b * QK;
+                /* unp: this tile's nibbles split once into bytes (lo 32, hi 32 per chunk) and shared by every
+                 * group of 4 tokens, which saves the three splitting ops per chunk */
+                const uint8_t *u = unp + (size_t)b * 512;
                 for (int c = 0; c < 8; c++) {
                     __m256i lo, hi, bx, p0, p1;
-                    __asm__("vmovdqu %[w], %[lo]\n\t"
-                            "vpsrlw $4, %[lo], %[hi]\n\t"
-                            "vpand %[m4], %[lo], %[lo]\n\t"
-                            "vpand %[m4], %[hi], %[hi]\n\t"
+                    __asm__("vmovdqa %[ulo], %[lo]\n\t"
+                            "vmovdqa %[uhi], %[hi]\n\t"
                             "vpbroadcastd %[x0], %[bx]\n\t"
                             "vpmaddubsw %[bx], %[lo], %[p0]\n\t"
                             "vpmaddubsw %[bx], %[hi], %[p1]\n\t"
@@ -521,7 +523,7 @@ T_AVX2 INLINE void q4_tile_avx2(const gemm_job *j, const uint8_t *p, int m, cons
                             : [a0] "+x"(i16[0][0]), [a1] "+x"(i16[0][1]), [a2] "+x"(i16[1][0]), [a3] "+x"(i16[1][1]),
                               [a4] "+x"(i16[2][0]), [a5] "+x"(i16[2][1]), [a6] "+x"(i16[3][0]), [a7] "+x"(i16[3][1]),
                               [lo] "=&x"(lo), [hi] "=&x"(hi), [bx] "=&x"(bx), [p0] "=&x"(p0), [p1] "=&x"(p1)
-                            : [w] "m"(*(const __m256i *)(q + 32 * c)), [m4] "x"(m4),
+                            : [ulo] "m"(*(const __m256i *)(u + 64 * c)), [uhi] "m"(*(const __m256i *)(u + 64 * c + 32)),
                               [x0] "m"(*(const int32_t *)(x0 + 4 * c)), [x1] "m"(*(const int32_t *)(x1 + 4 * c)),
                               [x2] "m"(*(const int32_t *)(x2 + 4 * c)), [x3] "m"(*(const int32_t *)(x3 + 4 * c)));
                 }
@@ -602,16 +604,55 @@ T_AVX2 INLINE void q4_tile_avx2(const gemm_job *j, const uint8_t *p, int m, cons
     }
 }
 
+/* store_tile for a full tile, 8 lanes at a time (prefill writes M x n results per matrix) */
+T_AVX2 INLINE void store_tile_avx2(const gemm_job *j, int tile, int m, int nt, const float *acc) {
+    const int n0 = tile * TILE;
+    if (n0 + TILE > j->W->n) { store_tile(j, tile, m, nt, acc); return; }
+    const __m256 b0 = j->bias ? _mm256_loadu_ps(j->bias + n0) : _mm256_setzero_ps();
+    const __m256 b1 = j->bias ? _mm256_loadu_ps(j->bias + n0 + 8) : _mm256_setzero_ps();
+    for (int t = 0; t < nt; t++) {
+        float *o = j->out + (size_t)(m + t) * j->ldo + n0;
+        __m256 v0 = _mm256_add_ps(_mm256_loadu_ps(acc + t * TILE), b0);
+        __m256 v1 = _mm256_add_ps(_mm256_loadu_ps(acc + t * TILE + 8), b1);
+        if (j->accum) {
+            v0 = _mm256_add_ps(v0, _mm256_loadu_ps(o));
+            v1 = _mm256_add_ps(v1, _mm256_loadu_ps(o + 8));
+        }
+        _mm256_storeu_ps(o, v0);
+        _mm256_storeu_ps(o + 8, v1);
+    }
+}
+
+/* Split one tile's nibbles into bytes: per 32-block, per chunk, 32 low-nibble then 32 high-nibble bytes. */
+T_AVX2 static void unpack_tile_avx2(const glmi4_mat *W, const uint8_t *p, uint8_t *unp) {
+    const int ng = W->k_pad / W->group, GB = W->group / QK, hdr = W->asym ? 64 : 32;
+    const __m256i m4 = _mm256_set1_epi8(0x0F);
+    for (int g = 0; g < ng; g++) {
+        const uint8_t *q = p + hdr;
+        for (int c = 0; c < 8 * GB; c++, unp += 64) {
+            const __m256i v = _mm256_loadu_si256((const __m256i *)(q + 32 * c));
+            _mm256_store_si256((__m256i *)unp, _mm256_and_si256(v, m4));
+            _mm256_store_si256((__m256i *)(unp + 32), _mm256_and_si256(_mm256_srli_epi16(v, 4), m4));
+        }
+        p = q + (size_t)GB * 256;
+    }
+}
+
 T_AVX2 static void gemm4_avx2(const gemm_job *j, int t0, int t1) {
     const size_t tb = tile_bytes(j->W);
     float buf[NTMAX * TILE];
+    uint8_t *unp = j->M >= 4 ? xalloc((size_t)(j->W->k_pad / QK) * 512) : NULL;
     for (int tile = t0; tile < t1; tile++) {
         const uint8_t *p = j->W->data + (size_t)tile * tb;
         int m = 0;
-        for (; m + 4 <= j->M; m += 4) { q4_tile_avx2(j, p, m, 4, buf); store_tile(j, tile, m, 4, buf); }
-        for (; m + 2 <= j->M; m += 2) { q4_tile_avx2(j, p, m, 2, buf); store_tile(j, tile, m, 2, buf); }
-        for (; m < j->M; m++) { q4_tile_avx2(j, p, m, 1, buf); store_tile(j, tile, m, 1, buf); }
+        if (unp) {
+            unpack_tile_avx2(j->W, p, unp);
+            for (; m + 4 <= j->M; m += 4) { q4_tile_avx2(j, p, unp, m, 4, buf); store_tile_avx2(j, tile, m, 4, buf); }
+        }
+        for (; m + 2 <= j->M; m += 2) { q4_tile_avx2(j, p, NULL, m, 2, buf); store_tile(j, tile, m, 2, buf); }
+        for (; m < j->M; m++) { q4_tile_avx2(j, p, NULL, m, 1, buf); store_tile(j, tile, m, 1, buf); }
     }
+    free(unp);
 }
 
 /* int8 x int8 (output layer): vpmaddubsw needs one unsigned operand, so multiply |x| by sign(x)*w. */
@@ -844,12 +885,18 @@ static quant_fn pick_quant(int isa) {
 }
 
 static void gemm_task(void *arg, int tid, int nth) {
-    (void)tid; (void)nth;
+    (void)tid;
     gemm_job *j = arg;
     for (;;) {
-        int t0 = atomic_fetch_add(&j->next, j->chunk);
-        if (t0 >= j->ntiles) break;
-        j->fn(j, t0, imin(t0 + j->chunk, j->ntiles));
+        /* guided: big pieces first (long streams), ever smaller towards the end, so the threads finish
+         * together; a thread slowed by another process simply takes fewer pieces */
+        int t0 = atomic_load(&j->next), n;
+        do {
+            if (t0 >= j->ntiles) return;
+            n = (j->ntiles - t0) / (2 * nth);
+            if (n < j->chunk) n = j->chunk;
+        } while (!atomic_compare_exchange_weak(&j->next, &t0, t0 + n));
+        j->fn(j, t0, imin(t0 + n, j->ntiles));
     }
 }
 
@@ -859,8 +906,7 @@ static void run_gemm(pool *p, int isa, const glmi4_mat *W, int M, const int8_t *
     gemm_job j = {.W = W, .M = M, .xq = xq, .dx = dx, .xs = xs, .ldq = ldq, .out = out, .ldo = ldo,
                   .bias = bias, .accum = accum, .ntiles = W->n_pad / TILE};
     int nth = p ? p->nth : 1;
-    /* several chunks per thread: balances a core busy with something else, keeps streams long */
-    j.chunk = j.ntiles / (nth * 8);
+    j.chunk = j.ntiles / (nth * 32);   /* the smallest piece */
     if (j.chunk < 1) j.chunk = 1;
     j.fn = pick_gemm(isa, W->bits);
     atomic_store(&j.next, 0);
@@ -951,6 +997,15 @@ T_AVX2 static void kv_get_avx2(const model *m, const void *c, size_t off, float 
 }
 #endif
 
+#if GLMI4_X86
+/* f32 -> f16 with F16C, round to nearest even like f2h */
+T_AVX2 static void kv_put_f16c(void *c, size_t off, const float *src, int n) {
+    uint16_t *h = (uint16_t *)c + off;
+    for (int i = 0; i < n; i += 8)
+        _mm_storeu_si128((__m128i *)(h + i), _mm256_cvtps_ph(_mm256_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT));
+}
+#endif
+
 typedef struct {
     model *m;
     int layer, T, start, hsplit, nitems;
@@ -1009,17 +1064,30 @@ T_AVX2 static void attn_item_avx2(model *m, attn_job *a, int item, int tid) {
         const float *k = row;
         if (s->kv_f16) kv_get_avx2(m, m->kc, off, row, hd); else k = (const float *)m->kc + off;
         for (int h = 0; h < per; h++) {
-            __m256 d = _mm256_setzero_ps();
-            for (int e = 0; e < hd; e += 8) d = _mm256_fmadd_ps(_mm256_loadu_ps(q + h * hd + e), _mm256_loadu_ps(k + e), d);
-            sc[(size_t)h * n + i] = hsum8(d) * scale;
+            __m256 d = _mm256_setzero_ps(), d1 = _mm256_setzero_ps();   /* two chains: FMA latency */
+            int e = 0;
+            for (; e + 16 <= hd; e += 16) {
+                d = _mm256_fmadd_ps(_mm256_loadu_ps(q + h * hd + e), _mm256_loadu_ps(k + e), d);
+                d1 = _mm256_fmadd_ps(_mm256_loadu_ps(q + h * hd + e + 8), _mm256_loadu_ps(k + e + 8), d1);
+            }
+            if (e < hd) d = _mm256_fmadd_ps(_mm256_loadu_ps(q + h * hd + e), _mm256_loadu_ps(k + e), d);
+            sc[(size_t)h * n + i] = hsum8(_mm256_add_ps(d, d1)) * scale;
         }
     }
     for (int h = 0; h < per; h++) {
-        float *r = sc + (size_t)h * n, mx = r[0];
-        for (int i = 1; i < n; i++) mx = fmaxf(mx, r[i]);
+        float *r = sc + (size_t)h * n, mx;
+        int i = 0;
+        {   /* the max, 8 at a time (fmaxf is a library call here) */
+            __m256 v = _mm256_set1_ps(r[0]);
+            for (; i + 8 <= n; i += 8) v = _mm256_max_ps(v, _mm256_loadu_ps(r + i));
+            __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+            m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+            mx = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
+            for (; i < n; i++) mx = r[i] > mx ? r[i] : mx;
+        }
         const __m256 vm = _mm256_set1_ps(mx);
         __m256 vs = _mm256_setzero_ps();
-        int i = 0;
+        i = 0;
         for (; i + 8 <= n; i += 8) {
             __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(r + i), vm));
             _mm256_storeu_ps(r + i, e);
@@ -1105,7 +1173,7 @@ T_AVX2 static void silu_mul_avx2(const float *gu, int F, float *out) {
 /* Row-parallel element-wise stages of a layer (norm + quantize, SiLU + quantize). */
 typedef struct {
     model *m;
-    int kind, T;                 /* kind 0: rmsnorm(x) -> quantize;  1: silu(gate)*up -> quantize */
+    int kind, T;                 /* kind 0: rmsnorm(x) -> quantize;  1: silu(gate)*up -> quantize;  2: att -> quantize */
     const float *w;              /* norm weight */
     int K, Kp, G;
     _Atomic int next;
@@ -1121,7 +1189,9 @@ static void rows_task(void *arg, int tid, int nth) {
         const int t = atomic_fetch_add(&r->next, 1);
         if (t >= r->T) break;
         float *tmp = m->h + (size_t)t * m->ldq;
-        if (r->kind == 0) {
+        if (r->kind == 2) {
+            tmp = m->att + (size_t)t * s->n_heads * s->head_dim;   /* attention output: quantize only */
+        } else if (r->kind == 0) {
             rmsnorm(m->x + (size_t)t * s->hidden, r->w, s->hidden, s->norm_eps, tmp);
         } else {
 #if GLMI4_X86
@@ -1141,14 +1211,6 @@ static void run_rows(model *m, int kind, int T, const float *w, const glmi4_mat 
     atomic_store(&r.next, 0);
     if (T < 4) rows_task(&r, 0, 1);      /* decode: not worth waking the pool */
     else pool_run(m->pool, rows_task, &r);
-}
-
-static void quant_rows(model *m, const float *src, int ld, int T, const glmi4_mat *W) {
-    quant_fn qf = pick_quant(m->isa);
-    const int nbx = m->ldq / QK;
-    for (int t = 0; t < T; t++)
-        qf(src + (size_t)t * ld, W->k, W->k_pad, W->group, m->aq + (size_t)t * m->ldq, m->adx + (size_t)t * nbx,
-           m->axs + (size_t)t * nbx);
 }
 
 static void embed_row(const glmi4_emb *E, int id, float *out) {
@@ -1186,6 +1248,13 @@ static int forward_chunk(model *m, const int32_t *ids, int T, float *logits, int
             rope(q + qs, s->n_kv, hd, c, sn);
             for (int kh = 0; kh < s->n_kv; kh++) {
                 const size_t off = kv_off(m, l, kh, phys(m, pos));
+#if GLMI4_X86
+                if (m->isa != ISA_REF && s->kv_f16 && hd % 8 == 0) {
+                    kv_put_f16c(m->kc, off, q + qs + kh * hd, hd);
+                    kv_put_f16c(m->vc, off, q + qs + kvs + kh * hd, hd);
+                    continue;
+                }
+#endif
                 kv_put(m, m->kc, off, q + qs + kh * hd, hd);
                 kv_put(m, m->vc, off, q + qs + kvs + kh * hd, hd);
             }
@@ -1202,7 +1271,7 @@ static int forward_chunk(model *m, const int32_t *ids, int T, float *logits, int
             if (a.nitems == 1 || (size_t)T * (start + T) * s->n_heads * hd < SMALL_WORK) attn_task(&a, 0, 1);
             else pool_run(m->pool, attn_task, &a);
         }
-        quant_rows(m, m->att, qs, T, &L->attn_out);
+        run_rows(m, 2, T, NULL, &L->attn_out);
         run_gemm(m->pool, m->isa, &L->attn_out, T, m->aq, m->adx, m->axs, m->ldq, m->x, H, NULL, 1);
         run_rows(m, 0, T, L->post_norm, &L->ffn_up);
         run_gemm(m->pool, m->isa, &L->ffn_up, T, m->aq, m->adx, m->axs, m->ldq, m->ff, 2 * s->ffn, NULL, 0);
