@@ -197,7 +197,8 @@ def main(argv=None) -> int:
     from glmcore.backend import registry
     from glmcore.config import ModelConfig
     from glmcore.model import cache_root
-    from glmcore_plugins.openvino_amx.cpu import cpu_name, has_amx, has_avx512_bf16
+    from glmcore.cpuinfo import cpu_name
+    from glmcore_plugins.openvino_amx.cpu import has_amx, has_avx512_bf16
     d = model_dir(a.size, "chatglm3", a.model)
     cfg = ModelConfig.from_dir(d)
     backend = registry().get("openvino_amx")

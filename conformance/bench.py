@@ -41,6 +41,7 @@ import numpy as np
 
 from glmcore.backend import Backend, LoadOptions, registry
 from glmcore.config import FAMILIES, ModelConfig
+from glmcore.cpuinfo import cpu_name
 from glmcore.errors import GlmcoreError
 from glmcore.model import resolve_backend
 
@@ -50,16 +51,6 @@ WEIGHT_BYTES = {"f32": 4.0, "f16": 2.0, "bf16": 2.0, "int8": 1.0, "int4": 0.5 + 
 
 
 # ---------------------------------------------------------------- the machine
-
-def cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def machine() -> str:

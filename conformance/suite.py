@@ -360,7 +360,7 @@ class Suite:
 
     def _meta(self, ref_backend: Backend, backends: Sequence[Backend], models: Sequence[Model]) -> dict:
         import glmcore
-        from .bench import cpu_name
+        from glmcore.cpuinfo import cpu_name
         probes = {}
         for b in [ref_backend, *backends]:
             p = b.probe()

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .errors import ConfigError
+from .tokenizer import is_tiktoken_file
 
 FAMILIES = ("chatglm2", "chatglm3", "glm4")
 
@@ -106,7 +107,7 @@ def _chatglm_family(raw: dict, model_dir: Path | None) -> str:
     """ChatGLM2, ChatGLM3 and GLM-4 share model_type 'chatglm'; tell them apart by vocabulary and name."""
     if raw["padded_vocab_size"] >= 150000:
         return "glm4"
-    if model_dir is not None and _is_tiktoken_file(model_dir / "tokenizer.model"):
+    if model_dir is not None and is_tiktoken_file(model_dir / "tokenizer.model"):
         return "glm4"
     names = [raw.get("_name_or_path", "")]
     if model_dir is not None and (model_dir / "tokenizer_config.json").is_file():
@@ -115,15 +116,6 @@ def _chatglm_family(raw: dict, model_dir: Path | None) -> str:
         except (ValueError, OSError):
             pass
     return "chatglm2" if any("chatglm2" in str(n).lower() for n in names) else "chatglm3"
-
-
-def _is_tiktoken_file(path: Path) -> bool:
-    try:
-        with open(path, "rb") as f:
-            head = f.read(64)
-    except OSError:
-        return False
-    return head[:1] != b"\n" and b" 0\n" in head  # "<base64> <rank>" lines; SentencePiece is binary protobuf
 
 
 def _from_hf_glm(raw: dict) -> ModelConfig:

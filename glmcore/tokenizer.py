@@ -98,7 +98,7 @@ class SentencePieceTokenizer(Tokenizer):
         try:
             self.sp = spm.SentencePieceProcessor(model_file=str(path))
         except Exception as e:   # sentencepiece raises RuntimeError/OSError with a long message
-            hint = " (it is a tiktoken rank file: use family glm4)" if _is_tiktoken_file(path) else ""
+            hint = " (it is a tiktoken rank file: use family glm4)" if is_tiktoken_file(path) else ""
             raise TokenizerError(f"{path} is not a readable SentencePiece model{hint}: "
                                  f"{str(e).splitlines()[0] if str(e) else type(e).__name__}; "
                                  "copy tokenizer.model from the original checkpoint again") from None
@@ -258,7 +258,7 @@ class StreamDecoder:
 # ----------------------------------------------------------------------------- files
 
 
-def _is_tiktoken_file(path: Path) -> bool:
+def is_tiktoken_file(path: Path) -> bool:
     try:
         with open(path, "rb") as f:
             line = f.readline(200)
@@ -274,7 +274,7 @@ def read_rank_file(path: Path) -> dict[bytes, int]:
         data = Path(path).read_bytes()
     except OSError as e:
         raise TokenizerError(f"cannot read {path}: {e.strerror}; check the path and permissions") from None
-    if data[:1] == b"\n" and not _is_tiktoken_file(path):   # a protobuf: SentencePiece's ModelProto
+    if data[:1] == b"\n" and not is_tiktoken_file(path):   # a protobuf: SentencePiece's ModelProto
         raise TokenizerError(f"{path} is not a tiktoken rank file (it looks like a SentencePiece model: "
                              "use family chatglm2/chatglm3, or copy GLM-4's tokenizer.model)")
     for no, line in enumerate(data.splitlines(), 1):

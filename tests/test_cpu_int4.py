@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -485,8 +486,9 @@ def test_benchmark_smoke(tmp_path):
     """benchmarks/bench_cpu_int4.py runs end to end at the tiny size (CI smoke)."""
     ready_or_skip()
     r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_cpu_int4.py"), "--size", "tiny",
-                        "--work", str(tmp_path), "--prefill", "16", "--decode", "8", "--no-torch", "--no-openvino"],
-                       capture_output=True, text=True, cwd=ROOT, timeout=300)
+                        "--prefill", "16", "--decode", "8", "--no-torch", "--no-openvino"],
+                       capture_output=True, text=True, cwd=ROOT, timeout=300,
+                       env={**os.environ, "GLMCORE_CACHE": str(tmp_path)})
     assert r.returncode == 0, r.stderr[-2000:]
     assert "decode" in r.stdout and "tok/s" in r.stdout and "peak RSS" in r.stdout
 

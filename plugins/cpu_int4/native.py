@@ -197,19 +197,9 @@ def supported(name: str) -> bool:
     return bool(lib().glmi4_isa_supported(isa_index(name)))
 
 
-def cpu_flags() -> set[str]:
-    """The CPU's feature flags as the OS reports them (Linux), independent of the C library."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()
-
-
 def expected_isa() -> str:
     """What the dispatcher should pick on this CPU, judged from /proc/cpuinfo alone."""
+    from glmcore.cpuinfo import cpu_flags
     f = cpu_flags()
     if {"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni"} <= f:
         return "avx512vnni"

@@ -13,9 +13,10 @@ import importlib.util
 import sys
 
 from glmcore.backend import Backend, Capabilities, LoadOptions, Probe, default_capacity, hookimpl
+from glmcore.cpuinfo import cpu_name
 from glmcore.errors import BackendError
 
-from .cpu import cpu_name, has_amx, has_avx512_bf16, native_bf16
+from .cpu import has_amx, has_avx512_bf16, native_bf16
 
 
 class OpenVINOBackend(Backend):

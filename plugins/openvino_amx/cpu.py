@@ -1,32 +1,7 @@
 """What this CPU offers for bf16: AMX (Sapphire Rapids and later) or AVX512-BF16 (Cooper Lake, Zen 4)."""
 from __future__ import annotations
 
-import platform
-from functools import lru_cache
-
-
-@lru_cache(maxsize=1)
-def cpu_flags() -> frozenset[str]:
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return frozenset(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return frozenset()
-
-
-@lru_cache(maxsize=1)
-def cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
+from glmcore.cpuinfo import cpu_flags
 
 
 def has_amx() -> bool:
