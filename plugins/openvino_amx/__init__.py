@@ -81,6 +81,15 @@ class OpenVINOBackend(Backend):
                     f"OpenVINO computes in {sess.runtime_precision}")
         return sess
 
+    def conformance_weights(self, config, weights, options: LoadOptions):
+        """The f32 values this configuration's graph computes with (dequantized as the graph does), and
+        the tolerance row of what remains: the compute precision."""
+        from . import graph, session
+        options = self.resolve(options)
+        opts = session.ir_options(options)
+        w = graph.WeightNodes(weights, opts["weights"], opts.get("group_size", 128))
+        return {name: w.effective(name) for name in weights}, options.precision
+
     def convert(self, config, weights, options: LoadOptions, out, progress) -> None:
         self._require()
         from . import session

@@ -27,7 +27,7 @@ from openvino.op.util import Variable, VariableInfo
 
 from glmcore.config import ModelConfig
 
-from .quant import quantize_asym
+from .quant import dequantize, quantize_asym
 
 I32, I64, F32 = ov.Type.i32, ov.Type.i64, ov.Type.f32
 WEIGHT_FORMATS = ("f32", "f16", "int8", "int4")
@@ -38,7 +38,10 @@ def _c(value, dtype=np.int64) -> ov.Node:
     return ops.constant(np.array(value, dtype=dtype))
 
 
-class _Weights:
+MATRICES = ("embed.weight", "qkv.weight", "attn_out.weight", "ffn_up.weight", "ffn_down.weight", "lm_head.weight")
+
+
+class WeightNodes:
     """Turns canonical weights into decompression subgraphs for one weight format."""
 
     def __init__(self, weights, fmt: str, group_size: int):
@@ -62,18 +65,33 @@ class _Weights:
             deq = ops.reshape(deq, _c(w.shape), special_zero=False)
         return deq.output(0)
 
-    def matrix(self, name: str, embedding: bool = False) -> ov.Output:
-        """The weight [out, in] (or the embedding table [vocab, hidden]) as f32 output of its decompression."""
-        fmt = self.fmt
-        if fmt == "f32":
-            return self._const(self.w.f32(name)).output(0)
-        if fmt == "f16":
-            return ops.convert(self._const(self.w.f32(name).astype(np.float16)), F32).output(0)
+    def scheme(self, name: str) -> tuple[int, int | None] | str:
+        """How the weight `name` is stored: "f32", "f16", or (bits, group) for asymmetric int."""
+        if self.fmt in ("f32", "f16"):
+            return self.fmt
         # int4 keeps the embedding and the output layer in int8 (as NNCF does by default): they are the most
         # sensitive layers, and the embedding is a row lookup, not a matmul.
-        if fmt == "int8" or embedding or name == "lm_head.weight":
-            return self._int(name, 8, None)
-        return self._int(name, 4, group_for(self.w[name].shape[1], self.group_size))
+        if self.fmt == "int8" or name in ("embed.weight", "lm_head.weight"):
+            return 8, None
+        return 4, group_for(self.w[name].shape[1], self.group_size)
+
+    def matrix(self, name: str) -> ov.Output:
+        """The weight [out, in] (or the embedding table [vocab, hidden]) as f32 output of its decompression."""
+        scheme = self.scheme(name)
+        if scheme == "f32":
+            return self._const(self.w.f32(name)).output(0)
+        if scheme == "f16":
+            return ops.convert(self._const(self.w.f32(name).astype(np.float16)), F32).output(0)
+        return self._int(name, *scheme)
+
+    def effective(self, name: str) -> np.ndarray:
+        """The f32 values the compiled model computes with for `name` (for conformance)."""
+        scheme = self.scheme(name) if name.endswith(MATRICES) else "f32"
+        if scheme == "f32":
+            return self.w.f32(name)
+        if scheme == "f16":
+            return self.w.f32(name).astype(np.float16).astype(np.float32)
+        return dequantize(*quantize_asym(self.w.f32(name), *scheme))
 
     def vector(self, name: str) -> ov.Node:
         return self._const(self.w.f32(name))
@@ -179,7 +197,7 @@ def build_model(cfg: ModelConfig, weights, fmt: str = "f32", group_size: int = 1
                 progress: Callable[[str], None] | None = None) -> ov.Model:
     if fmt not in WEIGHT_FORMATS:
         raise ValueError(f"unknown weight format {fmt!r}")
-    W = _Weights(weights, fmt, group_size)
+    W = WeightNodes(weights, fmt, group_size)
     say = progress or (lambda msg: None)
 
     input_ids = ops.parameter([-1, -1], I64, name="input_ids")
@@ -211,7 +229,7 @@ def build_model(cfg: ModelConfig, weights, fmt: str = "f32", group_size: int = 1
     mask = ops.select(keep, _c(0.0, np.float32), _c(np.finfo(np.float32).min, np.float32))
 
     say("embedding")
-    x = ops.gather(W.matrix("embed.weight", embedding=True), input_ids, _c(0)).output(0)   # [B, T, hidden]
+    x = ops.gather(W.matrix("embed.weight"), input_ids, _c(0)).output(0)   # [B, T, hidden]
     sinks: list = []
     for i in range(cfg.num_layers):
         p = f"layers.{i}."
