@@ -77,6 +77,3 @@ def tolerance_key(precision: str, weights: str) -> str:
         keys.append(name)
     return max(keys, key=_ORDER.index)
 
-
-def tolerance_for(precision: str, weights: str) -> Tolerance:
-    return TOLERANCES[tolerance_key(precision, weights)]

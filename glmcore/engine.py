@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -55,12 +55,6 @@ class Timings:
         return (f"prompt {self.prompt_tokens} tok, generated {self.new_tokens} tok | "
                 f"time to first token {self.ttft_s * 1000:.1f} ms | prefill {self.prefill_tps:.1f} tok/s | "
                 f"decode {self.decode_tps:.1f} tok/s" + (f" | window shifts {self.shifts}" if self.shifts else ""))
-
-
-@dataclass
-class Step:
-    token: int
-    logits: np.ndarray = field(repr=False)
 
 
 class Engine:

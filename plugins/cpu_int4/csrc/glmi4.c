@@ -623,6 +623,66 @@ T_AVX2 INLINE void store_tile_avx2(const gemm_job *j, int tile, int m, int nt, c
     }
 }
 
+/* Prefill at group 32, symmetric: one weight scale per 32-block, so the float work per block and token is
+ * the whole overhead over the integer dot products. Here the tile's scales come pre-converted to f32 (fs,
+ * 16 per block, from unpack_tile_avx2) and each token's -8*xs per block pre-multiplied (c8), leaving four
+ * ops per 8 outputs: vpmaddwd, vcvtdq2ps and two FMAs, with the scales as memory operands. */
+T_AVX2 INLINE void q4_tile4_g32_avx2(const gemm_job *j, const uint8_t *unp, const float *fs, const float *c8, int m,
+                                     float *outbuf) {
+    const int nb = j->W->k_pad / QK, nbx = j->ldq / QK;
+    const __m256i ones = _mm256_set1_epi16(1);
+    const int8_t *x0 = j->xq + (size_t)m * j->ldq, *x1 = x0 + j->ldq, *x2 = x1 + j->ldq, *x3 = x2 + j->ldq;
+    const float *dx = j->dx + (size_t)m * nbx, *cc = c8 + (size_t)m * nbx;
+    __m256 acc[4][2];
+    for (int t = 0; t < 4; t++) acc[t][0] = acc[t][1] = _mm256_setzero_ps();
+    for (int b = 0; b < nb; b++, x0 += QK, x1 += QK, x2 += QK, x3 += QK) {
+        __m256i i16[4][2];
+        for (int t = 0; t < 4; t++) i16[t][0] = i16[t][1] = _mm256_setzero_si256();
+        const uint8_t *u = unp + (size_t)b * 512;
+        for (int c = 0; c < 8; c++) {
+            __m256i lo, hi, bx, p0, p1;
+            __asm__("vmovdqa %[ulo], %[lo]\n\t"
+                    "vmovdqa %[uhi], %[hi]\n\t"
+                    "vpbroadcastd %[x0], %[bx]\n\t"
+                    "vpmaddubsw %[bx], %[lo], %[p0]\n\t"
+                    "vpmaddubsw %[bx], %[hi], %[p1]\n\t"
+                    "vpaddw %[p0], %[a0], %[a0]\n\t"
+                    "vpaddw %[p1], %[a1], %[a1]\n\t"
+                    "vpbroadcastd %[x1], %[bx]\n\t"
+                    "vpmaddubsw %[bx], %[lo], %[p0]\n\t"
+                    "vpmaddubsw %[bx], %[hi], %[p1]\n\t"
+                    "vpaddw %[p0], %[a2], %[a2]\n\t"
+                    "vpaddw %[p1], %[a3], %[a3]\n\t"
+                    "vpbroadcastd %[x2], %[bx]\n\t"
+                    "vpmaddubsw %[bx], %[lo], %[p0]\n\t"
+                    "vpmaddubsw %[bx], %[hi], %[p1]\n\t"
+                    "vpaddw %[p0], %[a4], %[a4]\n\t"
+                    "vpaddw %[p1], %[a5], %[a5]\n\t"
+                    "vpbroadcastd %[x3], %[bx]\n\t"
+                    "vpmaddubsw %[bx], %[lo], %[p0]\n\t"
+                    "vpmaddubsw %[bx], %[hi], %[p1]\n\t"
+                    "vpaddw %[p0], %[a6], %[a6]\n\t"
+                    "vpaddw %[p1], %[a7], %[a7]"
+                    : [a0] "+x"(i16[0][0]), [a1] "+x"(i16[0][1]), [a2] "+x"(i16[1][0]), [a3] "+x"(i16[1][1]),
+                      [a4] "+x"(i16[2][0]), [a5] "+x"(i16[2][1]), [a6] "+x"(i16[3][0]), [a7] "+x"(i16[3][1]),
+                      [lo] "=&x"(lo), [hi] "=&x"(hi), [bx] "=&x"(bx), [p0] "=&x"(p0), [p1] "=&x"(p1)
+                    : [ulo] "m"(*(const __m256i *)(u + 64 * c)), [uhi] "m"(*(const __m256i *)(u + 64 * c + 32)),
+                      [x0] "m"(*(const int32_t *)(x0 + 4 * c)), [x1] "m"(*(const int32_t *)(x1 + 4 * c)),
+                      [x2] "m"(*(const int32_t *)(x2 + 4 * c)), [x3] "m"(*(const int32_t *)(x3 + 4 * c)));
+        }
+        const float *d = fs + (size_t)b * TILE;
+        for (int t = 0; t < 4; t++) {
+            const __m256 db = _mm256_broadcast_ss(dx + (size_t)t * nbx + b), cb = _mm256_broadcast_ss(cc + (size_t)t * nbx + b);
+            acc[t][0] = _mm256_fmadd_ps(_mm256_loadu_ps(d), _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(i16[t][0], ones)), db, cb), acc[t][0]);
+            acc[t][1] = _mm256_fmadd_ps(_mm256_loadu_ps(d + 8), _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(i16[t][1], ones)), db, cb), acc[t][1]);
+        }
+    }
+    for (int t = 0; t < 4; t++) {
+        _mm256_storeu_ps(outbuf + t * TILE, acc[t][0]);
+        _mm256_storeu_ps(outbuf + t * TILE + 8, acc[t][1]);
+    }
+}
+
 /* Split one tile's nibbles into bytes: per 32-block, per chunk, 32 low-nibble then 32 high-nibble bytes. */
 T_AVX2 static void unpack_tile_avx2(const glmi4_mat *W, const uint8_t *p, uint8_t *unp) {
     const int ng = W->k_pad / W->group, GB = W->group / QK, hdr = W->asym ? 64 : 32;
@@ -639,20 +699,40 @@ T_AVX2 static void unpack_tile_avx2(const glmi4_mat *W, const uint8_t *p, uint8_
 }
 
 T_AVX2 static void gemm4_avx2(const gemm_job *j, int t0, int t1) {
-    const size_t tb = tile_bytes(j->W);
+    const glmi4_mat *W = j->W;
+    const size_t tb = tile_bytes(W);
+    const int nb = W->k_pad / QK, nbx = j->ldq / QK, g32 = W->group == QK && !W->asym;
     float buf[NTMAX * TILE];
-    uint8_t *unp = j->M >= 4 ? xalloc((size_t)(j->W->k_pad / QK) * 512) : NULL;
+    uint8_t *unp = j->M >= 4 ? xalloc((size_t)nb * 512) : NULL;
+    float *fs = NULL, *c8 = NULL;    /* group 32 prefill: the tile's f32 scales, the tokens' -8*xs */
+    if (unp && g32) {
+        fs = xalloc((size_t)nb * TILE * sizeof(float));
+        c8 = xalloc((size_t)j->M * nbx * sizeof(float));
+        if (!fs || !c8) { free(fs); free(c8); fs = c8 = NULL; }
+        for (int m = 0; c8 && m < j->M; m++)
+            for (int b = 0; b < nb; b++) c8[(size_t)m * nbx + b] = -8.f * j->xs[(size_t)m * nbx + b];
+    }
     for (int tile = t0; tile < t1; tile++) {
-        const uint8_t *p = j->W->data + (size_t)tile * tb;
+        const uint8_t *p = W->data + (size_t)tile * tb;
         int m = 0;
         if (unp) {
-            unpack_tile_avx2(j->W, p, unp);
+            unpack_tile_avx2(W, p, unp);
+            if (fs) {
+                const size_t gb = group_bytes(W);
+                for (int b = 0; b < nb; b++) {
+                    _mm256_storeu_ps(fs + (size_t)b * TILE, ld8_scales(p + b * gb, W->scale_bf16));
+                    _mm256_storeu_ps(fs + (size_t)b * TILE + 8, ld8_scales(p + b * gb + 16, W->scale_bf16));
+                }
+                for (; m + 4 <= j->M; m += 4) { q4_tile4_g32_avx2(j, unp, fs, c8, m, buf); store_tile_avx2(j, tile, m, 4, buf); }
+            }
             for (; m + 4 <= j->M; m += 4) { q4_tile_avx2(j, p, unp, m, 4, buf); store_tile_avx2(j, tile, m, 4, buf); }
         }
         for (; m + 2 <= j->M; m += 2) { q4_tile_avx2(j, p, NULL, m, 2, buf); store_tile(j, tile, m, 2, buf); }
         for (; m < j->M; m++) { q4_tile_avx2(j, p, NULL, m, 1, buf); store_tile(j, tile, m, 1, buf); }
     }
     free(unp);
+    free(fs);
+    free(c8);
 }
 
 /* int8 x int8 (output layer): vpmaddubsw needs one unsigned operand, so multiply |x| by sign(x)*w. */
