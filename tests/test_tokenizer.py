@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import base64
 import json
-import time
 from pathlib import Path
 
 import pytest
@@ -294,9 +293,7 @@ def test_bad_config(tmp_path):
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_write_synthetic(tmp_path, family):
-    t0 = time.perf_counter()
     n = write_tokenizer(family, tmp_path / "a")
-    assert time.perf_counter() - t0 < 3
     write_tokenizer(family, tmp_path / "b")
     for f in ("tokenizer.model", "tokenizer_config.json"):
         assert (tmp_path / "a" / f).read_bytes() == (tmp_path / "b" / f).read_bytes(), "deterministic"
