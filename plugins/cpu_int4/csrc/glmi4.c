@@ -637,9 +637,31 @@ T_AVX2 INLINE void q4_tile4_g32_avx2(const gemm_job *j, const uint8_t *unp, cons
     for (int t = 0; t < 4; t++) acc[t][0] = acc[t][1] = _mm256_setzero_ps();
     for (int b = 0; b < nb; b++, x0 += QK, x1 += QK, x2 += QK, x3 += QK) {
         __m256i i16[4][2];
-        for (int t = 0; t < 4; t++) i16[t][0] = i16[t][1] = _mm256_setzero_si256();
         const uint8_t *u = unp + (size_t)b * 512;
-        for (int c = 0; c < 8; c++) {
+        {   /* chunk 0 writes the accumulators: no zeroing, and one vpaddw fewer per accumulator */
+            __m256i lo, hi, bx;
+            __asm__("vmovdqa %[ulo], %[lo]\n\t"
+                    "vmovdqa %[uhi], %[hi]\n\t"
+                    "vpbroadcastd %[x0], %[bx]\n\t"
+                    "vpmaddubsw %[bx], %[lo], %[a0]\n\t"
+                    "vpmaddubsw %[bx], %[hi], %[a1]\n\t"
+                    "vpbroadcastd %[x1], %[bx]\n\t"
+                    "vpmaddubsw %[bx], %[lo], %[a2]\n\t"
+                    "vpmaddubsw %[bx], %[hi], %[a3]\n\t"
+                    "vpbroadcastd %[x2], %[bx]\n\t"
+                    "vpmaddubsw %[bx], %[lo], %[a4]\n\t"
+                    "vpmaddubsw %[bx], %[hi], %[a5]\n\t"
+                    "vpbroadcastd %[x3], %[bx]\n\t"
+                    "vpmaddubsw %[bx], %[lo], %[a6]\n\t"
+                    "vpmaddubsw %[bx], %[hi], %[a7]"
+                    : [a0] "=&x"(i16[0][0]), [a1] "=&x"(i16[0][1]), [a2] "=&x"(i16[1][0]), [a3] "=&x"(i16[1][1]),
+                      [a4] "=&x"(i16[2][0]), [a5] "=&x"(i16[2][1]), [a6] "=&x"(i16[3][0]), [a7] "=&x"(i16[3][1]),
+                      [lo] "=&x"(lo), [hi] "=&x"(hi), [bx] "=&x"(bx)
+                    : [ulo] "m"(*(const __m256i *)u), [uhi] "m"(*(const __m256i *)(u + 32)),
+                      [x0] "m"(*(const int32_t *)x0), [x1] "m"(*(const int32_t *)x1),
+                      [x2] "m"(*(const int32_t *)x2), [x3] "m"(*(const int32_t *)x3));
+        }
+        for (int c = 1; c < 8; c++) {
             __m256i lo, hi, bx, p0, p1;
             __asm__("vmovdqa %[ulo], %[lo]\n\t"
                     "vmovdqa %[uhi], %[hi]\n\t"
@@ -796,6 +818,8 @@ T_AVX2 static void gemm8_avx2(const gemm_job *j, int t0, int t1) {
 
 T_AVX2 static void quant_act_avx2(const float *x, int K, int Kp, int G, int8_t *q, float *dx, float *xs) {
     const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    const int per = G / QK;
+    float gsum = 0.f;
     for (int b = 0; b < Kp / QK; b++) {
         float tmp[QK];
         const float *v = x + b * QK;
@@ -824,8 +848,14 @@ T_AVX2 static void quant_act_avx2(const float *x, int K, int Kp, int G, int8_t *
         /* packs interleave 128-bit lanes: restore element order */
         p = _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
         _mm256_storeu_si256((__m256i *)(q + b * QK), p);
+        /* the group sum, as quant_finish forms it (same order, exact integer block sums) */
+        __m256i is8 = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_set1_epi8(1), p), _mm256_set1_epi16(1));
+        __m128i is4 = _mm_add_epi32(_mm256_castsi256_si128(is8), _mm256_extracti128_si256(is8, 1));
+        is4 = _mm_add_epi32(is4, _mm_shuffle_epi32(is4, 0x4E));
+        is4 = _mm_add_epi32(is4, _mm_shuffle_epi32(is4, 0xB1));
+        gsum += dx[b] * (float)_mm_cvtsi128_si32(is4);
+        if ((b + 1) % per == 0) { xs[b / per] = gsum; gsum = 0.f; }
     }
-    quant_finish(q, dx, Kp, G, xs);
 }
 
 /* ---------------- AVX-512 VNNI: one zmm register holds the 16 rows of a tile.
