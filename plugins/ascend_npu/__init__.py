@@ -101,12 +101,12 @@ class AscendNpuBackend(Backend):
 
     def capabilities(self) -> Capabilities:
         if importlib.util.find_spec("torch") is None:
-            return Capabilities(precisions=("f32", "bf16"), weight_formats=("f32", "bf16"), speed_rank=1)
+            return Capabilities(precisions=("f32", "bf16"), weight_formats=("f32", "bf16"), speed_rank=-1)
         device = _default_device()
         precisions = device_precisions(device)
         kind = device.split(":")[0]
         default = "f32" if kind == "cpu" else ("bf16" if "bf16" in precisions else "f16")
-        rank = {"npu": 100, "cuda": 50}.get(kind, 1)
+        rank = {"npu": 100, "cuda": 50}.get(kind, -1)   # on the CPU it is a compile-heavy host path: not a default
         return Capabilities(precisions=precisions, weight_formats=precisions, default_precision=default,
                             default_weights=default, can_shift=False, speed_rank=rank)
 

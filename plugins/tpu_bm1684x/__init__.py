@@ -88,7 +88,7 @@ class TpuBm1684xBackend(Backend):
             on_device = False
         return Capabilities(precisions=("f32", "f16"), weight_formats=("f32", "f16"), default_precision="f32",
                             default_weights="f32", max_context=None, can_shift=False,
-                            speed_rank=5 if on_device else -1)
+                            speed_rank=100 if on_device else -1)   # emulation is for checking graphs, not speed
 
     def resolve(self, options: LoadOptions) -> LoadOptions:
         # The graphs hold their weights in the compute precision: either option implies the other.
