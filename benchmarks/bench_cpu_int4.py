@@ -175,7 +175,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
 
     if args.cache is None:
-        from glmcore.model import cache_root
+        from glmcore.cache import cache_root
         args.cache = str(cache_root() / "converted")
     if args.bw_mib is None:
         args.bw_mib = 128 if args.size == "tiny" else 512

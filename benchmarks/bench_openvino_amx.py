@@ -196,7 +196,7 @@ def main(argv=None) -> int:
     import openvino as ov
     from glmcore.backend import registry
     from glmcore.config import ModelConfig
-    from glmcore.model import cache_root
+    from glmcore.cache import cache_root
     from glmcore.cpuinfo import cpu_name
     from glmcore_plugins.openvino_amx.cpu import has_amx, has_avx512_bf16
     d = model_dir(a.size, "chatglm3", a.model)

@@ -104,7 +104,7 @@ def main(argv=None) -> int:
     if a.prompt + a.gen > a.seq_len:
         ap.error(f"--prompt {a.prompt} + --gen {a.gen} exceed --seq-len {a.seq_len}")
     if a.cache_dir is None:
-        from glmcore.model import cache_root
+        from glmcore.cache import cache_root
         a.cache_dir = str(cache_root() / "converted")
     model = model_dir(a.size, a.family, a.model)
     common = ["--model", str(model), "--seq-len", str(a.seq_len), "--prompt", str(a.prompt), "--gen", str(a.gen),

@@ -149,7 +149,7 @@ def _worker(conn, name: str, model_dir: str, options: dict) -> None:
     """Load one backend and answer ("run", prompt, gen) requests until ("stop",)."""
     try:
         from glmcore.engine import Engine, Timings
-        from glmcore.model import cache_root
+        from glmcore.cache import cache_root
         from glmcore.sampling import SamplingParams
         from glmcore.weights import load_weights
         backend = registry().get(name)

@@ -212,7 +212,7 @@ class Suite:
     def _run_config(self, backend: Backend, model: Model, reference: Reference, cfg: Config,
                     refused: dict) -> bool:
         """Load one configuration and run the cases on it. False when the backend refused it."""
-        from glmcore.model import cache_root
+        from glmcore.cache import cache_root
         caps = backend.capabilities()
         limits = [self.capacity, model.config.max_seq_len] + ([caps.max_context] if caps.max_context else [])
         opts = LoadOptions(cfg.precision, cfg.weights, min(limits), self.threads, cache_root() / "converted",

@@ -1,25 +1,18 @@
 """Load a checkpoint onto a backend: config + weights + tokenizer + chat format + session + engine."""
 from __future__ import annotations
 
-import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 from .backend import Backend, LoadOptions, registry
+from .cache import cache_root
 from .config import ModelConfig
 from .engine import Engine, WindowPolicy
 from .errors import GlmcoreError
 from .weights import load_weights
 
 DEMO_FAMILY, DEMO_SIZE, DEMO_SEED = "chatglm3", "tiny", 0
-
-
-def cache_root() -> Path:
-    if os.environ.get("GLMCORE_CACHE"):
-        return Path(os.environ["GLMCORE_CACHE"])
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "glmcore"
 
 
 def demo_model_dir(notice=lambda msg: print(msg, file=sys.stderr)) -> Path:

@@ -6,8 +6,6 @@ sharded safetensors or PyTorch .bin with the real index file and tensor names, a
 from __future__ import annotations
 
 import json
-import shutil
-import tempfile
 import zlib
 from collections.abc import Callable
 from pathlib import Path
@@ -114,22 +112,11 @@ def make_model(family: str, size: str, out: str | Path, fmt: str = "safetensors"
 
 
 def cached_model(family: str, size: str, seed: int = 0, purpose: str = "models") -> Path:
-    """A synthetic checkpoint in the cache directory, made on first use. It is written to a temporary
-    directory and renamed into place, so a concurrent run never sees half a checkpoint."""
-    from .model import cache_root
-    path = cache_root() / purpose / f"{family}-{size}-seed{seed}"
-    if not (path / "config.json").is_file():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}-"))
-        try:
-            make_model(family, size, tmp, seed=seed)
-            tmp.rename(path)
-        except OSError:
-            if not (path / "config.json").is_file():
-                raise
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
-    return path
+    """A synthetic checkpoint in the cache directory, made on first use."""
+    from .cache import build_once, cache_root
+    return build_once(cache_root() / purpose / f"{family}-{size}-seed{seed}",
+                      lambda tmp: make_model(family, size, tmp, seed=seed),
+                      complete=lambda p: (p / "config.json").is_file())
 
 
 def init_tensor(name: str, shape: tuple[int, ...], cfg: ModelConfig, seed: int) -> np.ndarray:

@@ -123,7 +123,7 @@ class CpuInt4Backend(Backend):
     def _packed_dir(self, config, weights, options: LoadOptions) -> Path:
         if options.extra.get("packed"):
             return Path(options.extra["packed"])
-        from glmcore.model import cache_root
+        from glmcore.cache import cache_root
         from .quant import QuantOptions, ensure_packed
         q = QuantOptions.from_extra(options.extra)
         cache = Path(options.cache_dir) if options.cache_dir else cache_root() / "converted"

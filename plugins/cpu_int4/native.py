@@ -108,7 +108,7 @@ def compiler() -> str | None:
 
 
 def _cache_path() -> Path:
-    from glmcore.model import cache_root
+    from glmcore.cache import cache_root
     digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(CFLAGS).encode()).hexdigest()[:16]
     return cache_root() / "kernels" / f"glmi4-{digest}-{platform.machine()}.so"
 

@@ -27,6 +27,7 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 
+from glmcore.cache import build_once
 from glmcore.config import ModelConfig
 from glmcore.errors import BackendError
 
@@ -384,8 +385,8 @@ def ensure_packed(cfg: ModelConfig, weights, o: QuantOptions, cache_dir: Path, p
     """The packed model for these weights and options, converted once and then reused from the cache."""
     fp = weights.fingerprint() if hasattr(weights, "fingerprint") else _content_fingerprint(weights)
     final = Path(cache_dir) / f"cpu_int4-{cache_key(fp, o)}"
-    if (final / "meta.json").is_file():
-        return final
+    return build_once(final, lambda tmp: write_packed(cfg, weights, o, tmp, progress, fingerprint=fp),
+                      complete=lambda p: (p / "meta.json").is_file())
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=final.parent, prefix=".cpu_int4-"))
     try:

@@ -3,9 +3,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import shutil
-import tempfile
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -14,6 +11,7 @@ import numpy as np
 import openvino as ov
 
 from glmcore.backend import LoadOptions, Session
+from glmcore.cache import build_once
 from glmcore.config import ModelConfig
 from glmcore.errors import BackendError
 
@@ -110,20 +108,10 @@ def cached_ir(cfg: ModelConfig, weights, options: LoadOptions, progress: Callabl
     opts = ir_options(options)
     root = Path(options.cache_dir) / "openvino_amx"
     final = root / f"{cfg.family}-{opts['weights']}-{cache_key(cfg, weights, opts)}"
-    if (final / MANIFEST).is_file():
-        return final / IR_NAME
-    root.mkdir(parents=True, exist_ok=True)
-    progress(f"converting the model once; the IR is kept in {final}")
-    tmp = Path(tempfile.mkdtemp(dir=root, prefix=".tmp-"))
-    try:
-        write_ir(cfg, weights, opts, tmp, progress)
-        try:
-            os.rename(tmp, final)     # atomic: a concurrent load never sees half an IR
-        except OSError:
-            if not (final / MANIFEST).is_file():
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+    if not (final / MANIFEST).is_file():
+        progress(f"converting the model once; the IR is kept in {final}")
+    build_once(final, lambda tmp: write_ir(cfg, weights, opts, tmp, progress),
+               complete=lambda p: (p / MANIFEST).is_file())
     return final / IR_NAME
 
 

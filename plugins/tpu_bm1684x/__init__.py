@@ -202,7 +202,7 @@ def _notice(msg: str) -> None:
 
 
 def _default_cache() -> Path:
-    from glmcore.model import cache_root
+    from glmcore.cache import cache_root
     return cache_root() / "converted"
 
 

@@ -7,13 +7,11 @@ share `embed.weights`, block_N and block_cache_N share `layer_N.weights`, both l
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import tempfile
 from pathlib import Path
 
 import numpy as np
 
+from glmcore.cache import build_once
 from glmcore.config import ModelConfig
 
 from .spec import FORMAT_VERSION, TORCH_OPSET
@@ -50,20 +48,9 @@ def export_parts(cfg: ModelConfig, weights, seq_len: int, dtype: str, out: Path,
         if progress:
             progress(f"reusing the exported ONNX parts in {out} (same model and options)")
         return read_manifest(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}-"))
-    try:
-        manifest = _export_into(cfg, weights, seq_len, dtype, tmp, key, progress)
-        if out.exists():
-            shutil.rmtree(out, ignore_errors=True)
-        try:
-            os.replace(tmp, out)
-        except OSError:
-            if not is_current(out, key):       # not a concurrent export of the same parts that won
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return manifest
+    build_once(out, lambda tmp: _export_into(cfg, weights, seq_len, dtype, tmp, key, progress),
+               complete=lambda p: is_current(p, key))
+    return read_manifest(out)
 
 
 def _export_into(cfg, weights, seq_len, dtype, out: Path, key: dict, progress) -> dict:
