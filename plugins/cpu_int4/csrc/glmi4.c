@@ -465,6 +465,42 @@ T_AVX2 INLINE int32_t ld32(const int8_t *p) {
  * acc[t][1]: rows 8-15. Per chunk: one load, three ops to split the nibbles (for NT = 4 done once per
  * tile by unpack_tile_avx2, into unp), then per token one broadcast and two vpmaddubsw. |q*x| <= 15*127, so eight pair sums stay below 32767 and the int16
  * accumulation over a 32-block is exact. */
+/* i16[t][h] += vpmaddubsw(nibble-bytes half h of one 8-input chunk, 4 bytes of token t broadcast), for the
+ * 4 tokens of a register block: the inner step of both 4-token AVX2 kernels. Written in asm so the eight
+ * accumulators stay in registers and the loads fold into the instructions. */
+T_AVX2 INLINE void madd4_chunk(__m256i i16[4][2], const uint8_t *u, const int8_t *x0, const int8_t *x1,
+                               const int8_t *x2, const int8_t *x3) {
+    __m256i lo, hi, bx, p0, p1;
+    __asm__("vmovdqa %[ulo], %[lo]\n\t"
+            "vmovdqa %[uhi], %[hi]\n\t"
+            "vpbroadcastd %[x0], %[bx]\n\t"
+            "vpmaddubsw %[bx], %[lo], %[p0]\n\t"
+            "vpmaddubsw %[bx], %[hi], %[p1]\n\t"
+            "vpaddw %[p0], %[a0], %[a0]\n\t"
+            "vpaddw %[p1], %[a1], %[a1]\n\t"
+            "vpbroadcastd %[x1], %[bx]\n\t"
+            "vpmaddubsw %[bx], %[lo], %[p0]\n\t"
+            "vpmaddubsw %[bx], %[hi], %[p1]\n\t"
+            "vpaddw %[p0], %[a2], %[a2]\n\t"
+            "vpaddw %[p1], %[a3], %[a3]\n\t"
+            "vpbroadcastd %[x2], %[bx]\n\t"
+            "vpmaddubsw %[bx], %[lo], %[p0]\n\t"
+            "vpmaddubsw %[bx], %[hi], %[p1]\n\t"
+            "vpaddw %[p0], %[a4], %[a4]\n\t"
+            "vpaddw %[p1], %[a5], %[a5]\n\t"
+            "vpbroadcastd %[x3], %[bx]\n\t"
+            "vpmaddubsw %[bx], %[lo], %[p0]\n\t"
+            "vpmaddubsw %[bx], %[hi], %[p1]\n\t"
+            "vpaddw %[p0], %[a6], %[a6]\n\t"
+            "vpaddw %[p1], %[a7], %[a7]"
+            : [a0] "+x"(i16[0][0]), [a1] "+x"(i16[0][1]), [a2] "+x"(i16[1][0]), [a3] "+x"(i16[1][1]),
+              [a4] "+x"(i16[2][0]), [a5] "+x"(i16[2][1]), [a6] "+x"(i16[3][0]), [a7] "+x"(i16[3][1]),
+              [lo] "=&x"(lo), [hi] "=&x"(hi), [bx] "=&x"(bx), [p0] "=&x"(p0), [p1] "=&x"(p1)
+            : [ulo] "m"(*(const __m256i *)u), [uhi] "m"(*(const __m256i *)(u + 32)),
+              [x0] "m"(*(const int32_t *)x0), [x1] "m"(*(const int32_t *)x1),
+              [x2] "m"(*(const int32_t *)x2), [x3] "m"(*(const int32_t *)x3));
+}
+
 T_AVX2 INLINE void q4_tile_avx2(const gemm_job *j, const uint8_t *p, const uint8_t *unp, int m, const int NT,
                                 float *outbuf) {
     const glmi4_mat *W = j->W;
@@ -497,35 +533,7 @@ T_AVX2 INLINE void q4_tile_avx2(const gemm_job *j, const uint8_t *p, const uint8
                  * group of 4 tokens, which saves the three splitting ops per chunk */
                 const uint8_t *u = unp + (size_t)b * 512;
                 for (int c = 0; c < 8; c++) {
-                    __m256i lo, hi, bx, p0, p1;
-                    __asm__("vmovdqa %[ulo], %[lo]\n\t"
-                            "vmovdqa %[uhi], %[hi]\n\t"
-                            "vpbroadcastd %[x0], %[bx]\n\t"
-                            "vpmaddubsw %[bx], %[lo], %[p0]\n\t"
-                            "vpmaddubsw %[bx], %[hi], %[p1]\n\t"
-                            "vpaddw %[p0], %[a0], %[a0]\n\t"
-                            "vpaddw %[p1], %[a1], %[a1]\n\t"
-                            "vpbroadcastd %[x1], %[bx]\n\t"
-                            "vpmaddubsw %[bx], %[lo], %[p0]\n\t"
-                            "vpmaddubsw %[bx], %[hi], %[p1]\n\t"
-                            "vpaddw %[p0], %[a2], %[a2]\n\t"
-                            "vpaddw %[p1], %[a3], %[a3]\n\t"
-                            "vpbroadcastd %[x2], %[bx]\n\t"
-                            "vpmaddubsw %[bx], %[lo], %[p0]\n\t"
-                            "vpmaddubsw %[bx], %[hi], %[p1]\n\t"
-                            "vpaddw %[p0], %[a4], %[a4]\n\t"
-                            "vpaddw %[p1], %[a5], %[a5]\n\t"
-                            "vpbroadcastd %[x3], %[bx]\n\t"
-                            "vpmaddubsw %[bx], %[lo], %[p0]\n\t"
-                            "vpmaddubsw %[bx], %[hi], %[p1]\n\t"
-                            "vpaddw %[p0], %[a6], %[a6]\n\t"
-                            "vpaddw %[p1], %[a7], %[a7]"
-                            : [a0] "+x"(i16[0][0]), [a1] "+x"(i16[0][1]), [a2] "+x"(i16[1][0]), [a3] "+x"(i16[1][1]),
-                              [a4] "+x"(i16[2][0]), [a5] "+x"(i16[2][1]), [a6] "+x"(i16[3][0]), [a7] "+x"(i16[3][1]),
-                              [lo] "=&x"(lo), [hi] "=&x"(hi), [bx] "=&x"(bx), [p0] "=&x"(p0), [p1] "=&x"(p1)
-                            : [ulo] "m"(*(const __m256i *)(u + 64 * c)), [uhi] "m"(*(const __m256i *)(u + 64 * c + 32)),
-                              [x0] "m"(*(const int32_t *)(x0 + 4 * c)), [x1] "m"(*(const int32_t *)(x1 + 4 * c)),
-                              [x2] "m"(*(const int32_t *)(x2 + 4 * c)), [x3] "m"(*(const int32_t *)(x3 + 4 * c)));
+                    madd4_chunk(i16, u + 64 * c, x0 + 4 * c, x1 + 4 * c, x2 + 4 * c, x3 + 4 * c);
                 }
             } else if (NT == 1) {
                 /* decode: the same, one token; keeps the instruction count per byte low so the loads
@@ -662,35 +670,7 @@ T_AVX2 INLINE void q4_tile4_g32_avx2(const gemm_job *j, const uint8_t *unp, cons
                       [x2] "m"(*(const int32_t *)x2), [x3] "m"(*(const int32_t *)x3));
         }
         for (int c = 1; c < 8; c++) {
-            __m256i lo, hi, bx, p0, p1;
-            __asm__("vmovdqa %[ulo], %[lo]\n\t"
-                    "vmovdqa %[uhi], %[hi]\n\t"
-                    "vpbroadcastd %[x0], %[bx]\n\t"
-                    "vpmaddubsw %[bx], %[lo], %[p0]\n\t"
-                    "vpmaddubsw %[bx], %[hi], %[p1]\n\t"
-                    "vpaddw %[p0], %[a0], %[a0]\n\t"
-                    "vpaddw %[p1], %[a1], %[a1]\n\t"
-                    "vpbroadcastd %[x1], %[bx]\n\t"
-                    "vpmaddubsw %[bx], %[lo], %[p0]\n\t"
-                    "vpmaddubsw %[bx], %[hi], %[p1]\n\t"
-                    "vpaddw %[p0], %[a2], %[a2]\n\t"
-                    "vpaddw %[p1], %[a3], %[a3]\n\t"
-                    "vpbroadcastd %[x2], %[bx]\n\t"
-                    "vpmaddubsw %[bx], %[lo], %[p0]\n\t"
-                    "vpmaddubsw %[bx], %[hi], %[p1]\n\t"
-                    "vpaddw %[p0], %[a4], %[a4]\n\t"
-                    "vpaddw %[p1], %[a5], %[a5]\n\t"
-                    "vpbroadcastd %[x3], %[bx]\n\t"
-                    "vpmaddubsw %[bx], %[lo], %[p0]\n\t"
-                    "vpmaddubsw %[bx], %[hi], %[p1]\n\t"
-                    "vpaddw %[p0], %[a6], %[a6]\n\t"
-                    "vpaddw %[p1], %[a7], %[a7]"
-                    : [a0] "+x"(i16[0][0]), [a1] "+x"(i16[0][1]), [a2] "+x"(i16[1][0]), [a3] "+x"(i16[1][1]),
-                      [a4] "+x"(i16[2][0]), [a5] "+x"(i16[2][1]), [a6] "+x"(i16[3][0]), [a7] "+x"(i16[3][1]),
-                      [lo] "=&x"(lo), [hi] "=&x"(hi), [bx] "=&x"(bx), [p0] "=&x"(p0), [p1] "=&x"(p1)
-                    : [ulo] "m"(*(const __m256i *)(u + 64 * c)), [uhi] "m"(*(const __m256i *)(u + 64 * c + 32)),
-                      [x0] "m"(*(const int32_t *)(x0 + 4 * c)), [x1] "m"(*(const int32_t *)(x1 + 4 * c)),
-                      [x2] "m"(*(const int32_t *)(x2 + 4 * c)), [x3] "m"(*(const int32_t *)(x3 + 4 * c)));
+            madd4_chunk(i16, u + 64 * c, x0 + 4 * c, x1 + 4 * c, x2 + 4 * c, x3 + 4 * c);
         }
         const float *d = fs + (size_t)b * TILE;
         for (int t = 0; t < 4; t++) {
