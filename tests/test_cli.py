@@ -52,6 +52,9 @@ def test_run_same_seed_same_text(cache, capsys):
     (["run", "--backend", "torch", "--prompt", "long " * 40, "--ctx", "16"], "exceed the context of 16"),
     (["run", "--backend", "torch", "--prompt", "x", "--precision", "int3"], "no precision 'int3'"),
     (["run", "--backend", "torch", "--prompt", "x", "--opt", "novalue"], "expected KEY=VALUE"),
+    (["run", "--backend", "torch", "--prompt", "x", "--ctx", "1"], "invalid --ctx 1"),
+    (["run", "--backend", "torch", "--prompt", "x", "--threads", "0"], "invalid --threads 0"),
+    (["convert", "--backend", "torch", "--model", "/no/such/dir", "--out", "/tmp/x"], "is not a checkpoint directory"),
 ])
 def test_errors_are_one_line_exit_2(cache, capsys, argv, match):
     rc, out, err = run(capsys, *argv)
@@ -101,3 +104,13 @@ def test_chat_session_commands(cache, tmp_path):
     assert p.stdout.count("assistant> ") == 3
     for msg in ("system prompt set", "1 tools loaded: get_weather", "conversation cleared", "unknown command /bogus"):
         assert msg in p.stderr
+
+
+@pytest.mark.parametrize("kw,match", [({"family": "chatglm1"}, "unknown family"), ({"size": "70b"}, "unknown size"),
+                                      ({"fmt": "gguf"}, "unknown format")])
+def test_make_model_refuses_bad_arguments(tmp_path, kw, match):
+    from glmcore.errors import GlmcoreError
+    from glmcore.synth import make_model
+    args = {"family": "chatglm3", "size": "tiny", "fmt": "safetensors", **kw}
+    with pytest.raises(GlmcoreError, match=match):
+        make_model(args["family"], args["size"], tmp_path, fmt=args["fmt"])
