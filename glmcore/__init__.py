@@ -1,5 +1,6 @@
 """glmcore: run the GLM chat models (ChatGLM2/3, GLM-4) on any hardware through backend plugins."""
-from .backend import Backend, Capabilities, LoadOptions, Probe, Session, hookimpl, registry
+from .backend import (Backend, BatchSession, Capabilities, LoadOptions, Probe, Session, SessionAdapter, hookimpl,
+                      registry)
 from .config import ModelConfig
 from .engine import Engine, Timings, WindowPolicy
 from .errors import (BackendError, CheckpointError, ConfigError, ContextOverflow, GlmcoreError,
@@ -9,9 +10,9 @@ from .sampling import Sampler, SamplingParams
 from .weights import Weights, load_weights
 
 __version__ = "0.1.0"
-__all__ = ["Backend", "BackendError", "Capabilities", "CheckpointError", "ConfigError", "ContextOverflow", "Engine",
+__all__ = ["Backend", "BackendError", "BatchSession", "Capabilities", "CheckpointError", "ConfigError", "ContextOverflow", "Engine",
            "GlmcoreError", "LoadOptions", "ModelConfig", "Pipeline", "Probe", "Sampler", "SamplingError",
-           "SamplingParams", "Session", "Timings", "Weights", "WindowPolicy", "hookimpl", "load_model",
+           "SamplingParams", "Session", "SessionAdapter", "Timings", "Weights", "WindowPolicy", "hookimpl", "load_model",
            "load_weights", "registry"]
 
 

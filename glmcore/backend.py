@@ -48,6 +48,8 @@ class Capabilities:
     max_context: int | None = None                  # None: bounded only by the model
     can_shift: bool = False                         # shift(n_keep, n_discard) in place
     speed_rank: int = 0                             # higher is preferred as the default backend
+    native_batch: bool = False                      # load_batch returns a native BatchSession
+    max_slots: int | None = None                    # sequences one BatchSession can hold; None: memory-bound
 
 
 @dataclass
@@ -86,6 +88,12 @@ class Session(ABC):
     @abstractmethod
     def reset(self) -> None: ...
 
+    def fork(self) -> "Session":
+        """Optional: a new, empty session sharing this one's loaded weights or compiled model, with its
+        own KV cache. The core's SessionAdapter uses it to serve several sequences without loading the
+        model once per sequence; without it the adapter calls Backend.load again."""
+        raise NotImplementedError
+
     def close(self) -> None:
         pass
 
@@ -94,6 +102,112 @@ class Session(ABC):
 
     def __exit__(self, *exc):
         self.close()
+
+
+Entry = tuple[int, Sequence[int]]   # (slot, token ids): a prefill chunk or one decode token
+
+
+class BatchSession(ABC):
+    """Contract v2: `n_slots` independent sequences in one session; a slot is one sequence's KV region
+    of `capacity` positions, and a slot's positions are 0..kv_len(slot)-1 of what it holds.
+
+    One `step` runs prefill chunks and decode tokens of different slots together, so a native
+    implementation reads each weight matrix once per step for all of them (decode of many sequences
+    becomes compute-bound instead of memory-bound). The scheduler in glmcore/scheduler.py drives it.
+    """
+
+    n_slots: int
+    capacity: int            # per slot
+    native: bool = False     # True: one step reads the weights once for all entries
+
+    @abstractmethod
+    def kv_len(self, slot: int) -> int: ...
+
+    @abstractmethod
+    def step(self, entries: Sequence[Entry], all_logits: bool = False):
+        """Append each entry's ids (one or more; prefill chunks and decode tokens mixed freely, at most
+        one entry per slot) to its slot. Returns float32 logits of each entry's last position as an
+        array [len(entries), vocab]; with all_logits a list of [len(ids), vocab] arrays, one per entry."""
+
+    @abstractmethod
+    def reset(self, slot: int) -> None: ...
+
+    def shift(self, slot: int, n_keep: int, n_discard: int) -> None:
+        """Session.shift for one slot; only backends declaring can_shift implement it."""
+        raise NotImplementedError
+
+    @abstractmethod
+    def copy_prefix(self, src: int, dst: int, n: int) -> None:
+        """dst drops what it held and holds src's first n positions (a shared prompt prefilled once)."""
+
+    def close(self) -> None:
+        pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+class SessionAdapter(BatchSession):
+    """A BatchSession over one single-sequence Session per slot: correct, not faster. It mirrors each
+    slot's ids so copy_prefix can re-prefill them (a Session cannot copy its cache)."""
+
+    native = False
+
+    def __init__(self, sessions: Sequence[Session]):
+        if not sessions:
+            raise BackendError("a batch session needs at least one slot")
+        self.sessions = list(sessions)
+        self.n_slots = len(self.sessions)
+        self.capacity = min(s.capacity for s in self.sessions)
+        self._ids: list[list[int]] = [[] for _ in self.sessions]
+
+    @classmethod
+    def load(cls, backend: "Backend", config: ModelConfig, weights, options: "LoadOptions",
+             n_slots: int) -> "SessionAdapter":
+        first = backend.load(config, weights, options)
+        sessions = [first]
+        for _ in range(n_slots - 1):
+            try:
+                sessions.append(first.fork())
+            except NotImplementedError:
+                sessions.append(backend.load(config, weights, options))
+        return cls(sessions)
+
+    def kv_len(self, slot: int) -> int:
+        return self.sessions[slot].kv_len
+
+    def step(self, entries: Sequence[Entry], all_logits: bool = False):
+        out = []
+        for slot, ids in entries:
+            s, ids = self.sessions[slot], list(ids)
+            if all_logits or len(ids) > 1 or s.kv_len == 0:
+                out.append(s.prefill(ids, all_logits=all_logits))
+            else:
+                out.append(s.decode(ids[0]))
+            self._ids[slot].extend(ids)
+        return out if all_logits else np.stack(out)
+
+    def reset(self, slot: int) -> None:
+        self.sessions[slot].reset()
+        self._ids[slot] = []
+
+    def shift(self, slot: int, n_keep: int, n_discard: int) -> None:
+        self.sessions[slot].shift(n_keep, n_discard)
+        ids = self._ids[slot]
+        self._ids[slot] = ids[:n_keep] + ids[n_keep + n_discard:]
+
+    def copy_prefix(self, src: int, dst: int, n: int) -> None:
+        ids = self._ids[src][:n]
+        self.reset(dst)
+        if ids:
+            self.step([(dst, ids)])
+
+    def close(self) -> None:
+        for s in self.sessions:
+            s.close()
 
 
 class Backend(ABC):
@@ -109,6 +223,11 @@ class Backend(ABC):
 
     @abstractmethod
     def load(self, config: ModelConfig, weights, options: LoadOptions) -> Session: ...
+
+    def load_batch(self, config: ModelConfig, weights, options: LoadOptions, n_slots: int) -> BatchSession:
+        """A session of n_slots sequences. Backends with a native batched step override this (and
+        declare native_batch); the default serves the slots with one Session each."""
+        return SessionAdapter.load(self, config, weights, options, n_slots)
 
     def convert(self, config: ModelConfig, weights, options: LoadOptions, out: Path, progress) -> None:
         """Write this backend's converted model (IR, ONNX parts, packed weights) into `out`."""
