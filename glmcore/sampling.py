@@ -1,7 +1,7 @@
 """Token sampling in numpy: identical for every backend, so switching backends never changes meaning."""
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -38,31 +38,77 @@ class SamplingParams:
 
 
 class Sampler:
+    """One request's sampler: its parameters and its own RNG.
+
+    The distribution is the plain one -- sort the vocabulary, softmax, keep the smallest top set whose
+    mass reaches top_p, draw with rng.choice -- but only the candidates that can be in that set are
+    sorted: tokens within a logit margin of the maximum, found in O(vocab) and widened until their
+    mass reaches top_p. That is ~0.2 ms at 151,552 ids instead of ~25 ms for a full sort.
+    """
+
+    MARGINS = (8.0, 16.0, 32.0)     # in units of (logit - max) / temperature; e^-32 is below f32 noise
+
     def __init__(self, params: SamplingParams, n_vocab: int | None = None):
         self.params = params
         self.n_vocab = n_vocab          # ids >= n_vocab are padding rows of the output layer
         self.rng = np.random.default_rng(params.seed)
 
     def __call__(self, logits: np.ndarray, history: Iterable[int] = ()) -> int:
+        ids, probs = self.distribution(logits, history)
+        return int(ids[0]) if probs is None else int(ids[self.rng.choice(len(probs), p=probs)])
+
+    def distribution(self, logits: np.ndarray, history: Iterable[int] = ()) -> tuple[np.ndarray, np.ndarray | None]:
+        """The ids that can be drawn, most likely first, and their probabilities (None: greedy, one id)."""
         p = self.params
-        x = np.array(logits[: self.n_vocab] if self.n_vocab else logits, dtype=np.float64)
+        x = np.asarray(logits[: self.n_vocab] if self.n_vocab else logits, dtype=np.float32)
         if p.repetition_penalty != 1.0:
+            x = x.copy()
             seen = np.fromiter(set(history), dtype=np.int64)
-            seen = seen[seen < x.size]
+            seen = seen[(seen >= 0) & (seen < x.size)]
             v = x[seen]
-            x[seen] = np.where(v > 0, v / p.repetition_penalty, v * p.repetition_penalty)
+            x[seen] = np.where(v > 0, v / np.float32(p.repetition_penalty), v * np.float32(p.repetition_penalty))
+        top = int(np.argmax(x))
+        if not np.isfinite(x[top]):             # argmax lands on the first NaN if there is one
+            raise SamplingError("the backend returned non-finite logits (NaN or inf); the model or backend is "
+                                "broken: check the checkpoint, or try --precision f32")
         if p.greedy:
-            return int(np.argmax(x))
-        x /= p.temperature
+            return np.array([top]), None
+        cand = None
         if 0 < p.top_k < x.size:
             kth = np.partition(x, -p.top_k)[-p.top_k]
-            x[x < kth] = -np.inf
-        order = np.argsort(-x, kind="stable")
-        probs = np.exp(x[order] - x[order[0]])
-        probs /= probs.sum()
+            cand = np.flatnonzero(x >= kth)          # ties at the k-th value stay, as with a -inf mask
+        return self._nucleus(x, cand)
+
+    def _nucleus(self, x: np.ndarray, cand: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
+        p, t = self.params, self.params.temperature
+        m = float(x.max())
+        tail = 0.0
+        if cand is None:
+            e = np.subtract(x, np.float32(m))         # one scratch buffer, then in place: 3 passes over V
+            e *= np.float32(1.0 / t)
+            np.exp(e, out=e)
+            total = float(e.sum())
+            cand = None
+            for margin in self.MARGINS if p.top_p < 1.0 else ():
+                keep = np.flatnonzero(e >= np.float32(np.exp(-margin)))
+                mass = float(e[keep].sum())
+                if mass >= (p.top_p + 1e-6) * total:
+                    cand, tail = keep, total - mass
+                    break
+            if cand is None:
+                cand = np.arange(x.size)
+        # the few that matter, in float64 exactly as the plain sampler computes them
+        xs = x[cand].astype(np.float64) / t
+        order = np.argsort(-xs, kind="stable")        # cand is ascending, so ties keep id order
+        probs = np.exp(xs[order] - m / t)
+        probs /= probs.sum() + tail                   # tail: the mass outside the candidates (same scale)
+        ids = cand[order]
         if p.top_p < 1.0:
-            # keep the smallest prefix whose mass reaches top_p (always at least one token)
             cut = int(np.searchsorted(np.cumsum(probs), p.top_p)) + 1
-            probs = probs[:cut] / probs[:cut].sum()
-            order = order[:cut]
-        return int(order[self.rng.choice(len(probs), p=probs)])
+            probs, ids = probs[:cut], ids[:cut]
+        return ids, probs / probs.sum()
+
+
+def sample_batch(samplers: Sequence[Sampler], logits: np.ndarray, histories: Sequence[Iterable[int]]) -> list[int]:
+    """Logits [B, vocab] in, B tokens out; row i is drawn by samplers[i] with its own parameters and RNG."""
+    return [s(row, h) for s, row, h in zip(samplers, logits, histories)]

@@ -60,3 +60,66 @@ def test_padding_rows_never_sampled():
 def test_invalid_values_refused(kw, match):
     with pytest.raises(SamplingError, match=match):
         SamplingParams(**kw)
+
+
+def plain_sample(logits, params, rng, n_vocab=None):
+    """The textbook sampler: full sort, softmax, top-p prefix, rng.choice (the pre-batching implementation)."""
+    x = np.array(logits[:n_vocab] if n_vocab else logits, dtype=np.float64)
+    if params.greedy:
+        return int(np.argmax(x)), None
+    x /= params.temperature
+    if 0 < params.top_k < x.size:
+        x[x < np.partition(x, -params.top_k)[-params.top_k]] = -np.inf
+    order = np.argsort(-x, kind="stable")
+    probs = np.exp(x[order] - x[order[0]])
+    probs /= probs.sum()
+    if params.top_p < 1.0:
+        cut = int(np.searchsorted(np.cumsum(probs), params.top_p)) + 1
+        probs, order = probs[:cut] / probs[:cut].sum(), order[:cut]
+    return int(order[rng.choice(len(probs), p=probs)]), dict(zip(order.tolist(), probs.tolist()))
+
+
+@pytest.mark.parametrize("vocab", [7, 100, 1000])
+@pytest.mark.parametrize("kw", [dict(), dict(temperature=0.3, top_p=0.95), dict(temperature=1.5, top_p=0.5),
+                                dict(temperature=1.0, top_p=1.0), dict(temperature=0.8, top_p=0.9, top_k=20),
+                                dict(temperature=0.0)])
+def test_fast_sampler_equals_the_plain_one(vocab, kw):
+    """Same kept set with the same probabilities, and the same token for the same seed, on many logit shapes
+    (flat, peaked, ties)."""
+    gen = np.random.default_rng(vocab)
+    for trial in range(40):
+        scale = [0.1, 1.0, 5.0, 20.0][trial % 4]
+        logits = (gen.standard_normal(vocab) * scale).astype(np.float32)
+        if trial % 5 == 0:
+            logits[gen.integers(0, vocab, 3)] = logits.max()        # ties at the top
+        params = SamplingParams(seed=trial, **kw)
+        fast, ref_rng = Sampler(params), np.random.default_rng(trial)
+        for _ in range(3):
+            want, kept = plain_sample(logits, params, ref_rng)
+            assert fast(logits) == want
+        ids, probs = fast.distribution(logits)
+        if kept is None:
+            assert probs is None and ids.tolist() == [want]
+        else:
+            assert ids.tolist() == list(kept)
+            np.testing.assert_allclose(probs, list(kept.values()), rtol=1e-9, atol=1e-12)
+
+
+def test_sample_batch_uses_each_requests_own_parameters_and_rng():
+    from glmcore.sampling import sample_batch
+    rows = np.stack([LOGITS, LOGITS[::-1].copy(), LOGITS])
+    samplers = [Sampler(SamplingParams(temperature=0)), Sampler(SamplingParams(temperature=0)),
+                Sampler(SamplingParams(temperature=1.0, top_p=1.0, seed=5))]
+    alone = Sampler(SamplingParams(temperature=1.0, top_p=1.0, seed=5))
+    for _ in range(20):
+        got = sample_batch(samplers, rows, [(), (), ()])
+        assert got[:2] == [1, 4] and got[2] == alone(LOGITS)
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf])
+def test_non_finite_logits_are_a_clear_error(bad):
+    logits = LOGITS.copy()
+    logits[3] = bad
+    for params in (SamplingParams(temperature=0), SamplingParams(seed=0)):
+        with pytest.raises(SamplingError, match="non-finite logits"):
+            Sampler(params)(logits)
