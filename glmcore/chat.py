@@ -18,6 +18,8 @@ import json
 import re
 from dataclasses import dataclass, field
 
+from .errors import ChatError
+
 ROLES = ("system", "user", "assistant", "tool")
 ASSISTANT_MARK = "<|assistant|>"     # separates the segments of a ChatGLM3/GLM-4 reply
 _NAME = re.compile(r"[A-Za-z_][\w.\-]*")   # what a tool name can look like
@@ -42,7 +44,7 @@ class Message:
         if self.role == "observation":
             self.role = "tool"
         if self.role not in ROLES:
-            raise ValueError(f"unknown message role {self.role!r}: use one of {', '.join(ROLES)} (or observation)")
+            raise ChatError(f"unknown message role {self.role!r}: use one of {', '.join(ROLES)} (or observation)")
         if self.content is None:
             self.content = ""
         self.tool_calls = [_as_tool_call(c) for c in self.tool_calls or []]
@@ -60,7 +62,7 @@ def _as_tool_call(c) -> ToolCall:
             try:
                 args = json.loads(args) if args.strip() else {}
             except json.JSONDecodeError as e:
-                raise ValueError(f"tool call {f.get('name')!r} has arguments that are not JSON ({e}); "
+                raise ChatError(f"tool call {f.get('name')!r} has arguments that are not JSON ({e}); "
                                  "pass a dict or a JSON object string") from None
         return ToolCall(name=f["name"], arguments=args, id=c.get("id", ""))
     raise TypeError(f"a tool call must be a ToolCall or a dict, not {type(c).__name__}")
@@ -80,12 +82,12 @@ def _functions(tools) -> list[dict]:
         if isinstance(t, dict) and t.get("type", "function") == "function":
             f = t.get("function", t)
             if not isinstance(f, dict) or "name" not in f:
-                raise ValueError(f"tool {t!r} has no function name: use the OpenAI schema "
+                raise ChatError(f"tool {t!r} has no function name: use the OpenAI schema "
                                  '{"type": "function", "function": {"name": ..., "parameters": ...}}')
             out.append(f)
         else:
             kind = t.get("type") if isinstance(t, dict) else type(t).__name__
-            raise ValueError(f"tool type {kind!r} is not supported: only function tools (OpenAI schema)")
+            raise ChatError(f"tool type {kind!r} is not supported: only function tools (OpenAI schema)")
     return out
 
 
@@ -163,23 +165,23 @@ class ChatGLM2Format(ChatFormat):
             m = messages[i]
             if m.role == "system":
                 if rounds:
-                    raise ValueError("ChatGLM2 has no system role: put the system message first")
+                    raise ChatError("ChatGLM2 has no system role: put the system message first")
                 system.append(m.content)
                 i += 1
                 continue
             if m.role != "user" or m.tool_calls:
-                raise ValueError(f"ChatGLM2 expects user/assistant rounds, got {m.role!r} at message {i}: "
+                raise ChatError(f"ChatGLM2 expects user/assistant rounds, got {m.role!r} at message {i}: "
                                  "it has no tool calling and no observation role")
             text = f"[Round {first_round + len(rounds)}]\n\n问：{m.content}"
             if i + 1 < len(messages) and messages[i + 1].role == "assistant":
                 a = messages[i + 1]
                 if a.tool_calls:
-                    raise ValueError("ChatGLM2 has no tool calling: remove tool_calls from the history")
+                    raise ChatError("ChatGLM2 has no tool calling: remove tool_calls from the history")
                 text += f"\n\n答：{a.content}"
                 i += 2
             else:
                 if i + 1 < len(messages):
-                    raise ValueError(f"ChatGLM2 expects user/assistant rounds, got {messages[i + 1].role!r} "
+                    raise ChatError(f"ChatGLM2 expects user/assistant rounds, got {messages[i + 1].role!r} "
                                      f"after a user message at {i}")
                 i += 1
             rounds.append(text)
@@ -187,7 +189,7 @@ class ChatGLM2Format(ChatFormat):
 
     def _build(self, messages, tools, add_generation_prompt):
         if tools:
-            raise ValueError("ChatGLM2 has no tool calling: use ChatGLM3 or GLM-4 for tools")
+            raise ChatError("ChatGLM2 has no tool calling: use ChatGLM3 or GLM-4 for tools")
         system, rounds = self._rounds(messages, 1)
         if rounds and add_generation_prompt and messages[-1].role == "user":
             rounds[-1] += "\n\n答："
@@ -205,7 +207,7 @@ class ChatGLM2Format(ChatFormat):
         msgs = [as_message(m) for m in new_messages]
         system, rounds = self._rounds(msgs, n_previous_turns + 1)
         if system:
-            raise ValueError("ChatGLM2 has no system role: a system message can only open the conversation")
+            raise ChatError("ChatGLM2 has no system role: a system message can only open the conversation")
         if not rounds:
             return []
         text = "\n\n" + "\n\n".join(rounds) + ("\n\n答：" if msgs[-1].role == "user" else "")
@@ -325,7 +327,7 @@ class GLM4Format(_RoleFormat):
 def chat_format_for(tokenizer) -> ChatFormat:
     cls = {"chatglm2": ChatGLM2Format, "chatglm3": ChatGLM3Format, "glm4": GLM4Format}.get(tokenizer.family)
     if cls is None:
-        raise ValueError(f"no chat format for tokenizer family {tokenizer.family!r}")
+        raise ChatError(f"no chat format for tokenizer family {tokenizer.family!r}")
     return cls(tokenizer)
 
 

@@ -6,6 +6,7 @@ import json
 import sys
 from pathlib import Path
 
+from . import __version__
 from .backend import LoadOptions, registry
 from .engine import OVERFLOW_POLICIES, WindowPolicy
 from .errors import GlmcoreError
@@ -270,6 +271,12 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     except BrokenPipeError:
         return 0
+    except Exception:       # not bad input (that is a GlmcoreError): a bug in glmcore
+        import traceback
+        traceback.print_exc()
+        print(f"error: this is a bug in glmcore {__version__}, not a problem with your input; please report it "
+              "with the traceback above", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

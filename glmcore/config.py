@@ -11,6 +11,10 @@ from .errors import ConfigError
 from .tokenizer import is_tiktoken_file
 
 FAMILIES = ("chatglm2", "chatglm3", "glm4")
+# Far beyond any GLM model, small enough that no product of them overflows 64 bits.
+_INT_RANGES = {"hidden_size": (1, 1 << 16), "num_layers": (1, 1024), "num_heads": (1, 1024),
+               "num_kv_heads": (1, 1024), "head_dim": (4, 1024), "ffn_hidden_size": (1, 1 << 18),
+               "vocab_size": (1, 1 << 22), "max_seq_len": (2, 1 << 24)}
 
 
 @dataclass(frozen=True)
@@ -49,6 +53,28 @@ class ModelConfig:
         layer = qkv + self.q_size * h + h * 2 * f + f * h + 2 * h
         return 2 * self.vocab_size * h + L * layer + h
 
+    def validated(self, source: str = "config.json") -> "ModelConfig":
+        """Refuse values no GLM checkpoint has, before any size is computed from them: every later
+        shape, offset and buffer size (also in the C kernels) derives from these numbers."""
+        for f, (lo, hi) in _INT_RANGES.items():
+            v = getattr(self, f)
+            if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
+                raise ConfigError(f"{source}: {f} = {v!r} is not an integer in {lo}..{hi}; restore the file from "
+                                  "the original checkpoint")
+        for f in ("rope_base", "norm_eps"):
+            v = getattr(self, f)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < 1e12:
+                raise ConfigError(f"{source}: {f} = {v!r} is not a positive number; restore the file from the "
+                                  "original checkpoint")
+        for f in ("qkv_bias", "linear_bias"):
+            if not isinstance(getattr(self, f), bool):
+                raise ConfigError(f"{source}: {f} = {getattr(self, f)!r} is not true/false")
+        if self.num_heads % self.num_kv_heads or self.head_dim % 4:
+            raise ConfigError(f"{source}: {self.num_heads} attention heads cannot share {self.num_kv_heads} KV "
+                              f"groups of head size {self.head_dim}; restore the file from the original checkpoint")
+        return dataclasses.replace(self, rope_base=float(self.rope_base), norm_eps=float(self.norm_eps),
+                                   name=str(self.name))
+
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 
@@ -59,20 +85,25 @@ class ModelConfig:
             raise ConfigError(f"{path}: not found; point --model at a checkpoint directory that has config.json")
         try:
             raw = json.loads(path.read_text(encoding="utf-8"))
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
             raise ConfigError(f"{path}: not valid JSON ({e}); restore the file from the original checkpoint") from None
         return cls.from_dict(raw, source=str(path), model_dir=Path(model_dir))
 
     @classmethod
     def from_dict(cls, raw: dict, source: str = "config.json", model_dir: Path | None = None) -> "ModelConfig":
+        if not isinstance(raw, dict):
+            raise ConfigError(f"{source}: holds a JSON {type(raw).__name__}, not an object; restore the file "
+                              "from the original checkpoint")
         model_type = raw.get("model_type")
         try:
             if model_type == "chatglm":
-                return _from_chatglm(raw, model_dir)
+                return _from_chatglm(raw, model_dir).validated(source)
             if model_type == "glm":
-                return _from_hf_glm(raw)
+                return _from_hf_glm(raw).validated(source)
         except KeyError as e:
             raise ConfigError(f"{source}: missing key {e.args[0]!r}; restore the file from the original checkpoint") from None
+        except (TypeError, ValueError, ZeroDivisionError, OverflowError) as e:
+            raise ConfigError(f"{source}: invalid value ({e}); restore the file from the original checkpoint") from None
         if model_type in ("chatglm_6b", "chatglm6b") or "position_encoding_2d" in raw:
             raise ConfigError(f"{source}: ChatGLM-6B v1 (2-D positions) is not supported; use ChatGLM2/3 or GLM-4")
         raise ConfigError(f"{source}: model_type {model_type!r} is not a GLM model; "
@@ -113,8 +144,8 @@ def _chatglm_family(raw: dict, model_dir: Path | None) -> str:
     if model_dir is not None and (model_dir / "tokenizer_config.json").is_file():
         try:
             names.append(json.loads((model_dir / "tokenizer_config.json").read_text()).get("name_or_path", ""))
-        except (ValueError, OSError):
-            pass
+        except (ValueError, OSError, AttributeError):
+            pass    # load_tokenizer reports a broken tokenizer_config.json
     return "chatglm2" if any("chatglm2" in str(n).lower() for n in names) else "chatglm3"
 
 

@@ -1,4 +1,8 @@
-"""Errors the user can act on. Each message is one line naming the problem and the fix."""
+"""Errors the user can act on. Each message is one line naming the problem and the fix.
+
+Every exception glmcore raises for bad input (a file, an option, a message) is a GlmcoreError; the
+CLI prints it as `error: ...` and exits 2. Any other exception is a bug in glmcore.
+"""
 
 
 class GlmcoreError(Exception):
@@ -15,6 +19,14 @@ class CheckpointError(GlmcoreError):
 
 class BackendError(GlmcoreError):
     pass
+
+
+class TokenizerError(GlmcoreError, ValueError):
+    """A tokenizer file is missing, corrupt or of the wrong family; the message names the fix."""
+
+
+class ChatError(GlmcoreError, ValueError):
+    """Messages or tools that the model's chat format cannot express."""
 
 
 class SamplingError(GlmcoreError, ValueError):

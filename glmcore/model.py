@@ -65,6 +65,10 @@ def load_model(model: str | Path | None = None, backend: str | None = None, opti
                            "or create one with `glmcore make-model`")
     config = ModelConfig.from_dir(model_dir)
     tokenizer = load_tokenizer(model_dir, config.family)
+    if tokenizer.n_vocab > config.vocab_size:
+        raise GlmcoreError(f"{model_dir}: tokenizer.model has {tokenizer.n_vocab} ids but the model only "
+                           f"{config.vocab_size} embedding rows; the tokenizer is from another checkpoint, copy "
+                           "the one that came with these weights")
     if opts.cache_dir is None:
         opts.cache_dir = cache_root() / "converted"
     weights = load_weights(model_dir, config)

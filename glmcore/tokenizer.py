@@ -23,6 +23,8 @@ from pathlib import Path
 import sentencepiece as spm
 import tiktoken
 
+from .errors import TokenizerError  # re-exported: glmcore.tokenizer.TokenizerError
+
 FAMILIES = ("chatglm2", "chatglm3", "glm4")
 DATA_DIR = Path(__file__).resolve().parent / "data"
 
@@ -43,10 +45,6 @@ DEFAULT_SP_PIECES = 1000     # synthetic SentencePiece vocabulary (incl. 3 contr
 DEFAULT_GLM4_RANKS = 2048    # synthetic GLM-4 ranks (a prefix of the shipped rank file)
 CORPUS_FILE = DATA_DIR / "corpus.txt"
 GLM4_RANKS_FILE = DATA_DIR / "glm4_ranks.tiktoken"
-
-
-class TokenizerError(ValueError):
-    """A tokenizer file is missing, corrupt or of the wrong family; the message names the fix."""
 
 
 class Tokenizer:
@@ -103,6 +101,9 @@ class SentencePieceTokenizer(Tokenizer):
                                  f"{str(e).splitlines()[0] if str(e) else type(e).__name__}; "
                                  "copy tokenizer.model from the original checkpoint again") from None
         n = self.sp.get_piece_size()
+        if self.sp.eos_id() < 0 or self.sp.unk_id() < 0 or n < 259:
+            raise TokenizerError(f"{path} is a SentencePiece model without <unk>/</s> or byte pieces, not a "
+                                 "ChatGLM tokenizer; copy tokenizer.model from the original checkpoint again")
         super().__init__(family, n, SP_SPECIALS[family], eos_id=self.sp.eos_id(), pad_id=self.sp.unk_id(),
                          path=path)
 
@@ -307,15 +308,22 @@ def load_tokenizer(model_dir, family: str) -> Tokenizer:
                              "into the model directory (or write a synthetic one with `glmcore make-model`)")
     cfg = _read_config(model_dir / "tokenizer_config.json")
     cls = cfg.get("tokenizer_class")
+    if cls is not None and not isinstance(cls, str):
+        raise TokenizerError(f"{model_dir / 'tokenizer_config.json'}: tokenizer_class is not a string; "
+                             "copy the file from the original checkpoint or delete it")
     want = "ChatGLM4Tokenizer" if family == "glm4" else "ChatGLMTokenizer"
     if cls and cls != want:
         raise TokenizerError(f"{model_dir / 'tokenizer_config.json'} names tokenizer_class {cls!r} but family "
                              f"{family} uses {want}; pass the right family or fix the file")
     tok = TiktokenTokenizer(path) if family == "glm4" else SentencePieceTokenizer(path, family)
     # The config's added tokens (GLM-4) must agree with the numbering derived from the vocabulary.
-    for id_str, entry in (cfg.get("added_tokens_decoder") or {}).items():
+    added = cfg.get("added_tokens_decoder") or {}
+    if not isinstance(added, dict):
+        raise TokenizerError(f"{model_dir / 'tokenizer_config.json'}: added_tokens_decoder is not an object; "
+                             "copy the file from the original checkpoint or delete it")
+    for id_str, entry in added.items():
         name = entry.get("content") if isinstance(entry, dict) else None
-        if name in tok.special_ids and tok.special_ids[name] != int(id_str):
+        if name in tok.special_ids and str(tok.special_ids[name]) != id_str:
             raise TokenizerError(f"{model_dir / 'tokenizer_config.json'} puts {name} at id {id_str} but "
                                  f"{path} implies {tok.special_ids[name]}; the two files are from different "
                                  "checkpoints, copy both from the same one")

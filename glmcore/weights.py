@@ -11,12 +11,13 @@ dependency and execute arbitrary pickles; hence these two small readers.
 from __future__ import annotations
 
 import json
+import math
 import pickle
 import re
 import struct
 import zipfile
 from collections.abc import Iterator, Mapping
-from pathlib import Path
+from pathlib import Path, PurePosixPath, PureWindowsPath
 
 import ml_dtypes
 import numpy as np
@@ -28,6 +29,7 @@ BF16 = np.dtype(ml_dtypes.bfloat16)
 _ST_DTYPES = {"F32": np.dtype("<f4"), "F16": np.dtype("<f2"), "BF16": BF16, "F64": np.dtype("<f8"),
               "I64": np.dtype("<i8"), "I32": np.dtype("<i4"), "I8": np.dtype("i1"), "U8": np.dtype("u1")}
 _ST_NAMES = {v: k for k, v in _ST_DTYPES.items()}
+WEIGHT_DTYPES = (np.dtype("<f4"), np.dtype("<f2"), BF16)
 
 
 # ---------------------------------------------------------------- canonical names
@@ -136,10 +138,7 @@ def _read_raw(model_dir: Path) -> tuple[dict[str, np.ndarray], list[Path]]:
                                ("pytorch_model.bin.index.json", read_torch_zip)):
         index = model_dir / index_name
         if index.is_file():
-            try:
-                weight_map = json.loads(index.read_text())["weight_map"]
-            except (ValueError, KeyError) as e:
-                raise CheckpointError(f"{index}: not a valid index ({e}); restore it from the original checkpoint") from None
+            weight_map = _read_index(index)
             files = sorted({model_dir / f for f in weight_map.values()})
             missing = [f.name for f in files if not f.is_file()]
             if missing:
@@ -158,6 +157,26 @@ def _read_raw(model_dir: Path) -> tuple[dict[str, np.ndarray], list[Path]]:
             return reader(model_dir / name), [model_dir / name]
     raise CheckpointError(f"{model_dir}: no weights found (expected model.safetensors[.index.json] or "
                           "pytorch_model.bin[.index.json]); point --model at a checkpoint directory")
+
+
+def _read_index(index: Path) -> dict[str, str]:
+    """The weight_map of an index file: tensor name -> shard file name inside the model directory."""
+    try:
+        weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+    except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError, RecursionError) as e:
+        raise CheckpointError(f"{index}: not a valid index ({type(e).__name__}: {str(e)[:80]}); restore it from "
+                              "the original checkpoint") from None
+    if not isinstance(weight_map, dict) or not all(isinstance(k, str) and isinstance(v, str)
+                                                   for k, v in weight_map.items()):
+        raise CheckpointError(f"{index}: weight_map is not an object of tensor name -> file name; restore it "
+                              "from the original checkpoint")
+    for shard in set(weight_map.values()):
+        # A shard is a file of this directory: never an absolute path or one that climbs out of it.
+        p = PurePosixPath(shard.replace("\\", "/"))
+        if not shard or p.is_absolute() or ".." in p.parts or PureWindowsPath(shard).drive:
+            raise CheckpointError(f"{index}: shard {shard[:80]!r} lies outside the model directory; an index may "
+                                  "only name files inside it")
+    return weight_map
 
 
 def _to_canonical(raw: dict[str, np.ndarray], model_dir: Path) -> dict[str, np.ndarray]:
@@ -191,7 +210,11 @@ def _to_canonical(raw: dict[str, np.ndarray], model_dir: Path) -> dict[str, np.n
         if set(parts) != {"q", "k", "v"}:
             raise CheckpointError(f"{model_dir}: layer {layer} has only {sorted(parts)} of q/k/v_proj.{kind}; "
                                   "the checkpoint is incomplete")
-        out[f"layers.{layer}.qkv.{kind}"] = np.concatenate([parts["q"], parts["k"], parts["v"]], axis=0)
+        try:
+            out[f"layers.{layer}.qkv.{kind}"] = np.concatenate([parts["q"], parts["k"], parts["v"]], axis=0)
+        except ValueError:
+            raise CheckpointError(f"{model_dir}: layer {layer}'s q/k/v_proj.{kind} have mismatched shapes "
+                                  f"{[tuple(parts[x].shape) for x in 'qkv']}; the checkpoint is corrupt") from None
     return out
 
 
@@ -203,6 +226,9 @@ def _check(tensors: dict[str, np.ndarray], cfg: ModelConfig, model_dir: Path) ->
         if name not in tensors:
             raise CheckpointError(f"{model_dir}: tensor {name} is missing; the checkpoint is incomplete "
                                   "or does not match config.json")
+        if tensors[name].dtype not in WEIGHT_DTYPES:
+            raise CheckpointError(f"{model_dir}: tensor {name} is stored as {tensors[name].dtype}, not f32/f16/bf16; "
+                                  "quantized or integer checkpoints are not supported")
         if tuple(tensors[name].shape) != shape:
             raise CheckpointError(f"{model_dir}: tensor {name} has shape {tuple(tensors[name].shape)} but config.json "
                                   f"implies {shape}; config.json belongs to another model size")
@@ -214,7 +240,25 @@ def _check(tensors: dict[str, np.ndarray], cfg: ModelConfig, model_dir: Path) ->
 
 # ---------------------------------------------------------------- safetensors
 
+def _no_duplicates(pairs):
+    keys = [k for k, _ in pairs]
+    if len(set(keys)) != len(keys):
+        raise ValueError(f"duplicate key {next(k for k in keys if keys.count(k) > 1)!r}")
+    return dict(pairs)
+
+
+def _dims(shape, what: str, path: Path) -> tuple[int, ...]:
+    """A tensor shape from a file: at most 8 non-negative integers (Python ints: no overflow)."""
+    if not isinstance(shape, (list, tuple)) or len(shape) > 8 or \
+            not all(isinstance(d, int) and not isinstance(d, bool) and 0 <= d < 1 << 40 for d in shape):
+        raise CheckpointError(f"{path}: {what} has invalid shape {str(shape)[:80]}; re-download this file")
+    return tuple(shape)
+
+
 def read_safetensors(path: Path) -> dict[str, np.ndarray]:
+    """Every header field is checked before use: dtype known, shape of non-negative integers, offsets
+    inside the data section, sized exactly for the shape, and no two tensors overlapping."""
+    path = Path(path)
     size = path.stat().st_size
     with open(path, "rb") as f:
         head = f.read(8)
@@ -224,23 +268,34 @@ def read_safetensors(path: Path) -> dict[str, np.ndarray]:
         if n > min(size - 8, 100 << 20):
             raise CheckpointError(f"{path}: corrupt header (length {n} for a {size}-byte file); re-download this shard")
         try:
-            header = json.loads(f.read(n))
-        except (UnicodeDecodeError, ValueError):
+            header = json.loads(f.read(n), object_pairs_hook=_no_duplicates)
+        except (UnicodeDecodeError, ValueError, RecursionError):
             raise CheckpointError(f"{path}: corrupt header (not JSON); re-download this shard") from None
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{path}: corrupt header (not a JSON object); re-download this shard")
     header.pop("__metadata__", None)
     base = 8 + n
-    out = {}
-    mm = np.memmap(path, dtype=np.uint8, mode="r") if size > base else np.zeros(0, np.uint8)
+    entries = []
     for name, info in header.items():
         try:
             dtype = _ST_DTYPES[info["dtype"]]
             start, end = info["data_offsets"]
-            shape = tuple(info["shape"])
         except (KeyError, TypeError, ValueError):
             raise CheckpointError(f"{path}: corrupt header entry for {name!r}; re-download this shard") from None
-        if base + end > size or end - start != dtype.itemsize * int(np.prod(shape, dtype=np.int64)):
-            raise CheckpointError(f"{path}: truncated or corrupt data for {name} (file is {size} bytes); "
-                                  "re-download this shard")
+        shape = _dims(info.get("shape"), f"tensor {name!r}", path)
+        nbytes = dtype.itemsize * math.prod(shape)
+        if not (isinstance(start, int) and isinstance(end, int) and 0 <= start <= end
+                and base + end <= size and end - start == nbytes):
+            raise CheckpointError(f"{path}: truncated or corrupt data for {name} (offsets {start}..{end}, "
+                                  f"{nbytes} bytes expected, file is {size} bytes); re-download this shard")
+        entries.append((start, end, name, dtype, shape))
+    entries.sort(key=lambda e: e[:2])
+    for a, b in zip(entries, entries[1:]):
+        if b[0] < a[1]:
+            raise CheckpointError(f"{path}: tensors {a[2]} and {b[2]} overlap in the file; re-download this shard")
+    out = {}
+    mm = np.memmap(path, dtype=np.uint8, mode="r") if size > base else np.zeros(0, np.uint8)
+    for start, end, name, dtype, shape in entries:
         out[name] = mm[base + start: base + end].view(dtype).reshape(shape)
     return out
 
@@ -310,6 +365,9 @@ def _torch_dtype(obj) -> np.dtype:
 
 
 def read_torch_zip(path: Path) -> dict[str, np.ndarray]:
+    """A torch.save zip. The pickle is read by _SafeUnpickler (nothing in it runs); each tensor's
+    storage, offset, size and stride are checked to stay inside its storage before it is mapped."""
+    path = Path(path)
     if not zipfile.is_zipfile(path):
         raise CheckpointError(f"{path}: not a PyTorch zip checkpoint (truncated, or the pre-1.6 legacy format); "
                               "re-download it or convert it to safetensors")
@@ -318,28 +376,46 @@ def read_torch_zip(path: Path) -> dict[str, np.ndarray]:
         pkl = next(n for n in zf.namelist() if n.endswith("data.pkl"))
         prefix = pkl[: -len("data.pkl")]
         state = _SafeUnpickler(zf.open(pkl)).load()
-    except (StopIteration, pickle.UnpicklingError, EOFError, zipfile.BadZipFile, ValueError) as e:
-        raise CheckpointError(f"{path}: corrupt PyTorch checkpoint ({e}); re-download it") from None
+    except (StopIteration, pickle.UnpicklingError, EOFError, zipfile.BadZipFile, ValueError, TypeError,
+            AttributeError, KeyError, IndexError, RecursionError, MemoryError, OverflowError, OSError) as e:
+        raise CheckpointError(f"{path}: corrupt PyTorch checkpoint ({type(e).__name__}: {str(e)[:100]}); "
+                              "re-download it") from None
     if not isinstance(state, dict):
         raise CheckpointError(f"{path}: holds a {type(state).__name__}, not a state_dict")
     out = {}
+    file_size = path.stat().st_size
     with open(path, "rb") as f:
         for name, t in state.items():
-            if not (isinstance(t, tuple) and t and t[0] == "tensor"):
-                raise CheckpointError(f"{path}: entry {name!r} is not a tensor")
+            if not (isinstance(t, tuple) and len(t) == 5 and t[0] == "tensor" and isinstance(t[1], _Storage)):
+                raise CheckpointError(f"{path}: entry {str(name)[:80]!r} is not a tensor")
             _, storage, offset, size, stride = t
-            info = zf.getinfo(f"{prefix}data/{storage.key}")
+            size, stride = _dims(size, f"tensor {name!r}", path), _dims(stride, f"stride of {name!r}", path)
+            if not isinstance(offset, int) or isinstance(offset, bool) or offset < 0 or len(size) != len(stride):
+                raise CheckpointError(f"{path}: tensor {name!r} has an invalid offset or stride; re-download it")
+            try:
+                info = zf.getinfo(f"{prefix}data/{storage.key}")
+            except KeyError:
+                raise CheckpointError(f"{path}: storage {storage.key[:40]!r} of tensor {name!r} is missing from "
+                                      "the archive; re-download it") from None
             if info.compress_type != zipfile.ZIP_STORED:
                 raise CheckpointError(f"{path}: storage {storage.key} is compressed; re-save with torch.save")
             # Data begins after the local file header, whose extra field may differ from the central one.
             f.seek(info.header_offset)
             local = f.read(30)
+            if len(local) < 30 or local[:4] != b"PK\x03\x04":
+                raise CheckpointError(f"{path}: corrupt zip entry for storage {storage.key}; re-download it")
             fname_len, extra_len = struct.unpack("<HH", local[26:30])
             start = info.header_offset + 30 + fname_len + extra_len
             n_items = info.file_size // storage.dtype.itemsize
-            if start + info.file_size > path.stat().st_size:
+            if start + info.file_size > file_size:
                 raise CheckpointError(f"{path}: truncated (storage {storage.key} runs past the end); re-download it")
-            flat = np.memmap(path, dtype=storage.dtype, mode="r", offset=start, shape=(n_items,))
+            # The last element the view touches must lie inside the storage (an empty view touches none).
+            last = offset + sum((d - 1) * s for d, s in zip(size, stride)) if math.prod(size) else offset - 1
+            if last >= n_items:
+                raise CheckpointError(f"{path}: tensor {name!r} reaches element {last} of storage {storage.key}, "
+                                      f"which holds {n_items}; the file is corrupt, re-download it")
+            flat = np.memmap(path, dtype=storage.dtype, mode="r", offset=start, shape=(n_items,)) if n_items \
+                else np.zeros(0, storage.dtype)
             out[name] = np.lib.stride_tricks.as_strided(
                 flat[offset:], shape=size, strides=[s * storage.dtype.itemsize for s in stride], writeable=False)
     return out

@@ -1,0 +1,199 @@
+"""Hostile and broken input: every reader refuses it with the project's one-line error (issue 14).
+The fuzz tests (test_fuzz.py) mutate valid files at random; these pin each class seen in the issue."""
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from filekit import bin_bytes, f32, safetensors_bytes, write
+from glmcore.config import ModelConfig
+from glmcore.errors import CheckpointError, ConfigError, GlmcoreError, TokenizerError
+from glmcore.weights import load_weights, read_safetensors, read_torch_zip
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _st(header, data=b""):
+    return safetensors_bytes(header, data)
+
+
+def T(dtype="F32", shape=(2,), offs=(0, 8)):
+    return {"dtype": dtype, "shape": list(shape), "data_offsets": list(offs)}
+
+
+@pytest.mark.parametrize("header,data,match", [
+    ({"a": T(offs=(-8, 0))}, f32(2), "corrupt data for a"),                  # header bytes read as weights
+    ({"a": T(), "b": T(offs=(4, 12))}, f32(3), "overlap"),
+    (["a"], b"", "not a JSON object"),
+    ({"a": T(shape=(2.0,))}, f32(2), "invalid shape"),
+    ({"a": T(shape=(-1, -1), offs=(0, 4))}, f32(1), "invalid shape"),
+    ({"a": T(shape=(1 << 31, 1 << 31, 1 << 31), offs=(0, 8))}, f32(2), "invalid shape|corrupt data"),
+    ({"a": T(shape=(2**40 - 1, 2**40 - 1, 2**40 - 1, 2**40 - 1), offs=(0, 0))}, b"", "corrupt data"),
+    ({"a": T(dtype="F8")}, f32(2), "corrupt header entry"),
+    ({"a": T(offs=(0, "8"))}, f32(2), "corrupt data"),
+    ({"a": "x"}, b"", "corrupt header entry"),
+    (b'{"a": 1, "a": 2}', b"", "corrupt header"),
+    (b"[" * 100000 + b"]" * 100000, b"", "corrupt header"),
+])
+def test_safetensors_header_is_validated(tmp_path, header, data, match):
+    p = write(tmp_path / "x.safetensors", _st(header, data))
+    with pytest.raises(CheckpointError, match=match):
+        read_safetensors(p)
+
+
+@pytest.mark.parametrize("tensor,match", [
+    (("0", 0, (2, 3), (3000000, 1)), "reaches element"),     # a stride beyond the storage: SIGSEGV before
+    (("0", 0, (2, 3), (-3, 1)), "invalid shape"),            # negative stride: read before the storage
+    (("0", 5, (2, 3), (3, 1)), "reaches element"),           # offset past the storage
+    (("0", 7, (0,), (1,)), "reaches element"),
+    (("9", 0, (2,), (1,)), "storage '9' .* missing"),
+    (("0", 0, (2, 3), (3,)), "invalid offset or stride"),
+    (("0", -1, (2,), (1,)), "invalid offset"),
+    (("0", 0, (2.5,), (1,)), "invalid shape"),
+])
+def test_bin_tensor_stays_inside_its_storage(tmp_path, tensor, match):
+    p = write(tmp_path / "x.bin", bin_bytes({"w": tensor}, {"0": f32(6)}))
+    with pytest.raises(CheckpointError, match=match):
+        read_torch_zip(p)
+
+
+def test_bin_valid_views_still_load(tmp_path):
+    p = write(tmp_path / "x.bin", bin_bytes({"w": ("0", 1, (2, 2), (3, 1)), "e": ("0", 6, (0,), (1,))},
+                                           {"0": f32(6)}))
+    out = read_torch_zip(p)
+    assert out["w"].tolist() == [[1, 2], [4, 5]] and out["e"].shape == (0,)
+
+
+def test_a_crash_in_a_reader_is_caught_in_a_subprocess(tmp_path):
+    """The strided view that crashed the process before (SIGSEGV) now fails with one line."""
+    p = write(tmp_path / "x.bin", bin_bytes({"w": ("0", 0, (4, 4), (1 << 33, 1))}, {"0": f32(6)}))
+    code = f"from glmcore.weights import read_torch_zip; import numpy; print(numpy.asarray(read_torch_zip({str(p)!r})['w']).sum())"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert r.returncode == 1 and "CheckpointError" in r.stderr and "reaches element" in r.stderr
+
+
+@pytest.fixture
+def ckpt(make_tiny, tmp_path):
+    d = tmp_path / "m"
+    shutil.copytree(make_tiny("chatglm3"), d)
+    return d
+
+
+@pytest.mark.parametrize("index,match", [
+    (["weight_map"], "not a valid index"),
+    ({"weight_map": ["a"]}, "weight_map is not an object"),
+    ({"weight_map": {"a": 3}}, "weight_map is not an object"),
+    ({"weight_map": {"a": "../../etc/model.safetensors"}}, "outside the model directory"),
+    ({"weight_map": {"a": "/etc/model.safetensors"}}, "outside the model directory"),
+    ({"weight_map": {"a": "sub/../../x.safetensors"}}, "outside the model directory"),
+])
+def test_index_is_validated_and_stays_in_the_directory(ckpt, index, match):
+    (ckpt / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(CheckpointError, match=match):
+        load_weights(ckpt, ModelConfig.from_dir(ckpt))
+
+
+def test_integer_weights_are_refused(tmp_path, make_tiny):
+    import numpy as np
+    from glmcore.weights import read_safetensors as rs, write_safetensors
+    src = make_tiny("chatglm3")
+    cfg = ModelConfig.from_dir(src)
+    d = tmp_path / "m"
+    shutil.copytree(src, d)
+    tensors = {}
+    for f in sorted(d.glob("model-*.safetensors")):
+        tensors.update({k: np.asarray(v) for k, v in rs(f).items()})
+        f.unlink()
+    (d / "model.safetensors.index.json").unlink()
+    name = "transformer.encoder.final_layernorm.weight"
+    tensors[name] = tensors[name].astype(np.int32)
+    write_safetensors(d / "model.safetensors", tensors)
+    with pytest.raises(CheckpointError, match="stored as int32"):
+        load_weights(d, cfg)
+
+
+@pytest.mark.parametrize("mutate,match", [
+    (lambda c: [c], "holds a JSON list"),
+    (lambda c: {**c, "hidden_size": "64"}, "invalid value|hidden_size"),
+    (lambda c: {**c, "num_attention_heads": 0}, "invalid value|num_heads"),
+    (lambda c: {**c, "num_layers": 1.5}, "num_layers"),
+    (lambda c: {**c, "num_layers": True}, "num_layers"),
+    (lambda c: {**c, "padded_vocab_size": 1 << 40}, "vocab_size"),
+    (lambda c: {**c, "layernorm_epsilon": "x"}, "norm_eps"),
+    (lambda c: {**c, "rope_ratio": [1]}, "invalid value"),
+    (lambda c: {**c, "multi_query_group_num": 3}, "KV groups"),
+    (lambda c: {**c, "add_qkv_bias": "yes"}, "qkv_bias"),
+])
+def test_config_values_are_validated(ckpt, mutate, match):
+    raw = json.loads((ckpt / "config.json").read_text())
+    (ckpt / "config.json").write_text(json.dumps(mutate(raw)))
+    with pytest.raises(ConfigError, match=match):
+        ModelConfig.from_dir(ckpt)
+
+
+# ------------------------------------------------------------------ tokenizer files, through the CLI
+
+def _cli(*argv, env_cache=None):
+    import os
+    env = {**os.environ, "GLMCORE_CACHE": str(env_cache)} if env_cache else None
+    return subprocess.run([sys.executable, "-m", "glmcore.cli", *argv], capture_output=True, text=True, env=env,
+                          timeout=300)
+
+
+TOKENIZER_BREAKS = {
+    "missing": lambda d: (d / "tokenizer.model").unlink(),
+    "empty": lambda d: (d / "tokenizer.model").write_bytes(b""),
+    "garbage": lambda d: (d / "tokenizer.model").write_bytes(b"\x0a\x05hello" * 100),
+    "wrong family": lambda d: shutil.copyfile(ROOT / "glmcore" / "data" / "glm4_ranks.tiktoken", d / "tokenizer.model"),
+    "config not json": lambda d: (d / "tokenizer_config.json").write_text("{"),
+    "config a list": lambda d: (d / "tokenizer_config.json").write_text("[]"),
+    "config bad added tokens": lambda d: (d / "tokenizer_config.json").write_text('{"added_tokens_decoder": [1]}'),
+    "config bad class": lambda d: (d / "tokenizer_config.json").write_text('{"tokenizer_class": 5}'),
+}
+
+
+@pytest.mark.parametrize("case", list(TOKENIZER_BREAKS))
+def test_tokenizer_errors_are_one_line_exit_2(ckpt, tmp_path, case):
+    TOKENIZER_BREAKS[case](ckpt)
+    r = _cli("run", "--backend", "torch", "--model", str(ckpt), "--prompt", "hi", "--max-new-tokens", "2",
+             env_cache=tmp_path / "cache")
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.startswith("error: ") and len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
+def test_tokenizer_larger_than_the_model_vocabulary(ckpt, make_tiny, tmp_path):
+    shutil.copyfile(make_tiny("glm4") / "tokenizer.model", ckpt / "tokenizer.model")   # 2048+ ids, 1024 rows
+    cfg = json.loads((ckpt / "config.json").read_text())
+    cfg["_name_or_path"] = "x"
+    (ckpt / "tokenizer_config.json").unlink()
+    r = _cli("run", "--backend", "torch", "--model", str(ckpt), "--prompt", "hi", env_cache=tmp_path / "c")
+    assert r.returncode == 2 and "embedding rows" in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
+def test_tokenizer_error_is_a_glmcore_error():
+    assert issubclass(TokenizerError, GlmcoreError) and issubclass(TokenizerError, ValueError)
+
+
+# ------------------------------------------------------------------ the CLI's one error path
+
+def test_a_bug_prints_the_traceback_and_asks_for_a_report(monkeypatch, capsys):
+    import glmcore.cli as cli
+
+    def boom(a):
+        raise RuntimeError("kaboom")
+    monkeypatch.setattr(cli, "cmd_backends", boom)
+    assert cli.main(["backends"]) == 1
+    err = capsys.readouterr().err
+    assert "Traceback" in err and "RuntimeError: kaboom" in err and "please report" in err
+
+
+def test_bad_input_is_one_line_without_traceback(monkeypatch, capsys):
+    import glmcore.cli as cli
+    monkeypatch.setattr(cli, "cmd_backends", lambda a: (_ for _ in ()).throw(ConfigError("bad thing; fix it")))
+    assert cli.main(["backends"]) == 2
+    assert capsys.readouterr().err == "error: bad thing; fix it\n"
