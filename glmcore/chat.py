@@ -77,12 +77,14 @@ def as_message(m) -> Message:
 
 def _functions(tools) -> list[dict]:
     """OpenAI tools ({"type": "function", "function": {...}}) or bare function dicts -> function dicts."""
+    if tools is not None and not isinstance(tools, (list, tuple)):
+        raise ChatError(f"tools must be a list of tool objects, not a {type(tools).__name__}")
     out = []
     for t in tools or []:
         if isinstance(t, dict) and t.get("type", "function") == "function":
             f = t.get("function", t)
-            if not isinstance(f, dict) or "name" not in f:
-                raise ChatError(f"tool {t!r} has no function name: use the OpenAI schema "
+            if not isinstance(f, dict) or not isinstance(f.get("name"), str) or not _NAME.fullmatch(f["name"]):
+                raise ChatError(f"tool {str(t)[:80]} has no valid function name: use the OpenAI schema "
                                  '{"type": "function", "function": {"name": ..., "parameters": ...}}')
             out.append(f)
         else:
@@ -102,6 +104,12 @@ class ChatFormat:
         self.sp = tokenizer.special_ids
 
     # -- prompts
+    def check_tools(self, tools) -> list[dict]:
+        """The function dicts of `tools`; a ChatError names what this family cannot take."""
+        if tools and self.family == "chatglm2":
+            raise ChatError("ChatGLM2 has no tool calling: use ChatGLM3 or GLM-4 for tools")
+        return _functions(tools)
+
     def encode_messages(self, messages, tools: list[dict] | None = None,
                         add_generation_prompt: bool = True) -> list[int]:
         """The whole prompt, [gMASK]sop prefix included."""
@@ -349,6 +357,8 @@ def parse_chatglm3_call(body: str) -> dict:
         tree = ast.parse(code, mode="eval")
     except SyntaxError as e:
         raise ToolCallParseError(f"tool call is not valid Python: {e.msg} (line {e.lineno})") from None
+    except (RecursionError, MemoryError, ValueError):     # deeply nested input; ValueError: NUL bytes
+        raise ToolCallParseError("tool call is nested too deeply to parse") from None
     call = tree.body
     if not (isinstance(call, ast.Call) and isinstance(call.func, ast.Name) and call.func.id == "tool_call"):
         raise ToolCallParseError("expected a single tool_call(...) expression")
@@ -361,8 +371,8 @@ def parse_chatglm3_call(body: str) -> dict:
         try:
             args[kw.arg] = ast.literal_eval(kw.value)
         except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
-            raise ToolCallParseError(f"argument {kw.arg!r} is not a literal: {ast.unparse(kw.value)[:80]}") from None
-    return args
+            raise ToolCallParseError(f"argument {kw.arg!r} is not a literal") from None
+    return _as_json(args)
 
 
 def parse_glm4_call(body: str) -> dict:
@@ -370,9 +380,20 @@ def parse_glm4_call(body: str) -> dict:
         args = json.loads(body.strip())
     except json.JSONDecodeError as e:
         raise ToolCallParseError(f"tool call arguments are not valid JSON: {e}") from None
+    except (RecursionError, MemoryError, ValueError):      # nesting, or an integer past int max str digits
+        raise ToolCallParseError("tool call arguments are nested too deeply or hold a too-long number") from None
     if not isinstance(args, dict):
         raise ToolCallParseError("tool call arguments must be a JSON object")
-    return args
+    return _as_json(args)
+
+
+def _as_json(args: dict) -> dict:
+    """Arguments exactly as JSON can carry them (what a caller will json.dumps): no bytes, sets,
+    complex numbers, NaN, numbers too long to print, or nesting too deep to encode."""
+    try:
+        return json.loads(json.dumps(args, allow_nan=False, ensure_ascii=False))
+    except (TypeError, ValueError, RecursionError, MemoryError) as e:
+        raise ToolCallParseError(f"tool call arguments are not JSON values ({type(e).__name__})") from None
 
 
 class ToolCallStream:

@@ -9,7 +9,7 @@ from pathlib import Path
 from . import __version__
 from .backend import LoadOptions, registry
 from .engine import OVERFLOW_POLICIES, WindowPolicy
-from .errors import GlmcoreError
+from .errors import ChatError, GlmcoreError
 from .sampling import SamplingParams
 
 
@@ -87,11 +87,14 @@ def cmd_run(a) -> int:
     return 0
 
 
-def _stream_reply(pipe, messages, tools, params, max_new_tokens) -> None:
+def _stream_reply(pipe, messages, tools, params, max_new_tokens, shown: list | None = None) -> None:
+    """Stream one reply to stdout; `shown` collects the text written (what the user saw if interrupted)."""
     for kind, value in pipe.chat(messages, tools=tools, stream=True, params=params, max_new_tokens=max_new_tokens):
         if kind == "text":
             sys.stdout.write(value)
             sys.stdout.flush()
+            if shown is not None:
+                shown.append(value)
         else:
             sys.stdout.write(f"\n[tool call] {value.name}({json.dumps(value.arguments, ensure_ascii=False)})")
     sys.stdout.write("\n")
@@ -101,11 +104,22 @@ def _stream_reply(pipe, messages, tools, params, max_new_tokens) -> None:
 CHAT_HELP = "commands: /system TEXT, /tools FILE.json, /reset, /quit"
 
 
+def _load_tools(arg: str, chat_format) -> tuple[list, list[str]]:
+    """The tools of `/tools FILE.json` (a list of OpenAI tools, or one tool object) and their names."""
+    try:
+        tools = json.loads(Path(arg).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as e:
+        raise ChatError(f"cannot read tools from {arg!r} ({type(e).__name__}: {str(e)[:80]}); give a JSON file "
+                        "with a list of tools") from None
+    if isinstance(tools, dict):
+        tools = [tools]
+    return tools, [f["name"] for f in chat_format.check_tools(tools)]
+
+
 def cmd_chat(a) -> int:
     params = sampling(a)
     pipe = _pipeline(a)
-    system, tools = a.system, None
-    history: list = []
+    state = {"system": a.system, "tools": None, "history": []}
     print(f"glmcore chat on {pipe.model.backend.name} ({pipe.model.config.family}); {CHAT_HELP}", file=sys.stderr)
     while True:
         try:
@@ -119,39 +133,61 @@ def cmd_chat(a) -> int:
             if cmd == "/quit":
                 return 0
             if cmd == "/reset":
-                history = []
+                state["history"] = []
                 pipe.reset()
                 print("(conversation cleared)", file=sys.stderr)
             elif cmd == "/system":
-                system, history = arg or None, []
+                state["system"], state["history"] = arg or None, []
                 print("(system prompt set; conversation cleared)", file=sys.stderr)
             elif cmd == "/tools":
                 try:
-                    tools = json.loads(Path(arg).read_text())
-                except (OSError, ValueError) as e:
-                    print(f"error: cannot read tools from {arg!r}: {e}", file=sys.stderr)
+                    tools, names = _load_tools(arg, pipe.model.chat_format)
+                except GlmcoreError as e:
+                    print(f"error: {e}", file=sys.stderr)
                     continue
-                history = []
-                print(f"({len(tools)} tools loaded: {', '.join(t.get('function', t).get('name', '?') for t in tools)})",
-                      file=sys.stderr)
+                state["tools"], state["history"] = tools, []
+                print(f"({len(names)} tools loaded: {', '.join(names)}; conversation cleared)", file=sys.stderr)
             else:
                 print(f"unknown command {cmd}; {CHAT_HELP}", file=sys.stderr)
             continue
-        history.append({"role": "user", "content": line})
-        while True:
-            print("assistant> ", end="", flush=True)
-            _stream_reply(pipe, _messages(system, tools) + history, tools, params, a.max_new_tokens)
-            reply = pipe.cached[-1]
-            history.append(reply)
-            print(f"[{pipe.timings.line()}]", file=sys.stderr)
-            if not reply.tool_calls:
-                break
-            for call in reply.tool_calls:
-                try:
-                    result = input(f"tool result for {call.name}> ")
-                except EOFError:
-                    return 0
-                history.append({"role": "tool", "content": result})
+        state["history"].append({"role": "user", "content": line})
+        if _chat_turn(pipe, state, params, a.max_new_tokens) == "quit":
+            return 0
+
+
+def _chat_turn(pipe, state, params, max_new_tokens) -> str:
+    """One user turn: replies, and the tool results they ask for. Returns "quit" or "done"."""
+    history, tools = state["history"], state["tools"]
+    while True:
+        print("assistant> ", end="", flush=True)
+        shown: list[str] = []
+        try:
+            _stream_reply(pipe, _messages(state["system"], tools) + history, tools, params, max_new_tokens, shown)
+        except KeyboardInterrupt:
+            # Ctrl-C ends this reply, not the session. The cache holds a half-generated turn, so the
+            # next turn starts from the conversation (with the text shown so far) again.
+            pipe.reset()
+            history.append({"role": "assistant", "content": "".join(shown).strip()})
+            print("\n(reply interrupted)", file=sys.stderr)
+            return "done"
+        reply = pipe.cached[-1]
+        history.append(reply)
+        print(f"[{pipe.timings.line()}]", file=sys.stderr)
+        if not reply.tool_calls:
+            return "done"
+        for call in reply.tool_calls:
+            try:
+                result = input(f"tool result for {call.name}> ")
+            except EOFError:
+                return "quit"
+            if result.strip() == "/quit":
+                return "quit"
+            if result.strip() == "/reset":
+                history.clear()
+                pipe.reset()
+                print("(conversation cleared)", file=sys.stderr)
+                return "done"
+            history.append({"role": "tool", "content": result})
 
 
 def cmd_backends(a) -> int:
