@@ -506,3 +506,159 @@ def test_conformance_suite_all_variants(tmp_path, monkeypatch):
     assert len({r.config for r in report.results}) == len(CpuInt4Backend().conformance_variants())
     # the tight comparison ran: the reference on the dequantized weights, window shift included
     assert {r.case for r in report.results if r.against == "own weights"} >= {"prefill", "decode", "window_shift"}
+
+
+# ---------------------------------------------------------------- batch sessions (contract v2)
+
+def load_batch(cfg, weights, cache, n_slots, capacity=256, **extra):
+    with contextlib.redirect_stderr(io.StringIO()):
+        return CpuInt4Backend().load_batch(cfg, weights, LoadOptions(capacity=capacity, cache_dir=cache, extra=extra),
+                                           n_slots)
+
+
+class SingleMirror:
+    """The single-sequence reference of every slot: one Int4Session per slot (same packed weights, same
+    kernels), driven with the slot's own operations. A copied prefix is rebuilt by replaying the source's
+    operations (prefill and shift), so the mirror holds exactly what the copy should."""
+
+    def __init__(self, cfg, weights, cache, n_slots, capacity, **extra):
+        self.refs = [load(cfg, weights, cache, capacity=capacity, **extra) for _ in range(n_slots)]
+        self.log = [[] for _ in range(n_slots)]     # per slot: ("ids", ids) or ("shift", keep, discard)
+        self.got, self.want = [], []
+
+    def step(self, batch, entries, all_logits=False):
+        out = batch.step(entries, all_logits)
+        for k, (slot, ids) in enumerate(entries):
+            r = self.refs[slot]
+            want = r.prefill(ids, all_logits=True) if all_logits else (
+                r.prefill(ids) if len(ids) > 1 else r.decode(ids[0]))
+            self.log[slot].append(("ids", list(ids)))
+            self.got.append(np.reshape(out[k], (-1, out[k].shape[-1])))
+            self.want.append(np.reshape(want, (-1, want.shape[-1])))
+        assert [batch.kv_len(i) for i in range(len(self.refs))] == [r.kv_len for r in self.refs]
+        return out
+
+    def shift(self, batch, slot, keep, discard):
+        batch.shift(slot, keep, discard)
+        self.refs[slot].shift(keep, discard)
+        self.log[slot].append(("shift", keep, discard))
+
+    def reset(self, batch, slot):
+        batch.reset(slot)
+        self.refs[slot].reset()
+        self.log[slot] = []
+
+    def copy_prefix(self, batch, src, dst, n):
+        batch.copy_prefix(src, dst, n)
+        if n == self.refs[src].kv_len:
+            log = list(self.log[src])
+        else:                                       # a part of a never-shifted slot: its first n ids
+            assert all(op[0] == "ids" for op in self.log[src])
+            log = [("ids", [t for op in self.log[src] for t in op[1]][:n])] if n else []
+        self.refs[dst].reset()
+        for op in log:
+            if op[0] == "ids":
+                self.refs[dst].prefill(op[1])
+            else:
+                self.refs[dst].shift(op[1], op[2])
+        self.log[dst] = log
+
+    def close(self):
+        for r in self.refs:
+            r.close()
+
+
+def mixed_batch_scenario(cfg, w, cache, isa, **extra):
+    """Slots of different lengths; a slot prefilling a chunk while others decode; a step longer than one
+    native chunk (128 tokens) split inside an entry; a window shift in one slot and a ring that wraps;
+    a prefix copied between slots (whole, wrapped, and in part); a slot freed and reused."""
+    rng = np.random.default_rng(21)
+
+    def ids(n):
+        return [int(i) for i in rng.integers(0, cfg.vocab_size, n)]
+    cap = 160
+    b = load_batch(cfg, w, cache, 4, capacity=cap, isa=isa, **extra)
+    m = SingleMirror(cfg, w, cache, 4, cap, isa=isa, **extra)
+    m.step(b, [(0, ids(20)), (1, ids(7)), (2, ids(1))], all_logits=True)
+    m.step(b, [(0, ids(1)), (1, ids(23)), (2, ids(1)), (3, ids(5))])
+    m.step(b, [(2, ids(100)), (3, ids(45)), (0, ids(1))])            # 146 tokens: two native chunks
+    m.copy_prefix(b, 0, 3, 10)                                        # slot 3 drops its 50, takes 10 of slot 0
+    m.step(b, [(3, ids(4)), (1, ids(1))])
+    m.shift(b, 1, 4, 26)                                              # slot 1: base moves to 26
+    m.step(b, [(1, ids(1)), (0, ids(1)), (3, ids(1))])
+    m.step(b, [(1, ids(140)), (2, ids(1))], all_logits=True)          # slot 1 now wraps around its ring
+    m.reset(b, 2)                                                     # slot 2 freed, then reused
+    m.copy_prefix(b, 1, 2, b.kv_len(1))                               # a wrapped, shifted prefix
+    m.step(b, [(2, ids(3)), (0, ids(9)), (1, ids(1)), (3, ids(1))])
+    m.copy_prefix(b, 3, 3, 6)                                         # src == dst: keep the first 6
+    for _ in range(3):
+        m.step(b, [(s, ids(1)) for s in (3, 1, 0, 2)])
+    assert b.kv_len(1) > 140 and b.kv_len(3) == 9
+    got, want = np.concatenate(m.got), np.concatenate(m.want)
+    m.close()
+    b.close()
+    return got, want
+
+
+@pytest.mark.parametrize("isa", native.ISAS)
+def test_batch_steps_equal_single_sequences(isa, tiny, cache):
+    """Every slot's logits in mixed steps equal the single-sequence session's, at the f32 row (the same
+    packed weights and kernels: only the grouping of tokens into matrix blocks differs), through each
+    kernel variant this CPU has."""
+    from glmcore_conformance.metrics import compare, out_of_bounds
+    from glmcore_conformance.tolerances import TOLERANCES
+    isa_or_skip(isa)
+    cfg, w = tiny("glm4")                               # qkv bias, GQA
+    got, want = mixed_batch_scenario(cfg, w, cache, isa)
+    figures = compare(want, got)
+    assert not out_of_bounds(figures, TOLERANCES["f32"].bounds()), figures
+    assert got.shape[0] == 197          # every position of the all-logits steps, the last of the others
+
+
+def test_batch_asym_group128_f32_cache(tiny, cache):
+    ready_or_skip()
+    from glmcore_conformance.metrics import compare, out_of_bounds
+    from glmcore_conformance.tolerances import TOLERANCES
+    cfg, w = tiny("chatglm2")
+    got, want = mixed_batch_scenario(cfg, w, cache, "auto", group_size=128, sym=False, kv_dtype="f32")
+    figures = compare(want, got)
+    assert not out_of_bounds(figures, TOLERANCES["f32"].bounds()), figures
+
+
+def test_batch_is_native_and_maps_the_weights_once(cache):
+    cfg = toy_config()
+    caps = CpuInt4Backend().capabilities()
+    assert caps.native_batch and caps.can_shift
+    b = load_batch(cfg, toy_weights(cfg), cache, 3, capacity=32)
+    assert b.native and b.n_slots == 3 and b.capacity == 32 and isinstance(b._blob, np.memmap)
+    assert b.info()["slots"] == 3
+    lib = native.lib()
+    before = sum(lib.glmi4_kernel_calls(i) for i in range(len(native.ISAS)))
+    out = b.step([(0, [1, 2, 3]), (2, [4]), (1, [5, 6])])
+    calls = sum(lib.glmi4_kernel_calls(i) for i in range(len(native.ISAS))) - before
+    assert out.shape == (3, cfg.vocab_size) and out.dtype == np.float32
+    assert calls == 4 * cfg.num_layers + 1          # one product per weight matrix for all three entries
+    assert [b.kv_len(i) for i in range(3)] == [3, 2, 1]
+    b.close()
+
+
+def test_batch_errors_leave_every_slot_unchanged(cache):
+    cfg = toy_config()
+    b = load_batch(cfg, toy_weights(cfg), cache, 2, capacity=8)
+    b.step([(0, [1, 2, 3]), (1, [4])])
+    bad = [([(0, [1]), (0, [2])], "twice"), ([(2, [1])], "slot 2 does not exist"), ([(1, [])], "empty"),
+           ([(1, [1]), (0, [cfg.vocab_size])], "outside the vocabulary")]
+    for entries, match in bad:
+        with pytest.raises(GlmcoreError, match=match):
+            b.step(entries)
+    with pytest.raises(ContextOverflow, match="slot 0"):
+        b.step([(1, [1]), (0, [1, 2, 3, 4, 5, 6])])
+    assert [b.kv_len(0), b.kv_len(1)] == [3, 1]
+    with pytest.raises(GlmcoreError, match="holds 1"):
+        b.copy_prefix(1, 0, 2)
+    with pytest.raises(GlmcoreError, match="cannot shift"):
+        b.shift(1, 1, 1)
+    assert b.step([]).shape == (0, cfg.vocab_size)
+    b.close()
+    with pytest.raises(GlmcoreError, match="closed"):
+        b.kv_len(0)

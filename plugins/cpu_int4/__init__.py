@@ -6,7 +6,8 @@ cached on disk, then memory-mapped, so the resident set is about the packed size
 prefill step is one call into a small C library (plain C reference, AVX2, AVX-512 VNNI, chosen at
 run time) that runs every layer with its own thread pool. The KV cache is a fixed ring buffer;
 `shift(n_keep, n_discard)` keeps the attention sinks, drops the next n_discard tokens and re-rotates
-the cached keys in place.
+the cached keys in place. `load_batch` holds many sequences (a ring each) and runs one step for all of
+them: each weight matrix is multiplied once with every token of the step (the prefill GEMM path).
 
 Options (LoadOptions.extra, `--opt key=value`): group_size 32|64|128 (32), sym true|false (true),
 scale_dtype f16|bf16 (f16), embed_bits 4|8 (4), head_bits 4|8 (8), kv_dtype f16|f32 (f16),
@@ -75,7 +76,8 @@ class CpuInt4Backend(Backend):
     def capabilities(self) -> Capabilities:
         # int8 activations x int4 weights, accumulated and kept in fp32 between the matrix products
         return Capabilities(precisions=("f32",), weight_formats=("int4",), default_precision="f32",
-                            default_weights="int4", max_context=None, can_shift=True, speed_rank=5)
+                            default_weights="int4", max_context=None, can_shift=True, speed_rank=5,
+                            native_batch=True, max_slots=None)
 
     def _settings(self, options: LoadOptions):
         from . import native
@@ -93,9 +95,15 @@ class CpuInt4Backend(Backend):
 
     def load(self, config, weights, options: LoadOptions):
         from .session import Int4Session
+        return Int4Session(self.load_batch(config, weights, options, 1))
+
+    def load_batch(self, config, weights, options: LoadOptions, n_slots: int):
+        """n_slots sequences over one mapping of the packed weights; a step multiplies each weight matrix
+        once with the tokens of all its entries. KV memory: n_slots x capacity positions."""
+        from .session import Int4BatchSession
         _, kv, isa, threads = self._settings(options)
         packed = self._packed_dir(config, weights, options)
-        return Int4Session(config, packed, options, self.capabilities(), isa, threads, kv)
+        return Int4BatchSession(config, packed, options, self.capabilities(), isa, threads, kv, n_slots)
 
     # ---------------------------------------------------------------- optional conformance/bench hooks
 

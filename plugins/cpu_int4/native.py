@@ -28,7 +28,7 @@ from glmcore.errors import BackendError
 
 HERE = Path(__file__).resolve().parent
 SOURCE = HERE / "csrc" / "glmi4.c"
-ABI = 4
+ABI = 5
 ISAS = ("plain", "avx2", "avx512vnni")
 CFLAGS = ["-O3", "-std=c11", "-fPIC", "-shared", "-pthread"]
 
@@ -58,7 +58,7 @@ class Spec(C.Structure):
     _fields_ = [("hidden", C.c_int32), ("n_layers", C.c_int32), ("n_heads", C.c_int32), ("n_kv", C.c_int32),
                 ("head_dim", C.c_int32), ("ffn", C.c_int32), ("vocab", C.c_int32), ("capacity", C.c_int32),
                 ("kv_f16", C.c_int32), ("max_batch", C.c_int32), ("nthreads", C.c_int32), ("isa", C.c_int32),
-                ("norm_eps", C.c_float), ("rope_cos", C.c_void_p), ("rope_sin", C.c_void_p),
+                ("n_slots", C.c_int32), ("norm_eps", C.c_float), ("rope_cos", C.c_void_p), ("rope_sin", C.c_void_p),
                 ("inv_freq", C.c_void_p), ("embed", Emb), ("final_norm", C.c_void_p), ("head", Mat),
                 ("layers", C.POINTER(Layer))]
 
@@ -70,8 +70,9 @@ def _declare(lib) -> None:
         "glmi4_isa_supported": (I, [I]), "glmi4_isa_name": (C.c_char_p, [I]),
         "glmi4_kernel_calls": (U64, [I]), "glmi4_best_isa": (I, []),
         "glmi4_create": (P, [C.POINTER(Spec), C.c_char_p, I]), "glmi4_destroy": (None, [P]),
-        "glmi4_kv_len": (I, [P]), "glmi4_reset": (None, [P]),
-        "glmi4_forward": (I, [P, P, I, P, I]), "glmi4_shift": (I, [P, I, I]),
+        "glmi4_kv_len": (I, [P, I]), "glmi4_reset": (None, [P, I]),
+        "glmi4_step": (I, [P, P, P, P, I, P, I]), "glmi4_shift": (I, [P, I, I, I]),
+        "glmi4_copy_prefix": (I, [P, I, I, I]),
         "glmi4_quant_act": (I, [I, P, I, I, I, P, P, P]),
         "glmi4_matmul": (I, [I, C.POINTER(Mat), I, P, P, I]),
         "glmi4_bench_matmul": (C.c_double, [I, C.POINTER(Mat), I, I, I]),

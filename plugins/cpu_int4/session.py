@@ -1,4 +1,10 @@
-"""Int4Session: the packed model mapped from disk, one native call per prefill/decode step."""
+"""The packed model mapped from disk and driven by one native call per step.
+
+Int4BatchSession holds n_slots sequences (a KV ring of `capacity` positions each) over one mapping of
+the weights; one step runs the tokens of every entry through the layers together, so each weight
+matrix is read once for all of them. Int4Session, the single-sequence contract, is slot 0 of a
+one-slot Int4BatchSession: the same native code path.
+"""
 from __future__ import annotations
 
 import ctypes as C
@@ -7,14 +13,14 @@ from pathlib import Path
 
 import numpy as np
 
-from glmcore.backend import Capabilities, LoadOptions, Session, default_capacity
+from glmcore.backend import BatchSession, Capabilities, LoadOptions, Session, default_capacity
 from glmcore.config import ModelConfig
 from glmcore.errors import BackendError, ContextOverflow, GlmcoreError
 
 from . import native
 from .quant import QuantOptions, read_packed
 
-MAX_BATCH = 128      # tokens per native chunk of a prefill (bounds the work buffers)
+MAX_BATCH = 128      # tokens per native chunk of a step (bounds the work buffers)
 
 
 def rope_tables(cfg: ModelConfig, capacity: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -27,10 +33,14 @@ def rope_tables(cfg: ModelConfig, capacity: int) -> tuple[np.ndarray, np.ndarray
             np.sin(angles.astype(np.float64)).astype(np.float32), inv_freq)
 
 
-class Int4Session(Session):
+class Int4BatchSession(BatchSession):
+    native = True
+
     def __init__(self, cfg: ModelConfig, packed_dir: Path, options: LoadOptions, caps: Capabilities,
-                 isa: int, threads: int, kv_dtype: str = "f16"):
-        self.cfg = cfg
+                 isa: int, threads: int, kv_dtype: str = "f16", n_slots: int = 1):
+        if not isinstance(n_slots, int) or n_slots < 1:
+            raise GlmcoreError(f"cpu_int4: n_slots must be a positive number of sequences, not {n_slots!r}")
+        self.cfg, self.n_slots = cfg, n_slots
         self.capacity = default_capacity(cfg, caps, options.capacity)
         self.meta, self._blob = read_packed(packed_dir, cfg)
         self.quant = QuantOptions(**self.meta["options"])
@@ -75,58 +85,82 @@ class Int4Session(Session):
             hidden=cfg.hidden_size, n_layers=cfg.num_layers, n_heads=cfg.num_heads, n_kv=cfg.num_kv_heads,
             head_dim=cfg.head_dim, ffn=cfg.ffn_hidden_size, vocab=cfg.vocab_size, capacity=self.capacity,
             kv_f16=int(self.kv_dtype == "f16"), max_batch=MAX_BATCH, nthreads=self.threads, isa=self.isa,
-            norm_eps=cfg.norm_eps, rope_cos=self._cos.ctypes.data, rope_sin=self._sin.ctypes.data,
-            inv_freq=self._inv.ctypes.data, embed=emb, final_norm=ptr("final_norm.weight"),
-            head=mat("lm_head.weight"), layers=layers)
+            n_slots=self.n_slots, norm_eps=cfg.norm_eps, rope_cos=self._cos.ctypes.data,
+            rope_sin=self._sin.ctypes.data, inv_freq=self._inv.ctypes.data, embed=emb,
+            final_norm=ptr("final_norm.weight"), head=mat("lm_head.weight"), layers=layers)
         return spec, layers
 
-    # ------------------------------------------------------------ the Session contract
-
-    @property
-    def kv_len(self) -> int:
-        return self._lib.glmi4_kv_len(self._alive())
+    # ------------------------------------------------------------ the BatchSession contract
 
     def _alive(self):
         if not self._h:
             raise GlmcoreError("cpu_int4: this session is closed; load the model again")
         return self._h
 
-    def _run(self, ids: Sequence[int], all_logits: bool) -> np.ndarray:
+    def _slot(self, slot) -> int:
+        if not isinstance(slot, (int, np.integer)) or not 0 <= slot < self.n_slots:
+            raise GlmcoreError(f"cpu_int4: slot {slot!r} does not exist; slots are 0..{self.n_slots - 1}")
+        return int(slot)
+
+    def kv_len(self, slot: int) -> int:
+        return self._lib.glmi4_kv_len(self._alive(), self._slot(slot))
+
+    def step(self, entries: Sequence[tuple[int, Sequence[int]]], all_logits: bool = False):
         h = self._alive()
-        arr = np.asarray(list(ids), dtype=np.int64)
-        if arr.size == 0:
-            raise GlmcoreError("cpu_int4: nothing to prefill (empty token list)")
-        if arr.min() < 0 or arr.max() >= self.cfg.vocab_size:
-            bad = int(arr[(arr < 0) | (arr >= self.cfg.vocab_size)][0])
-            raise GlmcoreError(f"token id {bad} is outside the vocabulary (0..{self.cfg.vocab_size - 1}); "
-                               "the ids come from another tokenizer")
-        n, have = int(arr.size), self.kv_len
-        if have + n > self.capacity:
-            raise ContextOverflow(f"{have + n} tokens ({have} cached + {n} new) exceed the context of "
-                                  f"{self.capacity}; raise --ctx or use --overflow window")
-        ids32 = np.ascontiguousarray(arr, dtype=np.int32)
-        out = np.empty((n, self.cfg.vocab_size) if all_logits else (self.cfg.vocab_size,), np.float32)
-        rc = self._lib.glmi4_forward(h, ids32.ctypes.data, n, out.ctypes.data, int(all_logits))
+        V = self.cfg.vocab_size
+        slots, parts = [], []
+        for slot, ids in entries:
+            slot = self._slot(slot)
+            if slot in slots:
+                raise GlmcoreError(f"cpu_int4: slot {slot} appears twice in one step; give each slot one entry")
+            arr = np.asarray(ids if isinstance(ids, np.ndarray) else list(ids), dtype=np.int64).reshape(-1)
+            if arr.size == 0:
+                raise GlmcoreError(f"cpu_int4: nothing to append to slot {slot} (empty token list)")
+            if arr.min() < 0 or arr.max() >= V:
+                bad = int(arr[(arr < 0) | (arr >= V)][0])
+                raise GlmcoreError(f"token id {bad} is outside the vocabulary (0..{V - 1}); "
+                                   "the ids come from another tokenizer")
+            have = self._lib.glmi4_kv_len(h, slot)
+            if have + arr.size > self.capacity:
+                raise ContextOverflow(f"{have + arr.size} tokens ({have} cached + {arr.size} new) exceed the "
+                                      f"context of {self.capacity}{self._where(slot)}; raise --ctx or use "
+                                      "--overflow window")
+            slots.append(slot)
+            parts.append(arr)
+        if not parts:
+            return [] if all_logits else np.empty((0, V), np.float32)
+        counts = np.array([p.size for p in parts], np.int32)
+        ids32 = np.ascontiguousarray(np.concatenate(parts), dtype=np.int32)
+        slots32 = np.array(slots, np.int32)
+        out = np.empty((ids32.size if all_logits else len(parts), V), np.float32)
+        rc = self._lib.glmi4_step(h, ids32.ctypes.data, slots32.ctypes.data, counts.ctypes.data, len(parts),
+                                  out.ctypes.data, int(all_logits))
         if rc != 0:
             raise BackendError(f"cpu_int4: forward step failed (code {rc})")
-        return out
+        return np.split(out, np.cumsum(counts)[:-1]) if all_logits else out
 
-    def prefill(self, ids: Sequence[int], all_logits: bool = False) -> np.ndarray:
-        return self._run(ids, all_logits)
+    def _where(self, slot: int) -> str:
+        return f" in slot {slot}" if self.n_slots > 1 else ""
 
-    def decode(self, token: int) -> np.ndarray:
-        return self._run([int(token)], False)
+    def reset(self, slot: int) -> None:
+        self._lib.glmi4_reset(self._alive(), self._slot(slot))
 
-    def shift(self, n_keep: int, n_discard: int) -> None:
-        h = self._alive()
-        if n_keep < 0 or n_discard < 0 or n_keep + n_discard > self.kv_len:
-            raise GlmcoreError(f"cannot shift the window: keep {n_keep} + discard {n_discard} exceeds the "
-                               f"{self.kv_len} cached tokens")
-        if self._lib.glmi4_shift(h, int(n_keep), int(n_discard)) != 0:
+    def shift(self, slot: int, n_keep: int, n_discard: int) -> None:
+        h, slot = self._alive(), self._slot(slot)
+        n = self.kv_len(slot)
+        if n_keep < 0 or n_discard < 0 or n_keep + n_discard > n:
+            raise GlmcoreError(f"cannot shift the window{self._where(slot)}: keep {n_keep} + discard {n_discard} "
+                               f"exceeds the {n} cached tokens")
+        if self._lib.glmi4_shift(h, slot, int(n_keep), int(n_discard)) != 0:
             raise BackendError("cpu_int4: window shift failed")
 
-    def reset(self) -> None:
-        self._lib.glmi4_reset(self._alive())
+    def copy_prefix(self, src: int, dst: int, n: int) -> None:
+        h, src, dst = self._alive(), self._slot(src), self._slot(dst)
+        have = self.kv_len(src)
+        if not 0 <= n <= have:
+            raise GlmcoreError(f"cpu_int4: cannot copy {n} positions from slot {src}, which holds {have}")
+        if self._lib.glmi4_copy_prefix(h, src, dst, int(n)) != 0:
+            raise BackendError("cpu_int4: copying a prefix failed")
 
     def close(self) -> None:
         if getattr(self, "_h", None):
@@ -145,6 +179,42 @@ class Int4Session(Session):
     def info(self) -> dict:
         s = self.meta["stats"]
         return {"isa": native.ISAS[self.isa], "threads": self.threads, "kv_dtype": self.kv_dtype,
-                "quantization": self.quant.label(), "file_bytes": s["file_bytes"],
+                "quantization": self.quant.label(), "file_bytes": s["file_bytes"], "slots": self.n_slots,
                 "bytes_per_token": s["bytes_per_token"], "bits_per_weight": round(s["bits_per_weight"], 3),
                 "linear_bits_per_weight": round(s["linear_bits_per_weight"], 3), "packed": str(self.packed_dir)}
+
+
+class Int4Session(Session):
+    """One sequence: slot 0 of a one-slot Int4BatchSession."""
+
+    def __init__(self, batch: Int4BatchSession):
+        self.batch = batch
+        self.capacity = batch.capacity
+
+    # what tests and the benchmark read about the loaded model
+    meta = property(lambda self: self.batch.meta)
+    _blob = property(lambda self: self.batch._blob)
+    isa = property(lambda self: self.batch.isa)
+    packed_dir = property(lambda self: self.batch.packed_dir)
+
+    @property
+    def kv_len(self) -> int:
+        return self.batch.kv_len(0)
+
+    def prefill(self, ids: Sequence[int], all_logits: bool = False) -> np.ndarray:
+        return self.batch.step([(0, ids)], all_logits)[0]
+
+    def decode(self, token: int) -> np.ndarray:
+        return self.batch.step([(0, (int(token),))])[0]
+
+    def shift(self, n_keep: int, n_discard: int) -> None:
+        self.batch.shift(0, n_keep, n_discard)
+
+    def reset(self) -> None:
+        self.batch.reset(0)
+
+    def close(self) -> None:
+        self.batch.close()
+
+    def info(self) -> dict:
+        return self.batch.info()

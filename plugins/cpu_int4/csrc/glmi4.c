@@ -41,7 +41,7 @@
 #define GLMI4_X86 0
 #endif
 
-#define GLMI4_ABI 4
+#define GLMI4_ABI 5
 #define QK 32          /* activation block: one int8 scale per 32 inputs */
 #define TILE 16        /* output rows per packed tile */
 #define PREFETCH 4096   /* decode streams weights: prefetch this far ahead (measured: +40% on one core) */
@@ -75,6 +75,7 @@ typedef struct {
 typedef struct {
     int32_t hidden, n_layers, n_heads, n_kv, head_dim, ffn, vocab, capacity;
     int32_t kv_f16, max_batch, nthreads, isa;
+    int32_t n_slots;                    /* independent sequences, each with its own KV ring of `capacity` */
     float norm_eps;
     const float *rope_cos, *rope_sin;   /* [capacity][head_dim/4], fp32 as the reference computes them */
     const float *inv_freq;              /* [head_dim/4], for shifting cached keys */
@@ -1039,9 +1040,11 @@ typedef struct model model;
 struct model {
     glmi4_spec s;
     glmi4_layer *layers;       /* own copy of the layer table */
-    int isa, base, len;        /* ring buffer: logical slot i lives at (base + i) % capacity */
+    int isa;
+    int *base, *len;           /* per slot, a ring buffer: position i lives at (base + i) % capacity */
+    int *tslot, *tpos, *trow;  /* per token of the chunk in flight: its slot, position; rows wanting logits */
     pool *pool;
-    void *kc, *vc;             /* [layers][n_kv][capacity][head_dim], f32 or f16 */
+    void *kc, *vc;             /* [slots][layers][n_kv][capacity][head_dim], f32 or f16 */
     size_t kv_elt;
     float *x, *h, *qkv, *att, *ff;
     int8_t *aq;
@@ -1051,13 +1054,14 @@ struct model {
     float *rowbuf;             /* per thread: 2 * head_dim converted K/V rows + head_dim * group outputs */
 };
 
-static inline size_t kv_off(const model *m, int layer, int kvh, int slot) {
+/* element offset of position p (physical) of a kv head in a slot's region */
+static inline size_t kv_off(const model *m, int slot, int layer, int kvh, int p) {
     const glmi4_spec *s = &m->s;
-    return (((size_t)layer * s->n_kv + kvh) * s->capacity + slot) * s->head_dim;
+    return ((((size_t)slot * s->n_layers + layer) * s->n_kv + kvh) * s->capacity + p) * s->head_dim;
 }
 
-static inline int phys(const model *m, int i) {
-    int p = m->base + i;
+static inline int phys(const model *m, int slot, int i) {
+    int p = m->base[slot] + i;
     return p >= m->s.capacity ? p - m->s.capacity : p;
 }
 
@@ -1098,7 +1102,7 @@ T_AVX2 static void kv_put_f16c(void *c, size_t off, const float *src, int n) {
 
 typedef struct {
     model *m;
-    int layer, T, start, hsplit, nitems;
+    int layer, T, hsplit, nitems;
     _Atomic int next;
 } attn_job;
 
@@ -1107,14 +1111,14 @@ static void attn_item_ref(model *m, attn_job *a, int item, int tid) {
     const glmi4_spec *s = &m->s;
     const int hd = s->head_dim, grp = s->n_heads / s->n_kv, per = grp / a->hsplit, ldq = s->n_heads * hd + 2 * s->n_kv * hd;
     const int t = item / (s->n_kv * a->hsplit), kvh = (item / a->hsplit) % s->n_kv, part = item % a->hsplit;
-    const int h0 = kvh * grp + part * per, n = a->start + t + 1;
+    const int h0 = kvh * grp + part * per, slot = m->tslot[t], n = m->tpos[t] + 1;
     const float scale = 1.f / sqrtf((float)hd);
     float *sc = m->scores + (size_t)tid * grp * s->capacity;
     float *row = m->rowbuf + (size_t)tid * (hd * (2 + grp));
     float *acc = row + hd;
     const float *q = m->qkv + (size_t)t * ldq + (size_t)h0 * hd;
     for (int i = 0; i < n; i++) {
-        kv_get(m, m->kc, kv_off(m, a->layer, kvh, phys(m, i)), row, hd);
+        kv_get(m, m->kc, kv_off(m, slot, a->layer, kvh, phys(m, slot, i)), row, hd);
         for (int h = 0; h < per; h++) {
             float d = 0.f;
             for (int e = 0; e < hd; e++) d += q[h * hd + e] * row[e];
@@ -1129,7 +1133,7 @@ static void attn_item_ref(model *m, attn_job *a, int item, int tid) {
     }
     memset(acc, 0, sizeof(float) * (size_t)per * hd);
     for (int i = 0; i < n; i++) {
-        kv_get(m, m->vc, kv_off(m, a->layer, kvh, phys(m, i)), row, hd);
+        kv_get(m, m->vc, kv_off(m, slot, a->layer, kvh, phys(m, slot, i)), row, hd);
         for (int h = 0; h < per; h++) {
             const float p = sc[(size_t)h * n + i];
             for (int e = 0; e < hd; e++) acc[h * hd + e] += p * row[e];
@@ -1143,14 +1147,14 @@ T_AVX2 static void attn_item_avx2(model *m, attn_job *a, int item, int tid) {
     const glmi4_spec *s = &m->s;
     const int hd = s->head_dim, grp = s->n_heads / s->n_kv, per = grp / a->hsplit, ldq = s->n_heads * hd + 2 * s->n_kv * hd;
     const int t = item / (s->n_kv * a->hsplit), kvh = (item / a->hsplit) % s->n_kv, part = item % a->hsplit;
-    const int h0 = kvh * grp + part * per, n = a->start + t + 1;
+    const int h0 = kvh * grp + part * per, slot = m->tslot[t], n = m->tpos[t] + 1;
     const float scale = 1.f / sqrtf((float)hd);
     float *sc = m->scores + (size_t)tid * grp * s->capacity;
     float *row = m->rowbuf + (size_t)tid * (hd * (2 + grp));
     float *acc = row + hd;
     const float *q = m->qkv + (size_t)t * ldq + (size_t)h0 * hd;
     for (int i = 0; i < n; i++) {
-        const size_t off = kv_off(m, a->layer, kvh, phys(m, i));
+        const size_t off = kv_off(m, slot, a->layer, kvh, phys(m, slot, i));
         const float *k = row;
         if (s->kv_f16) kv_get_avx2(m, m->kc, off, row, hd); else k = (const float *)m->kc + off;
         for (int h = 0; h < per; h++) {
@@ -1191,7 +1195,7 @@ T_AVX2 static void attn_item_avx2(model *m, attn_job *a, int item, int tid) {
     }
     memset(acc, 0, sizeof(float) * (size_t)per * hd);
     for (int i = 0; i < n; i++) {
-        const size_t off = kv_off(m, a->layer, kvh, phys(m, i));
+        const size_t off = kv_off(m, slot, a->layer, kvh, phys(m, slot, i));
         const float *v = row;
         if (s->kv_f16) kv_get_avx2(m, m->vc, off, row, hd); else v = (const float *)m->vc + off;
         for (int h = 0; h < per; h++) {
@@ -1321,23 +1325,31 @@ static void embed_row(const glmi4_emb *E, int id, float *out) {
 
 /* ------------------------------------------------------------------ the forward step */
 
-static int forward_chunk(model *m, const int32_t *ids, int T, float *logits, int all) {
+/* T tokens (of any slots; m->tslot/tpos say where each goes) through every layer; then the logits of the
+ * R tokens listed in rows, into R consecutive rows of logits. Each token writes its K/V before attention
+ * reads the cache, so a token sees its own slot's positions 0..pos: earlier chunks, earlier tokens of
+ * this one, itself. Every weight matrix is read once for all T tokens. */
+static void forward_chunk(model *m, const int32_t *ids, int T, const int *rows, int R, float *logits) {
     const glmi4_spec *s = &m->s;
     const int H = s->hidden, hd = s->head_dim, qs = s->n_heads * hd, kvs = s->n_kv * hd, ldqkv = qs + 2 * kvs;
-    const int start = m->len, nbx = m->ldq / QK;
-    for (int t = 0; t < T; t++) embed_row(&s->embed, ids[t], m->x + (size_t)t * H);
+    const int nbx = m->ldq / QK;
+    size_t attn_work = 0;
+    for (int t = 0; t < T; t++) {
+        embed_row(&s->embed, ids[t], m->x + (size_t)t * H);
+        attn_work += (size_t)(m->tpos[t] + 1) * s->n_heads * hd;
+    }
     for (int l = 0; l < s->n_layers; l++) {
         const glmi4_layer *L = &m->layers[l];
         run_rows(m, 0, T, L->input_norm, &L->qkv);
         run_gemm(m->pool, m->isa, &L->qkv, T, m->aq, m->adx, m->axs, m->ldq, m->qkv, ldqkv, L->qkv_bias, 0);
         for (int t = 0; t < T; t++) {       /* rotary at the token's position, then cache K and V */
-            const int pos = start + t;
+            const int pos = m->tpos[t], slot = m->tslot[t];
             float *q = m->qkv + (size_t)t * ldqkv;
             const float *c = s->rope_cos + (size_t)pos * (hd / 4), *sn = s->rope_sin + (size_t)pos * (hd / 4);
             rope(q, s->n_heads, hd, c, sn);
             rope(q + qs, s->n_kv, hd, c, sn);
             for (int kh = 0; kh < s->n_kv; kh++) {
-                const size_t off = kv_off(m, l, kh, phys(m, pos));
+                const size_t off = kv_off(m, slot, l, kh, phys(m, slot, pos));
 #if GLMI4_X86
                 if (m->isa != ISA_REF && s->kv_f16 && hd % 8 == 0) {
                     kv_put_f16c(m->kc, off, q + qs + kh * hd, hd);
@@ -1356,9 +1368,9 @@ static int forward_chunk(model *m, const int32_t *ids, int T, float *logits, int
                 hsplit++;
                 while (grp % hsplit) hsplit++;
             }
-            attn_job a = {.m = m, .layer = l, .T = T, .start = start, .hsplit = hsplit, .nitems = T * s->n_kv * hsplit};
+            attn_job a = {.m = m, .layer = l, .T = T, .hsplit = hsplit, .nitems = T * s->n_kv * hsplit};
             atomic_store(&a.next, 0);
-            if (a.nitems == 1 || (size_t)T * (start + T) * s->n_heads * hd < SMALL_WORK) attn_task(&a, 0, 1);
+            if (a.nitems == 1 || attn_work < SMALL_WORK) attn_task(&a, 0, 1);
             else pool_run(m->pool, attn_task, &a);
         }
         run_rows(m, 2, T, NULL, &L->attn_out);
@@ -1368,17 +1380,14 @@ static int forward_chunk(model *m, const int32_t *ids, int T, float *logits, int
         run_rows(m, 1, T, NULL, &L->ffn_down);
         run_gemm(m->pool, m->isa, &L->ffn_down, T, m->aq, m->adx, m->axs, m->ldq, m->x, H, NULL, 1);
     }
-    m->len += T;
-    if (!logits) return 0;
-    const int r0 = all ? 0 : T - 1, R = T - r0;
-    for (int t = 0; t < R; t++) {
-        float *tmp = m->h + (size_t)t * m->ldq;
-        rmsnorm(m->x + (size_t)(r0 + t) * H, s->final_norm, H, s->norm_eps, tmp);
-        pick_quant(m->isa)(tmp, s->head.k, s->head.k_pad, s->head.group, m->aq + (size_t)t * m->ldq,
-                           m->adx + (size_t)t * nbx, m->axs + (size_t)t * nbx);
+    if (R == 0) return;
+    for (int r = 0; r < R; r++) {
+        float *tmp = m->h + (size_t)r * m->ldq;
+        rmsnorm(m->x + (size_t)rows[r] * H, s->final_norm, H, s->norm_eps, tmp);
+        pick_quant(m->isa)(tmp, s->head.k, s->head.k_pad, s->head.group, m->aq + (size_t)r * m->ldq,
+                           m->adx + (size_t)r * nbx, m->axs + (size_t)r * nbx);
     }
     run_gemm(m->pool, m->isa, &s->head, R, m->aq, m->adx, m->axs, m->ldq, logits, s->vocab, NULL, 0);
-    return 0;
 }
 
 /* ------------------------------------------------------------------ public API */
@@ -1398,7 +1407,8 @@ void *glmi4_create(const glmi4_spec *spec, char *err, int errlen) {
     model *m = calloc(1, sizeof(model));
     if (!m) { if (err) snprintf(err, (size_t)errlen, "out of memory"); return NULL; }
     m->s = *s;
-    if (s->n_kv <= 0 || s->n_heads % s->n_kv || s->head_dim % 4 || s->capacity < 1 || s->max_batch < 1)
+    if (s->n_kv <= 0 || s->n_heads % s->n_kv || s->head_dim % 4 || s->capacity < 1 || s->max_batch < 1 ||
+        s->n_slots < 1)
         FAIL("unsupported shape: heads %d, kv heads %d, head_dim %d", s->n_heads, s->n_kv, s->head_dim);
     if (s->isa < 0 || s->isa >= ISA_COUNT || !isa_supported(s->isa))
         FAIL("this CPU cannot run the %s kernels", glmi4_isa_name(s->isa));
@@ -1426,7 +1436,13 @@ void *glmi4_create(const glmi4_spec *spec, char *err, int errlen) {
     const size_t T = (size_t)s->max_batch, nth = (size_t)(s->nthreads < 1 ? 1 : s->nthreads);
     const int grp = s->n_heads / s->n_kv;
     m->kv_elt = s->kv_f16 ? 2 : 4;
-    const size_t kvn = (size_t)s->n_layers * s->n_kv * s->capacity * s->head_dim;
+    const size_t kvn = (size_t)s->n_slots * s->n_layers * s->n_kv * s->capacity * s->head_dim;
+    m->base = calloc((size_t)s->n_slots, sizeof(int));
+    m->len = calloc((size_t)s->n_slots, sizeof(int));
+    m->tslot = calloc(T, sizeof(int));
+    m->tpos = calloc(T, sizeof(int));
+    m->trow = calloc(T, sizeof(int));
+    if (!m->base || !m->len || !m->tslot || !m->tpos || !m->trow) FAIL("out of memory");
     m->kc = xalloc(kvn * m->kv_elt);
     m->vc = xalloc(kvn * m->kv_elt);
     m->x = xalloc(T * s->hidden * 4);
@@ -1441,7 +1457,8 @@ void *glmi4_create(const glmi4_spec *spec, char *err, int errlen) {
     m->rowbuf = xalloc(nth * s->head_dim * (2 + grp) * 4);
     if (!m->kc || !m->vc || !m->x || !m->h || !m->qkv || !m->att || !m->ff || !m->aq || !m->adx || !m->axs ||
         !m->scores || !m->rowbuf)
-        FAIL("out of memory for the KV cache (%zu MiB) and work buffers; lower the context", 2 * kvn * m->kv_elt >> 20);
+        FAIL("out of memory for the KV cache (%zu MiB) and work buffers; lower the context or the number of "
+             "sequences", 2 * kvn * m->kv_elt >> 20);
     m->pool = pool_new((int)nth);
     if (!m->pool) FAIL("could not start %d threads", (int)nth);
     return m;
@@ -1455,37 +1472,93 @@ void glmi4_destroy(void *handle) {
     free(m->layers);
     free(m->kc); free(m->vc); free(m->x); free(m->h); free(m->qkv); free(m->att); free(m->ff);
     free(m->aq); free(m->adx); free(m->axs); free(m->scores); free(m->rowbuf);
+    free(m->base); free(m->len); free(m->tslot); free(m->tpos); free(m->trow);
     free(m);
 }
 
-int glmi4_kv_len(void *handle) { return ((model *)handle)->len; }
+static int slot_ok(const model *m, int slot) { return slot >= 0 && slot < m->s.n_slots; }
 
-void glmi4_reset(void *handle) {
+int glmi4_kv_len(void *handle, int slot) {
     model *m = handle;
-    m->len = 0;
-    m->base = 0;
+    return slot_ok(m, slot) ? m->len[slot] : E_ARG;
 }
 
-/* Append n tokens. logits: NULL, [vocab] (last position) or [n][vocab] (all). */
-int glmi4_forward(void *handle, const int32_t *ids, int n, float *logits, int all) {
+void glmi4_reset(void *handle, int slot) {
     model *m = handle;
-    if (n < 1) return E_ARG;
-    if (m->len + n > m->s.capacity) return E_OVERFLOW;
-    for (int i = 0; i < n; i++)
-        if (ids[i] < 0 || ids[i] >= m->s.vocab) return E_TOKEN;
-    for (int done = 0; done < n;) {
-        const int T = imin(m->s.max_batch, n - done), last = done + T == n;
-        float *out = all ? logits + (size_t)done * m->s.vocab : (last ? logits : NULL);
-        int rc = forward_chunk(m, ids + done, T, out, all);
-        if (rc) return rc;
+    if (!slot_ok(m, slot)) return;
+    m->len[slot] = 0;
+    m->base[slot] = 0;
+}
+
+/* One step over n_entries entries: entry e appends counts[e] ids (concatenated in ids, in entry order) to
+ * slot slots[e]; at most one entry per slot. The tokens of all entries go through the layers together,
+ * max_batch at a time. logits: NULL, [n_entries][vocab] (each entry's last position) or, all,
+ * [sum counts][vocab]. Nothing is appended when an argument is refused. */
+int glmi4_step(void *handle, const int32_t *ids, const int32_t *slots, const int32_t *counts, int n_entries,
+               float *logits, int all) {
+    model *m = handle;
+    const glmi4_spec *s = &m->s;
+    if (n_entries < 1) return E_ARG;
+    int total = 0;
+    for (int e = 0; e < n_entries; e++) {
+        if (!slot_ok(m, slots[e]) || counts[e] < 1) return E_ARG;
+        for (int f = 0; f < e; f++)
+            if (slots[f] == slots[e]) return E_ARG;
+        if (m->len[slots[e]] + counts[e] > s->capacity) return E_OVERFLOW;
+        total += counts[e];
+    }
+    for (int i = 0; i < total; i++)
+        if (ids[i] < 0 || ids[i] >= s->vocab) return E_TOKEN;
+    int *rows = m->trow;
+    int e = 0, off = 0;                     /* entry of the next token, its offset in that entry */
+    for (int done = 0; done < total;) {
+        const int T = imin(s->max_batch, total - done);
+        int R = 0, first = -1;
+        for (int t = 0; t < T; t++) {
+            m->tslot[t] = slots[e];
+            m->tpos[t] = m->len[slots[e]] + off;
+            const int last = ++off == counts[e];
+            if (all || last) {
+                if (first < 0) first = all ? done + t : e;
+                rows[R++] = t;
+            }
+            if (last) { e++; off = 0; }
+        }
+        float *out = logits && R ? logits + (size_t)first * s->vocab : NULL;
+        forward_chunk(m, ids + done, T, rows, out ? R : 0, out);
         done += T;
     }
+    for (int i = 0; i < n_entries; i++) m->len[slots[i]] += counts[i];
+    return E_OK;
+}
+
+/* dst drops what it held and holds src's first n positions (src == dst: keep the first n) */
+int glmi4_copy_prefix(void *handle, int src, int dst, int n) {
+    model *m = handle;
+    const glmi4_spec *s = &m->s;
+    if (!slot_ok(m, src) || !slot_ok(m, dst) || n < 0 || n > m->len[src]) return E_ARG;
+    if (src != dst) {
+        const size_t rowb = (size_t)s->head_dim * m->kv_elt;
+        for (int l = 0; l < s->n_layers; l++)
+            for (int kh = 0; kh < s->n_kv; kh++) {
+                /* the source's ring may wrap: copy in at most two runs; dst starts unwrapped (base 0) */
+                const int p0 = phys(m, src, 0), first = imin(n, s->capacity - p0);
+                const size_t d = kv_off(m, dst, l, kh, 0) * m->kv_elt;
+                const size_t a = kv_off(m, src, l, kh, p0) * m->kv_elt, b = kv_off(m, src, l, kh, 0) * m->kv_elt;
+                memcpy((char *)m->kc + d, (char *)m->kc + a, rowb * first);
+                memcpy((char *)m->vc + d, (char *)m->vc + a, rowb * first);
+                memcpy((char *)m->kc + d + rowb * first, (char *)m->kc + b, rowb * (n - first));
+                memcpy((char *)m->vc + d + rowb * first, (char *)m->vc + b, rowb * (n - first));
+            }
+        m->base[dst] = 0;
+    }
+    m->len[dst] = n;
     return E_OK;
 }
 
 typedef struct {
     model *m;
-    int n_keep;
+    int slot, n_keep;
     const float *c, *sn;
 } shift_job;
 
@@ -1496,8 +1569,8 @@ static void shift_task(void *arg, int tid, int nth) {
     float row[1024];
     for (int l = tid; l < s->n_layers; l += nth)
         for (int kh = 0; kh < s->n_kv; kh++)
-            for (int i = j->n_keep; i < m->len; i++) {
-                const size_t off = kv_off(m, l, kh, phys(m, i));
+            for (int i = j->n_keep; i < m->len[j->slot]; i++) {
+                const size_t off = kv_off(m, j->slot, l, kh, phys(m, j->slot, i));
                 kv_get(m, m->kc, off, row, s->head_dim);
                 rope(row, 1, s->head_dim, j->c, j->sn);
                 kv_put(m, m->kc, off, row, s->head_dim);
@@ -1507,29 +1580,30 @@ static void shift_task(void *arg, int tid, int nth) {
 /* StreamingLLM: drop logical slots n_keep..n_keep+n_discard-1. The ring advances by n_discard, the
  * n_keep attention sinks are copied forward (O(n_keep)), and the remaining keys are re-rotated by
  * -n_discard positions in place, so positions stay 0..len-1 without recomputing anything. */
-int glmi4_shift(void *handle, int n_keep, int n_discard) {
+int glmi4_shift(void *handle, int slot, int n_keep, int n_discard) {
     model *m = handle;
     const glmi4_spec *s = &m->s;
-    if (n_keep < 0 || n_discard < 0 || n_keep + n_discard > m->len || s->head_dim > 1024) return E_ARG;
+    if (!slot_ok(m, slot) || n_keep < 0 || n_discard < 0 || n_keep + n_discard > m->len[slot] || s->head_dim > 1024)
+        return E_ARG;
     if (n_discard == 0) return E_OK;
     const size_t rowb = (size_t)s->head_dim * m->kv_elt;
     for (int l = 0; l < s->n_layers; l++)
         for (int kh = 0; kh < s->n_kv; kh++)
             for (int i = n_keep - 1; i >= 0; i--) {      /* descending: source and target may overlap */
-                const size_t src = kv_off(m, l, kh, phys(m, i)) * m->kv_elt;
-                const size_t dst = kv_off(m, l, kh, phys(m, i + n_discard)) * m->kv_elt;
+                const size_t src = kv_off(m, slot, l, kh, phys(m, slot, i)) * m->kv_elt;
+                const size_t dst = kv_off(m, slot, l, kh, phys(m, slot, i + n_discard)) * m->kv_elt;
                 memmove((char *)m->kc + dst, (char *)m->kc + src, rowb);
                 memmove((char *)m->vc + dst, (char *)m->vc + src, rowb);
             }
-    m->base = (m->base + n_discard) % s->capacity;
-    m->len -= n_discard;
+    m->base[slot] = (m->base[slot] + n_discard) % s->capacity;
+    m->len[slot] -= n_discard;
     float c[256], sn[256];
     for (int i = 0; i < s->head_dim / 4; i++) {   /* rotate by -n_discard; angles in double */
         const double ang = -(double)n_discard * (double)s->inv_freq[i];
         c[i] = (float)cos(ang);
         sn[i] = (float)sin(ang);
     }
-    shift_job j = {.m = m, .n_keep = n_keep, .c = c, .sn = sn};
+    shift_job j = {.m = m, .slot = slot, .n_keep = n_keep, .c = c, .sn = sn};
     pool_run(m->pool, shift_task, &j);
     return E_OK;
 }
