@@ -2,16 +2,18 @@
 
 The BM1684X runs no dynamic shapes, so the network is exported (torch.onnx.export) as per-layer
 static graphs with a fixed context SEQ_LEN: embedding, block_N (prefill), block_cache_N (decode
-against a SEQ_LEN K/V window) and lm_head (logits, or top-1 id). The host moves the KV cache.
+against a SEQ_LEN K/V window), lm_head (logits) and greedy_head (top-1 id from the logits, no
+weights). The host moves the KV cache.
 
 Runtimes, chosen per load:
   device           sophon.sail runs the combined bmodel compiled from the parts (`--opt bmodel=PATH`)
   host emulation   onnxruntime runs the exact exported ONNX parts, f32 or f16 (RMSNorm in f32)
 
-`glmcore convert --backend tpu_bm1684x` writes the f32 parts TPU-MLIR compiles, a compile script
-(model_transform.py / model_deploy.py --chip bm1684x / model_tool --combine), and runs it when
-TPU-MLIR is importable. Backend-specific options (`--opt KEY=VALUE`): seq_len (default 512; or
---ctx), runtime=auto|host|device, bmodel=PATH, device_id=N; convert also takes quantize, group_size.
+`glmcore convert --backend tpu_bm1684x` writes the f32 parts TPU-MLIR compiles (TorchScript .pt for
+the parts too big for one protobuf), quantize tables, a compile script (model_transform /
+model_deploy --chip bm1684x / model_tool --combine), and runs it when TPU-MLIR's commands are on PATH.
+Backend-specific options (`--opt KEY=VALUE`): seq_len (default 512; or --ctx), runtime=auto|host|device,
+bmodel=PATH, device_id=N; convert also takes quantize (default W8F16, W8BF16 for GLM-4), group_size.
 """
 from __future__ import annotations
 
@@ -23,7 +25,7 @@ from pathlib import Path
 from glmcore.backend import Backend, Capabilities, LoadOptions, Probe, default_capacity, hookimpl
 from glmcore.errors import BackendError
 
-from .spec import DEFAULT_QUANTIZE, DEFAULT_SEQ_LEN, TORCH_OPSET
+from .spec import DEFAULT_SEQ_LEN, PROTOBUF_LIMIT, TORCH_OPSET, default_quantize
 
 HOST_MODULES = ("torch", "onnx", "onnxruntime")
 
@@ -172,7 +174,7 @@ class TpuBm1684xBackend(Backend):
         if "torch" in missing or "onnx" in missing:
             raise BackendError(f"exporting the ONNX parts needs torch and onnx: {self.install_hint()}")
         out = Path(out)
-        quantize = check_quantize(options.extra.get("quantize"), DEFAULT_QUANTIZE)
+        quantize = check_quantize(options.extra.get("quantize"), default_quantize(config.family))
         try:
             group_size = int(options.extra.get("group_size", 64))
         except (TypeError, ValueError):
@@ -184,8 +186,9 @@ class TpuBm1684xBackend(Backend):
         progress(f"{config.num_layers * 2 + 4} ONNX parts (SEQ_LEN={seq_len}, f32: TPU-MLIR quantizes them) in "
                  f"{out / 'onnx'}")
         manifest = export_parts(config, weights, seq_len, "f32", out / "onnx", progress)
+        torchscript = export_big_parts(config, weights, manifest, out / "onnx", progress)
         write_qtables(manifest, out)
-        script = write_script(manifest, out, config.family, quantize, group_size)
+        script = write_script(manifest, out, config.family, quantize, group_size, torchscript)
         progress(f"wrote {script} (--quantize {quantize}, RMSNorm in F32)")
         bmodel = out / bmodel_name(config.family, quantize, seq_len)
         ok, why = tpu_mlir_status()
@@ -195,6 +198,22 @@ class TpuBm1684xBackend(Backend):
         progress("compiling with TPU-MLIR")
         run_script(out, quantize, progress)
         progress(f"on the BM1684X host: glmcore run --backend tpu_bm1684x --model MODEL --opt bmodel={bmodel}")
+
+
+def export_big_parts(config, weights, manifest: dict, onnx_dir: Path, progress) -> frozenset:
+    """TorchScript twins of the parts whose f32 weights reach the protobuf limit (GLM-4's 151,552 x 4,096
+    embedding and output layer: 2.5 GB each). TPU-MLIR's ONNX loader (OnnxConverter.load_onnx_model)
+    reads external data back into one in-memory ModelProto, which its constant folding and onnxsim
+    steps serialize; LLM-TPU compiles exactly these two GLM4 parts from .pt. Returns their names."""
+    from .graphs import export_torchscript, group_weights
+    if config.vocab_size * config.hidden_size * 4 < PROTOBUF_LIMIT:     # their one big matrix, in f32
+        return frozenset()
+    specs = {p["name"]: p for p in manifest["parts"]}
+    for name in ("embedding", "lm_head"):
+        progress(f"{name}: f32 weights exceed one protobuf (2 GiB): writing {name}.pt for TPU-MLIR")
+        arrays = group_weights(config, weights, specs[name]["group"], manifest["key"]["seq_len"], "f32")
+        export_torchscript(specs[name], config, arrays, onnx_dir / f"{name}.pt")
+    return frozenset(("embedding", "lm_head"))
 
 
 def _notice(msg: str) -> None:

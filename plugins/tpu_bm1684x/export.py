@@ -1,8 +1,9 @@
 """Write the ONNX parts of a model into a directory, with a manifest; reuse them when nothing changed.
 
 Weights go to external data files shared by the parts that use them (embedding and embedding_cache
-share `embed.weights`, block_N and block_cache_N share `layer_N.weights`, both lm_head variants share
-`lm_head.weights`), so the disk holds each weight once and no protobuf approaches 2 GB.
+share `embed.weights`, block_N and block_cache_N share `layer_N.weights`), so the disk holds each
+weight once and no .onnx file approaches 2 GB. (TPU-MLIR's loader pulls external data back into one
+in-memory proto, so the biggest parts also get a TorchScript twin for it: see graphs.export_torchscript.)
 """
 from __future__ import annotations
 
@@ -69,10 +70,11 @@ def _export_into(cfg, weights, seq_len, dtype, out: Path, key: dict, progress) -
                     store.close()
                 group = part["group"]
                 arrays = group_weights(cfg, weights, group, seq_len, dtype)
-                store = _WeightStore(out / f"{group}.weights")
+                store = _WeightStore(out / f"{group}.weights") if arrays else None
             export_part(part, cfg, dtype, arrays, scratch)
             model = onnx.load(str(scratch))
-            store.attach(model, arrays)
+            if store:
+                store.attach(model, arrays)
             onnx.save(model, str(out / f"{part['name']}.onnx"))
             part["f32_ops"] = norm_op_names(model)
             if progress:
@@ -87,10 +89,18 @@ def _export_into(cfg, weights, seq_len, dtype, out: Path, key: dict, progress) -
 
 
 def norm_op_names(model) -> list[str]:
-    """Output names of the RMSNorm nodes (scopes .../input_norm/, .../post_attn_norm/, .../final_norm/):
-    the TPU-MLIR quantize table keeps these ops in F32."""
-    return [o for node in model.graph.node if "norm/" in node.name and node.op_type != "Constant"
-            for o in node.output]
+    """The TPU-MLIR op names of the RMSNorm nodes (scopes .../input_norm/, .../post_attn_norm/,
+    .../final_norm/), for the quantize table that keeps them in F32.
+
+    TPU-MLIR's ONNX front end (python/transform/OnnxConverter.py) names each op after its node's first
+    output plus the op type, "{output}_{OpType}"; the quantize table is matched against those names and
+    unknown names are silently ignored (TopToTpuPass.cpp, init_qtable). Canonicalization then fuses
+    Pow/ReduceMean/Add/Sqrt/Div/Mul/Mul into one top.RMSNormOp that keeps the location, hence the name,
+    of the final weight Mul (Top/Canonicalize/Reciprocal.cpp, MergeToRMSNormPattern). Every op of the
+    norm is listed: the fused op is found by its last Mul, an unfused norm (a TPU-MLIR without that
+    pattern) by all of them."""
+    return [f"{node.output[0]}_{node.op_type}" for node in model.graph.node
+            if "norm/" in node.name and node.op_type != "Constant"]
 
 
 class _WeightStore:

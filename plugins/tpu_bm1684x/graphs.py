@@ -13,8 +13,9 @@ layer and kind (so no part of a 6B/9B model needs a >2 GB protobuf):
                                                                       -> hidden_states, present_k, present_v
                                                                          (the cache advanced by one slot)
     lm_head          hidden_states [1, H]                             -> logits [1, V] float32
-    lm_head_top1     hidden_states [1, H]                             -> token [1, 1] int32 (the device's
-                                                                         greedy fast path: no logits copy)
+    greedy_head      m_logits [1, V] float32                          -> token [1, 1] int32 (the device's
+                                                                         greedy fast path: TopK over the
+                                                                         logits on the device, no weights)
 
 S is the fixed context SEQ_LEN chosen at export. The math mirrors plugins/torch_ref/model.py exactly
 (the same rotary tables, interleaved pairs on the first half of each head, keys cached after
@@ -29,6 +30,7 @@ parameter byte, and a CPU trace would run the whole SEQ_LEN forward pass of ever
 """
 from __future__ import annotations
 
+import inspect
 import warnings
 
 import numpy as np
@@ -153,18 +155,22 @@ class Embedding(nn.Module):
 
 
 class LmHead(nn.Module):
-    """Final norm and output layer. top1=True returns the greedy token id instead of the logits."""
+    """Final norm and output layer."""
 
-    def __init__(self, cfg: ModelConfig, dtype: str, top1: bool = False):
+    def __init__(self, cfg: ModelConfig, dtype: str):
         super().__init__()
         self.final_norm = RMSNorm(cfg.norm_eps, _TORCH_DTYPE[dtype])
-        self.top1 = top1
 
     def forward(self, hidden_states, final_norm, lm_head_w):
-        logits = _to(self.final_norm(hidden_states, final_norm) @ lm_head_w, torch.float32)
-        if self.top1:
-            return torch.topk(logits, 1)[1].to(torch.int32)
-        return logits
+        return _to(self.final_norm(hidden_states, final_norm) @ lm_head_w, torch.float32)
+
+
+class GreedyHead(nn.Module):
+    """TopK(1) over lm_head's logits: the greedy token without a second copy of the output layer
+    (LLM-TPU's greedy_head; an lm_head variant with its own TopK would hold vocab x hidden twice)."""
+
+    def forward(self, m_logits):
+        return torch.topk(m_logits, 1)[1].to(torch.int32)
 
 
 # ---------------------------------------------------------------- parts
@@ -193,7 +199,7 @@ def part_specs(cfg: ModelConfig, seq_len: int, dtype: str) -> list[dict]:
     parts += [
         dict(name="lm_head", group="lm_head", inputs=[("hidden_states", (1, H), f)],
              outputs=[("logits", (1, cfg.vocab_size), "float32")]),
-        dict(name="lm_head_top1", group="lm_head", inputs=[("hidden_states", (1, H), f)],
+        dict(name="greedy_head", group="greedy", inputs=[("m_logits", (1, cfg.vocab_size), "float32")],
              outputs=[("token", (1, 1), "int32")]),
     ]
     return parts
@@ -211,6 +217,8 @@ def group_weights(cfg: ModelConfig, weights, group: str, seq_len: int, dtype: st
         return {"embed": np.ascontiguousarray(weights.f32("embed.weight").astype(dt))}
     if group == "lm_head":
         return {"final_norm": weights.f32("final_norm.weight"), "lm_head_w": lin("lm_head.weight")}
+    if group == "greedy":
+        return {}
     from glmcore_plugins.torch_ref.model import rotary_tables
     p = f"layers.{int(group.split('_')[1])}."
     cos, sin = rotary_tables(cfg, torch.arange(seq_len))
@@ -227,8 +235,10 @@ def build_module(part: dict, cfg: ModelConfig, dtype: str, weight_names: list[st
     name = part["name"]
     if name.startswith("embedding"):
         return Embedding()
-    if name.startswith("lm_head"):
-        return LmHead(cfg, dtype, top1=name == "lm_head_top1")
+    if name == "lm_head":
+        return LmHead(cfg, dtype)
+    if name == "greedy_head":
+        return GreedyHead()
     return (BlockCache if name.startswith("block_cache") else Block)(cfg, dtype, weight_names)
 
 
@@ -249,6 +259,38 @@ def export_part(part: dict, cfg: ModelConfig, dtype: str, weights: dict[str, np.
                       for a in weights.values())
     with warnings.catch_warnings(), torch.no_grad():
         warnings.simplefilter("ignore")      # the TorchScript exporter's deprecation notice
-        torch.onnx.export(module.eval(), example_inputs(part) + stand_ins, str(path), dynamo=False,
+        torch.onnx.export(module.eval(), example_inputs(part) + stand_ins, str(path), **torchscript_exporter(),
                           opset_version=TORCH_OPSET, input_names=[n for n, _, _ in part["inputs"]] + names,
                           output_names=[n for n, _, _ in part["outputs"]], do_constant_folding=True)
+
+
+def torchscript_exporter() -> dict:
+    """The keyword that selects the TorchScript exporter: `dynamo=False` where torch.onnx.export has
+    the keyword (torch >= 2.5, where newer versions default to the dynamo exporter); older torch has
+    only the TorchScript exporter and rejects the keyword."""
+    return {"dynamo": False} if "dynamo" in inspect.signature(torch.onnx.export).parameters else {}
+
+
+def export_torchscript(part: dict, cfg: ModelConfig, weights: dict[str, np.ndarray], path) -> None:
+    """The f32 part as TorchScript (torch.jit.trace with the weights inside) for TPU-MLIR's torch
+    front end, for parts whose weights exceed what one protobuf holds (LLM-TPU's GLM4 embedding.pt and
+    lm_head.pt). The traced input shape is only an example: model_transform.py takes --input_shapes."""
+    names = list(weights)
+    module = build_module(part, cfg, "f32", names).eval()
+    tensors = [torch.from_numpy(np.array(a)) for a in weights.values()]      # a copy: mmap'd arrays are read-only
+
+    class WithWeights(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = module
+            for i, t in enumerate(tensors):
+                self.register_buffer(f"w{i}", t)
+
+        def forward(self, x):
+            return self.inner(x, *(getattr(self, f"w{i}") for i in range(len(tensors))))
+
+    (shape, dt), = [(s, d) for _, s, d in part["inputs"]]
+    example = torch.zeros(shape, dtype=getattr(torch, dt))
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")      # TorchScript's deprecation notices: TPU-MLIR reads exactly this format
+        torch.jit.save(torch.jit.trace(WithWeights().eval(), example), str(path))

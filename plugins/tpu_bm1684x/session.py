@@ -68,11 +68,11 @@ class StaticGraphSession(Session):
         return self._lm_head(self._step(token))
 
     def decode_top1(self, token: int) -> int:
-        """The device's greedy fast path: append one token and return the top-1 next token id from
-        the lm_head_top1 graph (no [vocab] logits leave the device). Not part of the core contract."""
+        """The device's greedy fast path: append one token and return the next token id that the
+        weightless greedy_head graph picks from lm_head's logits on the device (on the TPU no [vocab]
+        logits leave it). Not part of the core contract."""
         (token,) = self._check([token])
-        h = self._step(token)
-        return int(self.runner.run("lm_head_top1", {"hidden_states": h})[0].reshape(-1)[0])
+        return self.runner.top1(self._step(token).reshape(1, -1))
 
     # ------------------------------------------------------------ graphs
 
@@ -156,48 +156,93 @@ class OrtRunner:
         # the host (the torch reference during conformance, other processes) for little gain here.
         opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
         self.float_dtype = {"f32": np.float32, "f16": np.float16}[manifest["key"]["dtype"]]
-        self._ort, self._opts, self._dir = ort, opts, parts_dir
-        # lm_head_top1 (the device's greedy fast path) would hold a second copy of the output layer:
-        # open it only when used. Everything else opens now, so a broken part fails at load.
-        self.sessions = {p["name"]: self._open(p["name"]) for p in manifest["parts"] if p["name"] != "lm_head_top1"}
-
-    def _open(self, name: str):
-        return self._ort.InferenceSession(str(self._dir / f"{name}.onnx"), self._opts,
-                                          providers=["CPUExecutionProvider"])
+        # Every part opens now, so a broken part fails at load.
+        self.sessions = {p["name"]: ort.InferenceSession(str(parts_dir / f"{p['name']}.onnx"), opts,
+                                                         providers=["CPUExecutionProvider"])
+                         for p in manifest["parts"]}
 
     def run(self, name: str, feeds: dict) -> list[np.ndarray]:
-        if name not in self.sessions:
-            self.sessions[name] = self._open(name)
         return self.sessions[name].run(None, feeds)
+
+    def top1(self, hidden: np.ndarray) -> int:
+        logits = self.run("lm_head", {"hidden_states": hidden})[0]
+        return int(self.run("greedy_head", {"m_logits": logits})[0].reshape(-1)[0])
 
     def close(self) -> None:
         self.sessions = {}
 
 
 class SailRunner:
-    """On a BM1684X: the Sophon runtime (sophon.sail) runs the combined bmodel's graphs. Inputs are
-    cast to the dtypes the bmodel declares (F16 for --quant_input parts); outputs come back in the
-    bmodel's output order. The KV cache round-trips through host memory (SYSIO), which is simple
-    and correct but slower than chat.cpp's device-to-device copies."""
+    """On a BM1684X: the Sophon runtime (sophon.sail) runs the combined bmodel's graphs, the way
+    sophon-demo's ChatGLM3 client drives it (sample/ChatGLM3/python/chatglm3.py): a DEVIO Engine, one
+    sail.Tensor per graph input and output in device memory, `process(graph, inputs, outputs)` with
+    tensor maps, `update_data` in and `asnumpy()` out.
+
+    Not the numpy overload `process(graph, {name: ndarray})`: sail binds it as a map of
+    array_t<float> (src/bind.cpp), so every array is converted to float32, F16/BF16 inputs make
+    Engine::process throw "not supported" and 16-bit outputs are read with float strides
+    (src/engine.cpp) -- and --quant_input/--quant_output make every part's I/O 16-bit except token
+    ids and logits. pybind11 has no float16/bfloat16, so 16-bit data crosses as uint16 views
+    (update_data's uint16 overload; asnumpy returns uint16 for F16/BF16 tensors).
+
+    The KV cache round-trips through host memory once per layer and step (the session keeps it as
+    numpy), which is simple and correct but slower than chat.cpp's device-to-device copies. The runtime's
+    shared-memory mode (sail.EngineLLM with BM_RUNTIME_SHARE_MEM, which LLM-TPU's chat.cpp sets through
+    bmrt_set_flags) is not used: sail builds EngineLLM only against a libsophon whose bmdef.h has
+    addr_mode (build_unix.cmake: BUILD_ENGINELLM) and the flag only with bm_runtime_flag_t
+    (SAIL_WITH_BMRT_FLAG), and its index-keyed tensors want block_cache compiled with --addr_mode io_alone;
+    without shared memory each graph keeps its own activation buffers, which fits a BM1684X at the
+    supported SEQ_LEN (the whole bmodel loads or the Engine raises at load)."""
 
     kind = "device"
 
     def __init__(self, bmodel: str, device_id: int = 0):
         import sophon.sail as sail
-        self.engine = sail.Engine(str(bmodel), device_id, sail.IOMode.SYSIO)
+        self.sail = sail
+        self.handle = sail.Handle(device_id)
+        self.engine = sail.Engine(str(bmodel), device_id, sail.IOMode.DEVIO)
         self.graphs = set(self.engine.get_graph_names())
-        missing = [g for g in ("embedding", "embedding_cache", "block_0", "block_cache_0", "lm_head")
+        missing = [g for g in ("embedding", "embedding_cache", "block_0", "block_cache_0", "lm_head", "greedy_head")
                    if g not in self.graphs]
         if missing:
             raise BackendError(f"{bmodel}: no graph {missing[0]!r}; it was not compiled by glmcore convert "
-                               "--backend tpu_bm1684x's compile.sh")
-        self.dtypes = {sail.Dtype.BM_FLOAT32: np.float32, sail.Dtype.BM_FLOAT16: np.float16,
-                       sail.Dtype.BM_INT32: np.int32}
-        if hasattr(sail.Dtype, "BM_BFLOAT16"):                # BF16 bmodels with --quant_input
-            import ml_dtypes
-            self.dtypes[sail.Dtype.BM_BFLOAT16] = ml_dtypes.bfloat16
-        kdt = self.engine.get_input_dtype("block_cache_0", "history_k")
-        self.float_dtype = self.dtypes.get(kdt, np.float32)
+                               "--backend tpu_bm1684x's compile.sh (of this glmcore version)")
+        import ml_dtypes
+        self.np_dtype = {sail.Dtype.BM_FLOAT32: np.dtype(np.float32), sail.Dtype.BM_FLOAT16: np.dtype(np.float16),
+                         sail.Dtype.BM_BFLOAT16: np.dtype(ml_dtypes.bfloat16), sail.Dtype.BM_INT32: np.dtype(np.int32)}
+        self.float_dtype = self._dtype(self.engine.get_input_dtype("block_cache_0", "history_k"))
+        self._io: dict[str, tuple[dict, dict]] = {}
+
+    def _dtype(self, sail_dtype) -> np.dtype:
+        if sail_dtype not in self.np_dtype:
+            raise BackendError(f"the bmodel has a {sail_dtype} tensor; glmcore's parts use F32, F16, BF16 and INT32")
+        return self.np_dtype[sail_dtype]
+
+    def _tensors(self, graph: str) -> tuple[dict, dict]:
+        """The graph's input and output tensors in device memory, made on first use, then reused."""
+        if graph not in self._io:
+            e, sail = self.engine, self.sail
+
+            def make(names, shape, dtype):
+                return {n: sail.Tensor(self.handle, list(shape(graph, n)), dtype(graph, n), False, True) for n in names}
+            self._io[graph] = (make(e.get_input_names(graph), e.get_input_shape, e.get_input_dtype),
+                               make(e.get_output_names(graph), e.get_output_shape, e.get_output_dtype))
+        return self._io[graph]
+
+    def _process(self, graph: str, feeds: dict) -> dict:
+        inputs, outputs = self._tensors(graph)
+        inputs = dict(inputs)
+        for k, v in feeds.items():
+            if isinstance(v, self.sail.Tensor):      # a previous graph's output, still on the device
+                inputs[k] = v
+                continue
+            a = np.ascontiguousarray(v, dtype=self._dtype(self.engine.get_input_dtype(graph, k)))
+            inputs[k].update_data(a.view(np.uint16) if a.dtype.itemsize == 2 else a)
+        self.engine.process(graph, inputs, outputs)
+        return outputs
+
+    def _read(self, graph: str, name: str, tensor) -> np.ndarray:
+        return tensor.asnumpy().view(self._dtype(self.engine.get_output_dtype(graph, name)))
 
     def seq_len(self) -> int:
         return int(self.engine.get_input_shape("embedding", "input_ids")[1])
@@ -206,11 +251,15 @@ class SailRunner:
         return sum(1 for g in self.graphs if g.startswith("block_cache_"))
 
     def run(self, name: str, feeds: dict) -> list[np.ndarray]:
-        e = self.engine
-        inputs = {k: np.ascontiguousarray(v, dtype=self.dtypes.get(e.get_input_dtype(name, k), v.dtype))
-                  for k, v in feeds.items()}
-        out = e.process(name, inputs)
-        return [out[k] for k in e.get_output_names(name)]
+        outputs = self._process(name, feeds)
+        return [self._read(name, k, outputs[k]) for k in self.engine.get_output_names(name)]
+
+    def top1(self, hidden: np.ndarray) -> int:
+        logits = self._process("lm_head", {"hidden_states": hidden})
+        (name,) = self.engine.get_input_names("greedy_head")
+        token = self._process("greedy_head", {name: logits[self.engine.get_output_names("lm_head")[0]]})
+        return int(self._read("greedy_head", "token", token["token"]).reshape(-1)[0])
 
     def close(self) -> None:
         self.engine = None
+        self._io = {}

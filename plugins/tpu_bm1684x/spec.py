@@ -10,6 +10,19 @@ MASK_VALUE = -10000.0
 
 DEFAULT_SEQ_LEN = 512
 TORCH_OPSET = 15              # what the Sophgo exports and TPU-MLIR's ONNX front end are tested with
-FORMAT_VERSION = 1            # bump when the graphs change: old exported parts are then not reused
-QUANTIZE_MODES = ("F16", "BF16", "W8F16", "W4F16")
-DEFAULT_QUANTIZE = "W8F16"
+FORMAT_VERSION = 2            # bump when the graphs change: old exported parts are then not reused
+# TPU-MLIR model_deploy.py --quantize modes offered. The F16 family suits ChatGLM2/3 (Sophgo's own
+# ChatGLM3 deployments use W4F16/W8F16/F16); GLM-4's activations overflow f16 more easily and
+# LLM-TPU compiles GLM4 in the BF16 family (models/GLM4/compile/compile.sh: W4BF16 with
+# --q_group_size 64, W8BF16, BF16), so GLM-4 defaults to BF16.
+QUANTIZE_MODES = ("F16", "BF16", "W8F16", "W4F16", "W8BF16", "W4BF16")
+DEFAULT_QUANTIZE = {"glm4": "W8BF16"}
+DEFAULT_QUANTIZE_OTHER = "W8F16"
+# A protobuf (one .onnx file with its weights inline, or what TPU-MLIR's ONNX loader builds in memory
+# after onnx.load pulls external data back in) cannot exceed 2 GiB. Parts whose f32 weights reach this
+# go to TPU-MLIR as TorchScript .pt instead, as LLM-TPU does for GLM4's embedding and lm_head.
+PROTOBUF_LIMIT = 2 ** 31
+
+
+def default_quantize(family: str) -> str:
+    return DEFAULT_QUANTIZE.get(family, DEFAULT_QUANTIZE_OTHER)
