@@ -21,6 +21,7 @@ from .cpu import has_amx, has_avx512_bf16, native_bf16
 
 class OpenVINOBackend(Backend):
     name = "openvino_amx"
+    option_keys = ("ir", "group_size", "kv_cache", "dynamic_quant")
     extra = "openvino"
     description = "OpenVINO stateful model on the CPU: fused attention/rotary/RMSNorm, bf16 on AMX, int8/int4 weights"
 
@@ -66,16 +67,19 @@ class OpenVINOBackend(Backend):
         from . import graph, session
         options = self.resolve(options)
         capacity = default_capacity(config, self.capabilities(), options.capacity)
+        xml = None
         if options.extra.get("ir"):
-            model = session.read_ir(options.extra["ir"], config, options.weights)
+            xml = session.checked_ir(options.extra["ir"], config, options.weights)
         elif options.cache_dir is not None:
-            path = session.cached_ir(config, weights, options, _stderr)
+            xml = session.cached_ir(config, weights, options, _stderr)
+        if xml is not None:      # memory-mapped: the session releases the file's pages once compiled
             import openvino as ov
-            model = ov.Core().read_model(path)
-        else:    # no cache directory: build in memory
+            model = ov.Core().read_model(xml)
+        else:    # no cache directory: build in memory (the weights then stay resident twice)
             opts = session.ir_options(options)
             model = graph.build_model(config, weights, opts["weights"], opts.get("group_size", 128))
-        sess = session.OpenVINOSession(config, model, options, capacity)
+        sess = session.OpenVINOSession(config, model, options, capacity,
+                                       weights_file=xml.with_suffix(".bin") if xml else None)
         if sess.runtime_precision != options.precision:
             _stderr(f"note: {options.precision} requested, but this CPU has neither AMX nor AVX512-BF16: "
                     f"OpenVINO computes in {sess.runtime_precision}")

@@ -1,8 +1,11 @@
 """The IR conversion cache and the Session that runs the stateful model on OpenVINO's CPU plugin."""
 from __future__ import annotations
 
+import copy
+import ctypes
 import hashlib
 import json
+import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -115,8 +118,8 @@ def cached_ir(cfg: ModelConfig, weights, options: LoadOptions, progress: Callabl
     return final / IR_NAME
 
 
-def read_ir(path: Path, cfg: ModelConfig, weights_format: str) -> ov.Model:
-    """An IR written by `glmcore convert` (--opt ir=DIR): checked against the model and the options."""
+def checked_ir(path: Path, cfg: ModelConfig, weights_format: str) -> Path:
+    """The .xml of an IR written by `glmcore convert` (--opt ir=DIR), checked against the model and the options."""
     path = Path(path)
     d = path if path.is_dir() else path.parent
     manifest = d / MANIFEST
@@ -131,30 +134,71 @@ def read_ir(path: Path, cfg: ModelConfig, weights_format: str) -> ov.Model:
                            f"pass --weights {m.get('weights')} or convert again")
     if m.get("glmcore_graph") != GRAPH_VERSION:
         raise BackendError(f"{d}: the IR is from an older glmcore graph version; convert again")
-    return ov.Core().read_model(d / IR_NAME)
+    return d / IR_NAME
 
 
 # ---------------------------------------------------------------- the session
 
+def release_mapped_file(path: Path) -> int:
+    """Drop this process's resident pages of the read-only mappings of `path` (Linux; elsewhere a no-op) and
+    return how many bytes were mapped. read_model maps the IR's .bin; the CPU plugin packs its own copy of
+    every matmul weight on the first inference and afterwards reads from the mapping only the embedding rows
+    it gathers, so without this the weights stay resident twice. Dropped pages of a read-only file mapping
+    are read back from the file if touched again: nothing can be lost."""
+    if not sys.platform.startswith("linux"):
+        return 0
+    target = str(Path(path).resolve())
+    try:
+        maps = Path("/proc/self/maps").read_text().splitlines()
+        madvise = ctypes.CDLL(None, use_errno=True).madvise
+    except (OSError, AttributeError):
+        return 0
+    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    released = 0
+    for line in maps:
+        fields = line.split(maxsplit=5)
+        if len(fields) == 6 and fields[5] == target and "w" not in fields[1]:
+            start, end = (int(x, 16) for x in fields[0].split("-"))
+            if madvise(start, end - start, 4) == 0:      # MADV_DONTNEED
+                released += end - start
+    return released
+
+
 class OpenVINOSession(Session):
     """One sequence in the stateful model's variables. prefill appends to whatever the state holds (a chat
-    continuation prefills only the new turn); reset() empties the state (reset_state)."""
+    continuation prefills only the new turn); reset() empties the state (reset_state). fork() gives another
+    sequence on the same compiled model: its own infer request (own state), the same packed weights."""
 
-    def __init__(self, cfg: ModelConfig, model: ov.Model, options: LoadOptions, capacity: int):
+    def __init__(self, cfg: ModelConfig, model: ov.Model, options: LoadOptions, capacity: int,
+                 weights_file: Path | None = None):
         self.cfg = cfg
         self.capacity = capacity
         self.config = compile_config(options)
         core = ov.Core()
         self.compiled = core.compile_model(graph.add_logits_start(model), "CPU", self.config)
-        self.request = self.compiled.create_infer_request()
+        del model
         self.requested_precision = options.precision
         # What the plugin really runs: a bf16 hint runs as f32 on a CPU without AVX512-BF16/AMX.
         self.runtime_precision = str(self.compiled.get_property("INFERENCE_PRECISION_HINT").to_string())
         self.kv_cache_precision = self.config["KV_CACHE_PRECISION"]
-        self._len = 0
-        self._mask = np.ones((1, capacity), dtype=np.int64)
         self._beam = np.zeros(1, dtype=np.int32)
+        self._mask = np.ones((1, capacity), dtype=np.int64)      # read-only: shared with forks
+        self._new_request()
+        if weights_file is not None:
+            # one token through the model makes the plugin pack its weights; then the mapped file can go
+            self.decode(0)
+            self.reset()
+            release_mapped_file(weights_file)
+
+    def _new_request(self) -> None:
+        self.request = self.compiled.create_infer_request()
+        self._len = 0
         self._inputs: dict = {}
+
+    def fork(self) -> "OpenVINOSession":
+        twin = copy.copy(self)       # shares the compiled model (and its packed weights)
+        twin._new_request()
+        return twin
 
     @property
     def kv_len(self) -> int:
