@@ -399,13 +399,65 @@ def test_fork_shares_the_compiled_model_with_its_own_state(tiny):
     assert a.decode(3).shape == (cfg.vocab_size,) and a.kv_len == 6
 
 
-def test_batch_adapter_serves_slots_from_forks(tiny, monkeypatch):
+def test_fork_serves_the_session_adapter_without_compiling_again(tiny, monkeypatch):
+    from glmcore.backend import SessionAdapter
     cfg, w, _ = tiny["chatglm3"]
     compiles = []
     real = ov.Core.compile_model
     monkeypatch.setattr(ov.Core, "compile_model", lambda self, *a, **k: compiles.append(1) or real(self, *a, **k))
-    batch = BACKEND.load_batch(cfg, w, LoadOptions("f32", "int8", 64), 3)
+    batch = SessionAdapter.load(BACKEND, cfg, w, LoadOptions("f32", "int8", 64), 3)
     assert len(compiles) == 1, "each slot compiled the model again instead of forking"
     out = batch.step([(0, [5, 6, 7]), (2, [8, 9])])
     assert out.shape == (2, cfg.vocab_size) and batch.kv_len(1) == 0
     np.testing.assert_allclose(out[1], _load(cfg, w, "f32", "int8").prefill([8, 9]), atol=1e-4)
+
+
+# ---------------------------------------------------------------- native batch: paged attention
+
+@pytest.mark.parametrize("precision,weights", [("f32", "f32"), ("f32", "int8"), ("bf16", "int4")])
+def test_native_batch_equals_single_sequences(tiny, precision, weights):
+    """Mixed steps (prefill chunks beside decode tokens, slots of different lengths, a slot reset and reused,
+    a prefix copied between slots) give every slot the logits of its own single-sequence session."""
+    cfg, w, _ = tiny["glm4"]
+    assert BACKEND.capabilities().native_batch
+    batch = BACKEND.load_batch(cfg, w, LoadOptions(precision, weights, 96), 3)
+    assert batch.native and batch.n_slots == 3 and batch.capacity == 96
+    rng = np.random.default_rng(5)
+    take = lambda n: rng.integers(0, cfg.vocab_size, n).tolist()    # noqa: E731
+    held = {0: [], 1: [], 2: []}
+    got, want = [], []
+    single = _load(cfg, w, precision, weights)
+
+    def step(entries, all_logits=False):
+        out = batch.step(entries, all_logits=all_logits)
+        for (slot, ids), logits in zip(entries, out):
+            held[slot] += ids
+            single.reset()
+            ref = single.prefill(held[slot], all_logits=True)
+            got.append(logits if all_logits else logits[None])
+            want.append(ref[-len(ids):] if all_logits else ref[-1:])
+            assert batch.kv_len(slot) == len(held[slot])
+
+    step([(0, take(40)), (1, take(5))], all_logits=True)          # two prefills, 40 tokens cross a block
+    for _ in range(3):
+        step([(0, take(1)), (1, take(1))])                          # decode both
+    step([(1, take(1)), (2, take(17)), (0, take(1))])              # a prefill beside two decodes
+    batch.reset(1)
+    held[1] = []
+    step([(1, take(6)), (2, take(1))])                              # slot 1 reused
+    batch.copy_prefix(0, 2, 35)                                     # 35: one whole block and a part
+    held[2] = held[0][:35]
+    step([(2, take(2)), (0, take(1))])
+    batch.copy_prefix(2, 2, 10)                                     # truncation in place
+    held[2] = held[2][:10]
+    step([(2, take(1))])
+    tol = TOLERANCES[("f32", "f32")] if precision == "f32" else dict(rel_l2=0.03, cosine=0.999, top1=0.9)
+    for g, r in zip(got, want):
+        assert _within(_metrics(g, r), tol), _metrics(g, r)
+    with pytest.raises(BackendError, match="one entry per slot"):
+        batch.step([(0, [1]), (0, [2])])
+    with pytest.raises(BackendError, match="overflow"):
+        batch.step([(1, take(96))])
+    with pytest.raises(BackendError, match="slot 3 out of range"):
+        batch.step([(3, [1])])
+    batch.close()

@@ -55,35 +55,48 @@ class OpenVINOBackend(Backend):
     def capabilities(self) -> Capabilities:
         return Capabilities(precisions=("f32", "bf16"), weight_formats=("f32", "f16", "int8", "int4"),
                             default_precision="bf16" if native_bf16() else "f32", default_weights="int8",
-                            max_context=None, can_shift=False, speed_rank=20)
+                            max_context=None, can_shift=False, speed_rank=20, native_batch=True)
 
     def _require(self) -> None:
         problem = _runtime_problem()
         if problem:
             raise BackendError(f"backend {self.name!r}: {problem}; fix: {self.install_hint()}")
 
-    def load(self, config, weights, options: LoadOptions):
-        self._require()
+    def _model(self, config, weights, options: LoadOptions):
+        """The stateful model, and the IR's weights file where it was read from one (memory-mapped: the
+        session releases the file's pages once the plugin has packed its own copy)."""
         from . import graph, session
-        options = self.resolve(options)
-        capacity = default_capacity(config, self.capabilities(), options.capacity)
         xml = None
         if options.extra.get("ir"):
             xml = session.checked_ir(options.extra["ir"], config, options.weights)
         elif options.cache_dir is not None:
             xml = session.cached_ir(config, weights, options, _stderr)
-        if xml is not None:      # memory-mapped: the session releases the file's pages once compiled
+        if xml is not None:
             import openvino as ov
-            model = ov.Core().read_model(xml)
-        else:    # no cache directory: build in memory (the weights then stay resident twice)
-            opts = session.ir_options(options)
-            model = graph.build_model(config, weights, opts["weights"], opts.get("group_size", 128))
-        sess = session.OpenVINOSession(config, model, options, capacity,
-                                       weights_file=xml.with_suffix(".bin") if xml else None)
+            return ov.Core().read_model(xml), xml.with_suffix(".bin")
+        opts = session.ir_options(options)       # no cache directory: built in memory, resident twice
+        return graph.build_model(config, weights, opts["weights"], opts.get("group_size", 128)), None
+
+    def load(self, config, weights, options: LoadOptions):
+        self._require()
+        from . import session
+        options = self.resolve(options)
+        capacity = default_capacity(config, self.capabilities(), options.capacity)
+        model, weights_file = self._model(config, weights, options)
+        sess = session.OpenVINOSession(config, model, options, capacity, weights_file)
         if sess.runtime_precision != options.precision:
             _stderr(f"note: {options.precision} requested, but this CPU has neither AMX nor AVX512-BF16: "
                     f"OpenVINO computes in {sess.runtime_precision}")
         return sess
+
+    def load_batch(self, config, weights, options: LoadOptions, n_slots: int):
+        """Native: one compiled model in OpenVINO's paged-attention form, n_slots sequences per call (batch.py)."""
+        self._require()
+        from .batch import OpenVINOBatchSession
+        options = self.resolve(options)
+        capacity = default_capacity(config, self.capabilities(), options.capacity)
+        model, weights_file = self._model(config, weights, options)
+        return OpenVINOBatchSession(config, model, options, capacity, n_slots, weights_file)
 
     def conformance_weights(self, config, weights, options: LoadOptions):
         """The f32 values this configuration's graph computes with (dequantized as the graph does), and
