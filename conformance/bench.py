@@ -360,6 +360,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--vs", metavar="BACKEND", help="a second backend (at its defaults), run alternately")
     ap.add_argument("--threads", type=int)
     ap.add_argument("--json", action="store_true", help="print the figures as JSON")
+    ap.add_argument("--batch", metavar="B1,B2,...", help="many sequences at once: per batch size, the prefill time "
+                    "of the whole batch, ms per decode step and aggregate decode tok/s (e.g. 1,4,8,16,32,48)")
     return ap
 
 
@@ -372,6 +374,14 @@ def main(argv: list[str] | None = None) -> int:
     if a.vs:
         resolve_backend(a.vs)
     model_dir, _ = model_dir_for(a.model, a.size, a.family)
+    if a.batch:
+        from .batchbench import batch_bench, format_batch, parse_sizes
+        data = batch_bench(a.backend, model_dir, LoadOptions(a.precision, a.weights, threads=a.threads,
+                                                             extra=_parse_opts(a.opt)),
+                           parse_sizes(a.batch), a.prompt_len, a.gen,
+                           progress=lambda m: print(m, file=sys.stderr, flush=True))
+        print(json.dumps(data, indent=2) if a.json else format_batch(data))
+        return 0
     pairs = [(a.backend, LoadOptions(a.precision, a.weights, extra=_parse_opts(a.opt)))]
     if a.vs:
         pairs.append((a.vs, LoadOptions()))

@@ -11,8 +11,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from glmcore.backend import Session
+from glmcore.backend import BatchSession, Session
 from glmcore.engine import Engine, WindowPolicy
+from glmcore.scheduler import Request, Scheduler
 from glmcore.errors import GlmcoreError
 from glmcore.sampling import SamplingParams
 
@@ -20,13 +21,15 @@ from .models import TokenSource
 
 # Case names, in the order they run on one session.
 CASES = ("prefill", "decode", "decode_vs_prefill", "reset_reuse", "near_capacity", "window_shift",
-         "chat_continuation", "seed")
+         "chat_continuation", "seed", "batch_mixed", "batch_generate")
 
 PROMPT = 24            # prefill case
 REUSE = (16, 8)        # reset_reuse: prompt, decode steps
 SHIFT = (48, 4, 16, 16)   # window_shift: prompt, n_keep, n_discard, decode steps after the shift
 CHAT = (16, 8, 12, 8)  # chat_continuation: turn 1, reply 1, turn 2, reply 2
 SEED = (8, 16, 1234)   # seed: prompt, new tokens, sampling seed
+BATCH_SLOTS = 4
+BATCH_GEN = (8, 6, 16)  # batch_generate: requests, new tokens each, token budget per step
 MIN_CAPACITY = max(PROMPT + REUSE[0] + 1, SHIFT[0] + 1, sum(CHAT) + 1, sum(SEED[:2]))
 
 
@@ -53,6 +56,8 @@ class Script:
     turn2: list[int]
     reply2: list[int]
     seed_prompt: list[int]
+    batch_ops: list[tuple]
+    gen_prompts: list[list[int]]
 
     @classmethod
     def build(cls, source: TokenSource, capacity: int, decode_steps: int) -> "Script":
@@ -66,7 +71,8 @@ class Script:
                    near=t(capacity - 1), near_step=t(1)[0],
                    shift_prompt=t(SHIFT[0]), n_keep=SHIFT[1], n_discard=SHIFT[2], shift_steps=t(SHIFT[3]),
                    turn1=t(CHAT[0]), reply1=t(CHAT[1]), turn2=t(CHAT[2]), reply2=t(CHAT[3]),
-                   seed_prompt=t(SEED[0]))
+                   seed_prompt=t(SEED[0]), batch_ops=batch_ops(t),
+                   gen_prompts=[t(3 + 2 * i) for i in range(BATCH_GEN[0])])
 
     @property
     def kept(self) -> list[int]:
@@ -209,3 +215,119 @@ def seeded_tokens(s: Session, sc: Script, vocab: int, can_shift: bool) -> list[i
     engine.reset()
     params = SamplingParams(temperature=1.0, top_p=1.0, top_k=0, seed=seed)   # a genuine draw every step
     return list(engine.generate(sc.seed_prompt, params, n_new, n_vocab=vocab))
+
+
+# ---------------------------------------------------------------- batch sessions (contract v2)
+
+def batch_ops(take) -> list[tuple]:
+    """Mixed steps over 4 slots: slots of different lengths, a chunk prefilled while others decode, a
+    slot freed and reused, a prefix copied between slots, a window shift in one slot."""
+    one = lambda: take(1)           # noqa: E731 -- a decode token
+    return [
+        ("step", [(0, take(12)), (1, take(7)), (2, take(20))]),
+        ("step", [(0, one()), (1, one()), (2, take(5))]),
+        ("reset", 1),
+        ("step", [(1, take(9)), (0, one()), (2, one())]),
+        ("copy", 0, 3, 8),
+        ("step", [(3, take(4)), (0, one()), (1, one())]),
+        ("shift", 2, 4, 8),
+        ("step", [(2, one()), (3, one()), (1, one())]),
+        ("step", [(2, one()), (0, one())]),
+    ]
+
+
+def batch_mixed(bs: BatchSession, sc: Script, vocab: int, can_shift: bool) -> dict[str, np.ndarray]:
+    """The ops on the backend's batch session; the logits of every entry, in op order. A shift on a
+    backend that cannot shift in place is the scheduler's fallback (reset, re-prefill the kept ids)."""
+    held = [[] for _ in range(bs.n_slots)]
+    rows = []
+    for op in sc.batch_ops:
+        if op[0] == "step":
+            out = expect_rows(bs.step(op[1]), len(op[1]), vocab, "a batch step")
+            for (slot, ids), row in zip(op[1], out):
+                held[slot] += ids
+                rows.append(row)
+        elif op[0] == "reset":
+            bs.reset(op[1])
+            held[op[1]] = []
+        elif op[0] == "copy":
+            _, src, dst, n = op
+            bs.copy_prefix(src, dst, n)
+            held[dst] = held[src][:n]
+        else:
+            _, slot, keep, discard = op
+            held[slot] = held[slot][:keep] + held[slot][keep + discard:]
+            if can_shift:
+                bs.shift(slot, keep, discard)
+            else:
+                bs.reset(slot)
+                bs.step([(slot, held[slot])])
+        for slot, ids in enumerate(held):
+            if bs.kv_len(slot) != len(ids):
+                raise ContractError(f"slot {slot} has kv_len {bs.kv_len(slot)} after {op[0]}, expected {len(ids)}")
+    return {"batch_mixed": np.stack(rows)}
+
+
+def batch_mixed_reference(s: Session, sc: Script, vocab: int, in_place) -> dict[str, np.ndarray]:
+    """Each slot replayed alone on one single-sequence session; rows put back in the batch's order."""
+    rows: dict[tuple[int, int], np.ndarray] = {}
+    for slot in range(BATCH_SLOTS):
+        fresh(s)
+        held: list[int] = []
+        for i, op in enumerate(sc.batch_ops):
+            if op[0] == "step":
+                for j, (sl, ids) in enumerate(op[1]):
+                    if sl == slot:
+                        rows[i, j] = s.prefill(ids)
+                        held += ids
+            elif op[0] == "reset" and op[1] == slot:
+                s.reset()
+                held = []
+            elif op[0] == "copy" and op[2] == slot:
+                held = _slot_ids(sc, op[1], i)[:op[3]]
+                s.reset()
+                s.prefill(held)
+            elif op[0] == "shift" and op[1] == slot:
+                _, _, keep, discard = op
+                held = held[:keep] + held[keep + discard:]
+                if in_place is None:
+                    s.reset()
+                    s.prefill(held)
+                else:
+                    in_place(s, keep, discard)
+    order = [(i, j) for i, op in enumerate(sc.batch_ops) if op[0] == "step" for j in range(len(op[1]))]
+    return {"batch_mixed": np.stack([rows[k] for k in order])}
+
+
+def _slot_ids(sc: Script, slot: int, before: int) -> list[int]:
+    """The ids a slot holds before op number `before` (copies and resets followed, shifts not needed:
+    only copies from unshifted slots are scripted)."""
+    held: list[int] = []
+    for op in sc.batch_ops[:before]:
+        if op[0] == "step":
+            held += [t for sl, ids in op[1] if sl == slot for t in ids]
+        elif op[0] == "reset" and op[1] == slot:
+            held = []
+        elif op[0] == "copy" and op[2] == slot:
+            held = _slot_ids(sc, op[1], before)[:op[3]]
+    return held
+
+
+def batch_generate(bs: BatchSession, single: Session, sc: Script, vocab: int, can_shift: bool) -> dict:
+    """Greedy requests through the scheduler on the batch session, several in flight and prefill chunks
+    mixed with decodes, against each request run alone through the Engine on a single session; and a
+    seeded request among them against the same request alone."""
+    n, new, budget = BATCH_GEN
+    sched = Scheduler(bs, can_shift=can_shift, n_vocab=vocab, token_budget=budget)
+    greedy = SamplingParams(temperature=0)
+    seeded = SamplingParams(temperature=1.0, top_p=1.0, seed=SEED[2])
+    params = [seeded if i == n // 2 else greedy for i in range(n)]
+    handles = [sched.submit(Request(p, q, new)) for p, q in zip(sc.gen_prompts, params)]
+    sched.run()
+    together = [h.tokens for h in handles]
+    alone = []
+    for p, q in zip(sc.gen_prompts, params):
+        engine = Engine(single, can_shift=can_shift)
+        engine.reset()
+        alone.append(list(engine.generate(p, q, new, n_vocab=vocab)))
+    return {"together": together, "alone": alone, "seeded": n // 2}

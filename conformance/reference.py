@@ -55,19 +55,22 @@ def shift_in_place(session: Session, n_keep: int, n_discard: int) -> None:
     later (already rotated) keys back by n_discard positions, as the Session.shift contract says.
 
     Uses the reference session's own shift() when it has one; otherwise works on the torch reference's
-    cache tensors (k_cache/v_cache [layers, capacity, kv_heads, head_dim], keys stored rotated)."""
+    cache tensors (its one-slot batch: k_cache/v_cache [1, layers, capacity, kv_heads, head_dim], keys
+    stored rotated)."""
     if type(session).shift is not Session.shift:
         session.shift(n_keep, n_discard)
         return
     import torch
     from glmcore_plugins.torch_ref.model import apply_rotary, rotary_tables
-    cfg, end = session.cfg, session.kv_len
+    batch = session.batch
+    cfg, end = batch.cfg, batch.lens[0]
     src = slice(n_keep + n_discard, end)
     dst = slice(n_keep, end - n_discard)
-    layers, _, heads, dim = session.k_cache.shape
-    keys = session.k_cache[:, src].reshape(-1, heads, dim)
+    k_cache, v_cache = batch.k_cache[0], batch.v_cache[0]
+    layers, _, heads, dim = k_cache.shape
+    keys = k_cache[:, src].reshape(-1, heads, dim)
     # rotation by angle a then by -n_discard*theta equals rotation to the new position
     cos, sin = rotary_tables(cfg, torch.tensor([-n_discard]))
-    session.k_cache[:, dst] = apply_rotary(keys, cos, sin).reshape(layers, -1, heads, dim)
-    session.v_cache[:, dst] = session.v_cache[:, src].clone()
-    session._len = end - n_discard
+    k_cache[:, dst] = apply_rotary(keys, cos, sin).reshape(layers, -1, heads, dim)
+    v_cache[:, dst] = v_cache[:, src].clone()
+    batch.lens[0] = end - n_discard

@@ -255,11 +255,72 @@ class Suite:
             refs.append(own)
         try:
             self._run_cases(backend, model, refs, cfg, session, script)
+            if {"batch_mixed", "batch_generate"} & set(self.cases):
+                self._batch_cases(backend, model, refs, cfg, opts, session, script)
         finally:
             session.close()
             if own:
                 own.reference.close()
         return True
+
+    def _batch_cases(self, backend, model, refs: list["Against"], cfg, opts, session: Session, sc: C.Script) -> None:
+        """Contract v2 on the backend's batch session (native, or the core's adapter)."""
+        vocab, can_shift = model.config.vocab_size, backend.capabilities().can_shift
+        names = [n for n in ("batch_mixed", "batch_generate") if n in self.cases]
+        try:
+            bs = backend.load_batch(model.config, model.weights, opts, C.BATCH_SLOTS)
+        except Exception as e:
+            for n in names:
+                self._fail(backend, model, cfg, n, f"load_batch failed: {_describe(e)}", refs[0].key)
+            return
+        try:
+            if bs.n_slots != C.BATCH_SLOTS or bs.capacity < sc.capacity:
+                raise C.ContractError(f"load_batch gave {bs.n_slots} slots of {bs.capacity}, asked for "
+                                      f"{C.BATCH_SLOTS} of {sc.capacity}")
+            if "batch_mixed" in self.cases:
+                t0 = time.perf_counter()
+                try:
+                    got = C.batch_mixed(bs, sc, vocab, can_shift)
+                except Exception as e:
+                    self._fail(backend, model, cfg, "batch_mixed", _describe(e), refs[0].key)
+                else:
+                    seconds = time.perf_counter() - t0
+                    in_place = shift_in_place if can_shift else None
+                    for against in refs:
+                        want = against.reference.run(("batch_mixed", sc.capacity, can_shift), sc.capacity,
+                                                     lambda s: C.batch_mixed_reference(s, sc, vocab, in_place))
+                        self._judge(backend, model, cfg, "batch_mixed", want["batch_mixed"], got["batch_mixed"],
+                                    against, seconds)
+            if "batch_generate" in self.cases:
+                for slot in range(bs.n_slots):
+                    bs.reset(slot)
+                self._batch_generate(backend, model, cfg, bs, session, sc, can_shift, refs[0].key)
+        except C.ContractError as e:
+            for n in names:
+                self._fail(backend, model, cfg, n, str(e), refs[0].key)
+        finally:
+            bs.close()
+
+    def _batch_generate(self, backend, model, cfg, bs, session, sc, can_shift, tol_key) -> None:
+        """Tokens of requests run together equal each run alone. Judged where the backend computes in
+        f32 with f32 weights (elsewhere a batched kernel may round differently and flip a near-tie:
+        reported, not judged)."""
+        t0 = time.perf_counter()
+        try:
+            r = C.batch_generate(bs, session, sc, model.config.vocab_size, can_shift)
+        except Exception as e:
+            self._fail(backend, model, cfg, "batch_generate", _describe(e), tol_key)
+            return
+        differ = [i for i, (a, b) in enumerate(zip(r["together"], r["alone"])) if a != b]
+        judged = tol_key == "f32"
+        note = (f"{len(r['together'])} requests (request {r['seeded']} seeded) equal to each run alone" if not differ
+                else f"requests {differ} differ from their runs alone: {[r['together'][i] for i in differ]} vs "
+                     f"{[r['alone'][i] for i in differ]}")
+        if not judged:
+            note += f" (informative at {tol_key}: not judged)"
+        self.report.results.append(CaseResult(
+            backend.name, model.label, cfg.label, "batch_generate", cfg.precision, cfg.weights, dict(cfg.extra),
+            tol_key, failed=["tokens"] if differ and judged else [], note=note, seconds=time.perf_counter() - t0))
 
     def _run_cases(self, backend, model, refs: list["Against"], cfg, session: Session, sc: C.Script) -> None:
         vocab = model.config.vocab_size

@@ -138,7 +138,8 @@ class BatchSession(ABC):
 
     @abstractmethod
     def copy_prefix(self, src: int, dst: int, n: int) -> None:
-        """dst drops what it held and holds src's first n positions (a shared prompt prefilled once)."""
+        """dst drops what it held and holds src's first n positions (a shared prompt prefilled once).
+        src == dst keeps the slot's first n positions (a conversation that diverges after them)."""
 
     def close(self) -> None:
         pass
@@ -183,7 +184,7 @@ class SessionAdapter(BatchSession):
         out = []
         for slot, ids in entries:
             s, ids = self.sessions[slot], list(ids)
-            if all_logits or len(ids) > 1 or s.kv_len == 0:
+            if all_logits or len(ids) > 1 or not self._ids[slot]:
                 out.append(s.prefill(ids, all_logits=all_logits))
             else:
                 out.append(s.decode(ids[0]))
@@ -214,6 +215,7 @@ class Backend(ABC):
     name: str = ""
     extra: str = ""          # the pip extra that installs this backend's runtime
     description: str = ""
+    option_keys: tuple[str, ...] = ()   # the --opt keys (LoadOptions.extra) it reads; resolve refuses others
 
     @abstractmethod
     def probe(self) -> Probe: ...
@@ -238,6 +240,7 @@ class Backend(ABC):
 
     def resolve(self, options: LoadOptions) -> LoadOptions:
         """Fill defaults and refuse what this backend does not offer, with a clear message."""
+        self.check_options(options.extra)
         caps = self.capabilities()
         precision = options.precision or caps.default_precision
         weights = options.weights or caps.default_weights
@@ -249,6 +252,13 @@ class Backend(ABC):
                                f"{', '.join(caps.weight_formats)}")
         return LoadOptions(precision, weights, options.capacity, options.threads, options.cache_dir,
                            dict(options.extra))
+
+    def check_options(self, extra: dict) -> None:
+        """Refuse an --opt key this backend does not read (a typo would otherwise be silently ignored)."""
+        unknown = sorted(set(extra) - set(self.option_keys))
+        if unknown:
+            known = f"known: {', '.join(self.option_keys)}" if self.option_keys else "it takes no --opt options"
+            raise BackendError(f"backend {self.name!r}: unknown option {unknown[0]!r}; {known}")
 
 
 def default_capacity(config: ModelConfig, caps: Capabilities, requested: int | None) -> int:

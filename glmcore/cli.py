@@ -3,13 +3,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
 from . import __version__
 from .backend import LoadOptions, registry
 from .engine import OVERFLOW_POLICIES, WindowPolicy
-from .errors import ChatError, GlmcoreError
+from .errors import ContextOverflow, ChatError, GlmcoreError
 from .sampling import SamplingParams
 
 
@@ -30,13 +31,23 @@ def _parse_opts(pairs: list[str]) -> dict:
     return out
 
 
-def add_load_args(p: argparse.ArgumentParser) -> None:
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """--help shows each option's default (except where there is none)."""
+
+    def _get_help_string(self, action):
+        if action.default is None or action.default is False or action.default == []:
+            return action.help
+        return super()._get_help_string(action)
+
+
+def add_load_args(p: argparse.ArgumentParser, model_help: str = "checkpoint directory (default: the built-in "
+                  "demo model)") -> None:
     p.add_argument("--backend", help="backend name (default: the best ready one; see `glmcore backends`)")
-    p.add_argument("--model", help="checkpoint directory (default: the built-in demo model)")
+    p.add_argument("--model", help=model_help)
     p.add_argument("--precision", help="compute precision the backend offers: f32, bf16, f16")
     p.add_argument("--weights", help="weight format the backend offers: f32, f16, int8, int4 ...")
     p.add_argument("--ctx", type=int, help="context length (KV slots); default min(model, backend, 4096)")
-    p.add_argument("--threads", type=int, help="CPU threads")
+    p.add_argument("--threads", type=int, help="CPU threads (default: the backend's choice)")
     p.add_argument("--opt", action="append", default=[], metavar="KEY=VALUE",
                    help="backend-specific option, e.g. group_size=128, seq_len=512, mode=eager")
 
@@ -44,20 +55,22 @@ def add_load_args(p: argparse.ArgumentParser) -> None:
 def load_options(a) -> LoadOptions:
     if a.ctx is not None and a.ctx < 2:
         raise GlmcoreError(f"invalid --ctx {a.ctx}: use at least 2")
-    if a.threads is not None and a.threads < 1:
-        raise GlmcoreError(f"invalid --threads {a.threads}: use a positive integer")
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    if a.threads is not None and not 1 <= a.threads <= cpus:
+        raise GlmcoreError(f"invalid --threads {a.threads}: this machine lets glmcore run on {cpus} CPUs; "
+                           f"use 1..{cpus}")
     return LoadOptions(a.precision, a.weights, a.ctx, a.threads, extra=_parse_opts(a.opt))
 
 
 def add_gen_args(p: argparse.ArgumentParser) -> None:
     d = SamplingParams()
     p.add_argument("--system", help="system prompt")
-    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--max-new-tokens", type=int, default=256, help="most tokens in one reply")
     p.add_argument("--temperature", type=float, default=d.temperature, help="0 = greedy")
-    p.add_argument("--top-p", type=float, default=d.top_p)
-    p.add_argument("--top-k", type=int, default=d.top_k)
-    p.add_argument("--repetition-penalty", type=float, default=d.repetition_penalty)
-    p.add_argument("--seed", type=int)
+    p.add_argument("--top-p", type=float, default=d.top_p, help="nucleus sampling mass (1 = off)")
+    p.add_argument("--top-k", type=int, default=d.top_k, help="sample among the k likeliest (0 = off)")
+    p.add_argument("--repetition-penalty", type=float, default=d.repetition_penalty, help="1 = off")
+    p.add_argument("--seed", type=int, help="random seed (default: a fresh one per run)")
     p.add_argument("--overflow", choices=OVERFLOW_POLICIES, default="error",
                    help="when the context is full: error, or slide a StreamingLLM window")
     p.add_argument("--n-keep", type=int, default=4, help="window: tokens kept as attention sinks")
@@ -79,12 +92,60 @@ def _messages(system: str | None, tools) -> list[dict]:
 
 
 def cmd_run(a) -> int:
+    if (a.prompt is None) == (a.prompts is None):
+        raise GlmcoreError("give either --prompt TEXT or --prompts FILE (one prompt a line)")
+    if a.prompts is not None:
+        return _run_batch(a)
     params = sampling(a)
     pipe = _pipeline(a)
     messages = _messages(a.system, None) + [{"role": "user", "content": a.prompt}]
     _stream_reply(pipe, messages, None, params, a.max_new_tokens)
     print(f"[{pipe.model.backend.name}] {pipe.timings.line()}", file=sys.stderr)
     return 0
+
+
+def _run_batch(a) -> int:
+    """--prompts FILE: every line a prompt, run together through the continuous-batching scheduler."""
+    import time
+
+    from .chat import as_message
+    from .model import load_model
+    from .pipeline import chat_request, reply_message
+    try:
+        prompts = [line for line in Path(a.prompts).read_text(encoding="utf-8").splitlines() if line.strip()]
+    except (OSError, UnicodeDecodeError) as e:
+        raise GlmcoreError(f"cannot read --prompts {a.prompts!r}: {e}; give a UTF-8 text file, one prompt a line") \
+            from None
+    if not prompts:
+        raise GlmcoreError(f"--prompts {a.prompts!r} has no prompt; write one prompt a line")
+    params, window = sampling(a), WindowPolicy(a.overflow, a.n_keep, a.n_discard)
+    m = load_model(a.model, a.backend, load_options(a), slots=min(a.slots or len(prompts), len(prompts)),
+                   token_budget=a.token_budget)
+    sched = m.scheduler
+    start = time.perf_counter()
+    handles = []
+    for text in prompts:
+        messages = [as_message(x) for x in _messages(a.system, None) + [{"role": "user", "content": text}]]
+        handles.append(sched.submit(chat_request(m.chat_format, messages, None, params, a.max_new_tokens, window)))
+    sched.run()
+    wall = time.perf_counter() - start
+    for i, (text, h) in enumerate(zip(prompts, handles), 1):
+        reply = reply_message(m.chat_format, h.tokens)
+        calls = "".join(f"\n[tool call] {c.name}({json.dumps(c.arguments, ensure_ascii=False)})" for c in reply.tool_calls)
+        print(f"--- [{i}] {text}\n{reply.content}{calls}")
+        if h.error is not None:
+            print(f"error in prompt {i}: {h.error}", file=sys.stderr)
+        elif h.context_full:
+            print(f"note: reply {i} stopped because the context of {sched.capacity} tokens is full; raise --ctx or "
+                  "use --overflow window", file=sys.stderr)
+    generated = sum(len(h.tokens) for h in handles)
+    prompt_tok = sum(h.timings.prompt_tokens for h in handles)
+    print(f"[{m.backend.name}] {len(prompts)} prompts on {sched.batch.n_slots} slots"
+          f"{'' if sched.batch.native else ' (adapter: not natively batched)'} | prompt {prompt_tok} tok, "
+          f"generated {generated} tok in {wall:.2f} s | {generated / wall:.1f} tok/s aggregate | {sched.steps} steps",
+          file=sys.stderr)
+    m.close()
+    return 1 if any(h.error is not None for h in handles) else 0
 
 
 def _stream_reply(pipe, messages, tools, params, max_new_tokens, shown: list | None = None) -> None:
@@ -99,6 +160,9 @@ def _stream_reply(pipe, messages, tools, params, max_new_tokens, shown: list | N
             sys.stdout.write(f"\n[tool call] {value.name}({json.dumps(value.arguments, ensure_ascii=False)})")
     sys.stdout.write("\n")
     sys.stdout.flush()
+    if pipe.context_full:
+        print(f"note: the reply stopped because the context of {pipe.model.engine.capacity} tokens is full; "
+              "raise --ctx or use --overflow window", file=sys.stderr)
 
 
 CHAT_HELP = "commands: /system TEXT, /tools FILE.json, /reset, /quit"
@@ -169,6 +233,11 @@ def _chat_turn(pipe, state, params, max_new_tokens) -> str:
             pipe.reset()
             history.append({"role": "assistant", "content": "".join(shown).strip()})
             print("\n(reply interrupted)", file=sys.stderr)
+            return "done"
+        except ContextOverflow as e:
+            # the conversation no longer fits: say so and keep the session (the user can /reset)
+            history.pop()
+            print(f"\nerror: {e}; /reset starts a new conversation", file=sys.stderr)
             return "done"
         reply = pipe.cached[-1]
         history.append(reply)
@@ -251,7 +320,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("run", help="answer one prompt, streamed")
     add_load_args(p)
     add_gen_args(p)
-    p.add_argument("--prompt", required=True)
+    p.add_argument("--prompt", help="the user message")
+    p.add_argument("--prompts", metavar="FILE", help="a file of prompts, one a line, run together as one batch")
+    p.add_argument("--slots", type=int, help="with --prompts: sequences in flight at once (default: all prompts)")
+    p.add_argument("--token-budget", type=int, default=256,
+                   help="with --prompts: tokens per batched step (decode tokens + prefill chunks) (default: %(default)s)")
     p.set_defaults(fn=cmd_run)
 
     p = sub.add_parser("chat", help="interactive multi-turn chat")
@@ -260,23 +333,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(fn=cmd_chat)
 
     p = sub.add_parser("backends", help="list backends: ready or why not")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(fn=cmd_backends)
 
     p = sub.add_parser("make-model", help="write a synthetic checkpoint in a family's real layout")
     p.add_argument("--family", required=True, choices=["chatglm2", "chatglm3", "glm4"])
-    p.add_argument("--size", default="tiny", choices=["tiny", "small", "1b", "6b"])
-    p.add_argument("--out", required=True)
-    p.add_argument("--format", default="safetensors", choices=["safetensors", "bin"])
-    p.add_argument("--shards", type=int)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--size", default="tiny", choices=["tiny", "small", "1b", "6b"], help="architecture size")
+    p.add_argument("--out", required=True, help="a new or empty directory")
+    p.add_argument("--format", default="safetensors", choices=["safetensors", "bin"], help="weight file format")
+    p.add_argument("--shards", type=int, help="number of weight files (default: 2 for tiny, ~2 GiB each otherwise)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random weights")
     p.add_argument("--dtype", choices=["f32", "f16", "bf16"], help="default f32 for tiny/small, bf16 otherwise")
     p.add_argument("--tokenizer-from", help="copy the tokenizer files of a real checkpoint directory")
     p.set_defaults(fn=cmd_make_model)
 
     p = sub.add_parser("convert", help="write a backend's converted model (IR, ONNX parts, packed int4)")
-    add_load_args(p)
-    p.add_argument("--out", required=True)
+    add_load_args(p, model_help="checkpoint directory to convert (required)")
+    p.add_argument("--out", required=True, help="a new or empty directory")
     p.add_argument("--seq-len", type=int, help="tpu_bm1684x: fixed context")
     p.add_argument("--quantize", help="tpu_bm1684x: F16|BF16|W8F16|W4F16")
     p.add_argument("--group-size", type=int, help="cpu_int4: quantization group")
@@ -286,6 +359,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(fn=None, delegate="glmcore_conformance.suite")
     p = sub.add_parser("bench", help="measure prefill/decode speed and memory", add_help=False)
     p.set_defaults(fn=None, delegate="glmcore_conformance.bench")
+    for p in sub.choices.values():
+        p.formatter_class = _HelpFormatter
     return ap
 
 

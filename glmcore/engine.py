@@ -1,88 +1,82 @@
-"""The generation loop and the core's KV-cache policy, on top of any backend Session.
+"""One sequence on a single-sequence Session: the scheduler (glmcore/scheduler.py) with one slot.
 
-The Engine mirrors the token ids the cache holds, so the `window` policy can fall back to
-re-prefilling the kept tokens on backends that cannot shift their cache in place.
+The Engine is the simple front of the one generation loop: `feed` appends ids under the core's
+KV-cache policy, `generate` runs one request through the scheduler. It mirrors the ids its cache holds
+(`tokens`), so the window policy can fall back to re-prefilling the kept ids on backends that cannot
+shift in place, and a continuation prefills only what is new.
 """
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
 
 import numpy as np
 
-from .backend import Session
+from .backend import Session, SessionAdapter
 from .errors import ContextOverflow, GlmcoreError
-from .sampling import Sampler, SamplingParams
+from .sampling import SamplingParams
+from .scheduler import OVERFLOW_POLICIES, Request, Scheduler, Timings, WindowPolicy, make_room
 
-OVERFLOW_POLICIES = ("error", "window")
-
-
-@dataclass
-class WindowPolicy:
-    """What to do when the cache is full. `window` is StreamingLLM: keep the first n_keep tokens as
-    attention sinks and discard n_discard after them (default: half of the rest, as llama.cpp)."""
-    policy: str = "error"
-    n_keep: int = 4
-    n_discard: int | None = None
-
-    def __post_init__(self):
-        if self.policy not in OVERFLOW_POLICIES:
-            raise GlmcoreError(f"unknown overflow policy {self.policy!r}; choose error or window")
-        if self.n_keep < 0 or (self.n_discard is not None and self.n_discard < 1):
-            raise GlmcoreError("n_keep must be >= 0 and n_discard >= 1")
-
-
-@dataclass
-class Timings:
-    prompt_tokens: int = 0
-    new_tokens: int = 0
-    prefill_s: float = 0.0
-    ttft_s: float = 0.0
-    decode_s: float = 0.0
-    shifts: int = 0
-
-    @property
-    def prefill_tps(self) -> float:
-        return self.prompt_tokens / self.prefill_s if self.prefill_s else 0.0
-
-    @property
-    def decode_tps(self) -> float:
-        # the first new token comes from the prefill logits; decode steps made the rest
-        return (self.new_tokens - 1) / self.decode_s if self.decode_s and self.new_tokens > 1 else 0.0
-
-    def line(self) -> str:
-        return (f"prompt {self.prompt_tokens} tok, generated {self.new_tokens} tok | "
-                f"time to first token {self.ttft_s * 1000:.1f} ms | prefill {self.prefill_tps:.1f} tok/s | "
-                f"decode {self.decode_tps:.1f} tok/s" + (f" | window shifts {self.shifts}" if self.shifts else ""))
+__all__ = ["Engine", "OVERFLOW_POLICIES", "Timings", "WindowPolicy"]
 
 
 class Engine:
     def __init__(self, session: Session, window: WindowPolicy | None = None, can_shift: bool = False):
         self.session = session
         self.window = window or WindowPolicy()
-        self.can_shift = can_shift
-        self.tokens: list[int] = []        # exactly what the cache holds, in order
-        self.turn_starts: list[int] = []   # chat turn boundaries in self.tokens (whole-turn discard)
-        self.pinned: int | None = None     # tokens the window never discards (chat prefix + system)
-        self.pending: int | None = None    # last sampled token, not yet fed (see generate)
-        self.shifts = 0
+        self.scheduler = Scheduler(SessionAdapter([session]), can_shift=can_shift)
+        self.slot = self.scheduler.slots[0]
+        self.pending: int | None = None      # last generated token, not yet fed (see generate)
+        self.finish_reason: str | None = None
+        self.context_full = False            # the last generate ended because the context was full
 
     @property
     def capacity(self) -> int:
         return self.session.capacity
 
+    @property
+    def tokens(self) -> list[int]:
+        """Exactly what the cache holds, in order."""
+        return self.slot.tokens
+
+    @property
+    def turn_starts(self) -> list[int]:
+        return self.slot.turn_starts
+
+    @turn_starts.setter
+    def turn_starts(self, starts: Sequence[int]) -> None:
+        self.slot.turn_starts = list(starts)
+
+    @property
+    def pinned(self) -> int | None:
+        """Tokens the window never discards (chat prefix + system turn)."""
+        return self.slot.pinned
+
+    @pinned.setter
+    def pinned(self, n: int | None) -> None:
+        self.slot.pinned = n
+
+    @property
+    def shifts(self) -> int:
+        return self.slot.shifts
+
     def reset(self) -> None:
         self.session.reset()
-        self.tokens, self.turn_starts, self.pinned, self.pending = [], [], None, None
+        self.scheduler.batch.reset(0)
+        self.slot.tokens, self.slot.turn_starts, self.slot.pinned, self.pending = [], [], None, None
 
     def feed(self, ids: Sequence[int]) -> np.ndarray:
         """Append ids to the cache, applying the overflow policy; return the last position's logits."""
         ids = list(ids)
         if not ids:
             raise GlmcoreError("nothing to feed: the prompt encodes to zero tokens")
-        self._make_room(len(ids))
-        logits = self.session.prefill(ids) if len(ids) > 1 or not self.tokens else self.session.decode(ids[0])
+        room = make_room(self.slot, len(ids), self.capacity, self.window)
+        if room is None:
+            n = len(self.tokens)
+            raise ContextOverflow(f"{n + len(ids)} tokens ({n} cached + {len(ids)} new) exceed the context of "
+                                  f"{self.capacity}; shorten the prompt, raise --ctx, or use --overflow window")
+        if room:
+            self.shift(*room)
+        logits = self.scheduler.batch.step([(0, ids)])[0]
         self.tokens.extend(ids)
         return logits
 
@@ -94,75 +88,33 @@ class Engine:
         elif self.tokens and (not self.turn_starts or self.turn_starts[-1] != len(self.tokens)):
             self.turn_starts.append(len(self.tokens))
 
-    def _make_room(self, n_new: int) -> None:
-        cap = self.capacity
-        if len(self.tokens) + n_new <= cap:
-            return
-        if self.window.policy == "error":
-            raise ContextOverflow(
-                f"{len(self.tokens) + n_new} tokens ({len(self.tokens)} cached + {n_new} new) exceed the context of "
-                f"{cap}; shorten the prompt, raise --ctx, or use --overflow window")
-        keep = self.window.n_keep if self.pinned is None else self.pinned
-        if keep + n_new > cap:
-            raise ContextOverflow(f"{n_new} new tokens + {keep} kept do not fit the context of {cap} even after "
-                                  "sliding the window; shorten the prompt or raise --ctx")
-        need = len(self.tokens) + n_new - cap
-        discard = self.window.n_discard or max(1, (len(self.tokens) - keep) // 2)
-        discard = min(max(discard, need), len(self.tokens) - keep)
-        # In a chat, discard whole old turns: round up to the next turn start that still fits.
-        whole = [s - keep for s in self.turn_starts if s - keep >= discard and s - keep <= len(self.tokens) - keep]
-        if whole:
-            discard = min(whole)
-        self.shift(keep, discard)
-
     def shift(self, n_keep: int, n_discard: int) -> None:
-        kept = self.tokens[:n_keep] + self.tokens[n_keep + n_discard:]
-        if self.can_shift:
-            self.session.shift(n_keep, n_discard)
-        else:
-            # Fallback: recompute the kept tokens at their new positions.
-            self.session.reset()
-            if kept:
-                self.session.prefill(kept)
-        self.tokens = kept
-        self.turn_starts = [s if s < n_keep else s - n_discard for s in self.turn_starts
-                            if not n_keep <= s < n_keep + n_discard]
-        self.shifts += 1
+        self.scheduler.shift(self.slot, n_keep, n_discard)
 
     def generate(self, prompt: Sequence[int], params: SamplingParams, max_new_tokens: int,
                  stop_ids: Sequence[int] = (), n_vocab: int | None = None,
                  timings: Timings | None = None) -> Iterator[int]:
-        """Feed the prompt, then yield sampled tokens until a stop id or max_new_tokens. A stop token
-        is not fed to the cache (the next chat turn begins with it); any other last token is fed
-        when the sequence continues."""
-        if max_new_tokens < 1:
-            raise GlmcoreError(f"invalid max-new-tokens {max_new_tokens}: use a positive integer")
-        t = timings if timings is not None else Timings()
-        sampler = Sampler(params, n_vocab)
-        stops = set(stop_ids)
-        start = time.perf_counter()
-        shifts0 = self.shifts
-        prompt = self.take_pending() + list(prompt)
-        logits = self.feed(prompt)
-        t.prefill_s = time.perf_counter() - start
-        t.prompt_tokens = len(prompt)
-        history = list(self.tokens)
-        for i in range(max_new_tokens):
-            token = sampler(logits, history)
-            if i == 0:
-                t.ttft_s = time.perf_counter() - start
-                decode_start = time.perf_counter()
-            if token in stops:
-                break
-            t.new_tokens += 1
-            yield token
-            history.append(token)
-            if i + 1 < max_new_tokens:
-                logits = self.feed([token])
-            else:
-                self.pending = token
-        t.decode_s = time.perf_counter() - decode_start
-        t.shifts = self.shifts - shifts0
+        """Append the prompt, then yield sampled tokens until a stop id, max_new_tokens, or -- under the
+        `error` policy -- a full context (finish_reason "length", context_full set). A stop token is not
+        fed to the cache (the next chat turn begins with it); any other last token is fed when the
+        sequence continues."""
+        self.scheduler.n_vocab = n_vocab
+        held = list(self.tokens)
+        request = Request(held + self.take_pending() + list(prompt), params, max_new_tokens, stop_ids,
+                          self.window, turn_starts=list(self.turn_starts), pinned=self.pinned)
+        handle = self.scheduler.submit(request)
+        self.finish_reason, self.context_full = None, False
+        try:
+            yield from handle
+        finally:
+            if not handle.done:
+                handle.cancel()
+                handle.wait()
+            if timings is not None:
+                timings.__dict__.update(handle.timings.__dict__)
+            self.finish_reason, self.context_full = handle.finish_reason, handle.context_full
+            if handle.finish_reason in ("length", "cancelled") and handle.tokens:
+                self.pending = handle.tokens[-1]     # sampled, never fed: a continuation feeds it first
 
     def take_pending(self) -> list[int]:
         """The last generated token when generation stopped on length: it belongs before a continuation."""

@@ -9,6 +9,7 @@ from .backend import Backend, LoadOptions, registry
 from .cache import cache_root
 from .config import ModelConfig
 from .engine import Engine, WindowPolicy
+from .scheduler import Scheduler
 from .errors import GlmcoreError
 from .weights import load_weights
 
@@ -26,23 +27,32 @@ def demo_model_dir(notice=lambda msg: print(msg, file=sys.stderr)) -> Path:
 
 @dataclass
 class LoadedModel:
+    """A checkpoint on a backend: one sequence (`engine`), or with load_model(slots=N) many sequences
+    at once through the continuous-batching `scheduler` (then `engine` is None)."""
     model_dir: Path
     config: ModelConfig
     tokenizer: object
     chat_format: object
     backend: Backend
-    engine: Engine
+    engine: Engine | None
+    scheduler: Scheduler | None = None
 
     @property
     def session(self):
         return self.engine.session
 
     def close(self) -> None:
-        self.engine.session.close()
+        if self.scheduler is not None:
+            self.scheduler.stop()
+            self.scheduler.batch.close()
+        if self.engine is not None:
+            self.engine.session.close()
 
 
 def resolve_backend(name: str | None) -> Backend:
     reg = registry()
+    if name is not None and not name.strip():
+        raise GlmcoreError("--backend is empty; name a backend (see `glmcore backends`) or leave --backend out")
     name = name or reg.best()
     backend = reg.get(name)
     probe = reg.probe(name)
@@ -53,7 +63,9 @@ def resolve_backend(name: str | None) -> Backend:
 
 
 def load_model(model: str | Path | None = None, backend: str | None = None, options: LoadOptions | None = None,
-               window: WindowPolicy | None = None) -> LoadedModel:
+               window: WindowPolicy | None = None, slots: int | None = None, token_budget: int = 256) -> LoadedModel:
+    """Load a checkpoint (default: the demo model) on a backend (default: the best ready one). With
+    `slots`, a batch session of that many sequences driven by a Scheduler (window: each Request's)."""
     from .chat import chat_format_for
     from .tokenizer import load_tokenizer
 
@@ -72,6 +84,14 @@ def load_model(model: str | Path | None = None, backend: str | None = None, opti
     if opts.cache_dir is None:
         opts.cache_dir = cache_root() / "converted"
     weights = load_weights(model_dir, config)
+    caps = b.capabilities()
+    if slots is not None:
+        if slots < 1 or (caps.max_slots is not None and slots > caps.max_slots):
+            most = f"1..{caps.max_slots}" if caps.max_slots else "a positive number"
+            raise GlmcoreError(f"invalid number of slots {slots} for backend {b.name!r}: use {most}")
+        batch = b.load_batch(config, weights, opts, slots)
+        scheduler = Scheduler(batch, can_shift=caps.can_shift, n_vocab=tokenizer.n_vocab, token_budget=token_budget)
+        return LoadedModel(model_dir, config, tokenizer, chat_format_for(tokenizer), b, None, scheduler)
     session = b.load(config, weights, opts)
-    engine = Engine(session, window, can_shift=b.capabilities().can_shift)
+    engine = Engine(session, window, can_shift=caps.can_shift)
     return LoadedModel(model_dir, config, tokenizer, chat_format_for(tokenizer), b, engine)

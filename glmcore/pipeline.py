@@ -8,6 +8,7 @@ from pathlib import Path
 from .backend import LoadOptions
 from .chat import Message, ToolCallStream, as_message
 from .engine import Timings, WindowPolicy
+from .scheduler import Request
 from .model import LoadedModel, load_model
 from .sampling import SamplingParams
 
@@ -28,6 +29,16 @@ class Pipeline:
         self.timings = Timings()
 
     @property
+    def context_full(self) -> bool:
+        """The last reply stopped because the context was full (finish reason "length")."""
+        return self.model.engine.context_full
+
+    @property
+    def finish_reason(self) -> str | None:
+        """stop, length or cancelled: why the last reply ended."""
+        return self.model.engine.finish_reason
+
+    @property
     def tokenizer(self):
         return self.model.tokenizer
 
@@ -45,14 +56,10 @@ class Pipeline:
             engine.mark_turn()
             return fmt.encode_continuation(messages[n:], sum(m.role == "user" for m in self.cached))
         self.reset()
-        ids = fmt.encode_messages(messages, tools=tools)
-        starts = [s for s, _ in fmt.turn_spans(messages, tools=tools)]
-        # The [gMASK]sop prefix and a system/tools turn stay when the window slides; later turns
-        # are discarded whole. turn_spans' first span holds the prefix (and the system turn, if any).
-        pin = len(starts) > 1 and (messages[0].role == "system" or bool(tools))
-        engine.pinned = starts[1] if pin else None
-        engine.turn_starts = starts[1:]
-        return ids
+        request = chat_request(fmt, messages, tools)
+        engine.pinned = request.pinned
+        engine.turn_starts = list(request.turn_starts)
+        return list(request.prompt)
 
     def chat(self, messages, tools: list[dict] | None = None, stream: bool = False,
              params: SamplingParams | None = None, max_new_tokens: int = 256):
@@ -79,3 +86,25 @@ class Pipeline:
         yield from parser.close()
         self.cached = messages + [parser.message]
         self.cached_tools = tools
+
+
+def chat_request(chat_format, messages: list[Message], tools=None, params: SamplingParams | None = None,
+                 max_new_tokens: int = 256, window: WindowPolicy | None = None) -> Request:
+    """A whole conversation as one scheduler Request: its ids with the generation prompt, the chat's
+    stop ids, and the turn marks the window needs. The [gMASK]sop prefix and a system/tools turn stay
+    when the window slides; later turns are discarded whole (turn_spans' first span holds the prefix
+    and the system turn, if any)."""
+    ids = chat_format.encode_messages(messages, tools=tools)
+    starts = [s for s, _ in chat_format.turn_spans(messages, tools=tools)]
+    pin = len(starts) > 1 and (messages[0].role == "system" or bool(tools))
+    return Request(ids, params or SamplingParams(), max_new_tokens, chat_format.stop_ids, window or WindowPolicy(),
+                   turn_starts=starts[1:], pinned=starts[1] if pin else None)
+
+
+def reply_message(chat_format, tokens, tools=None) -> Message:
+    """The assistant Message (text and tool calls) of generated ids, parsed as the stream parses them."""
+    parser = ToolCallStream(chat_format, tools)
+    for t in tokens:
+        parser.push(t)
+    parser.close()
+    return parser.message

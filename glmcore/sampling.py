@@ -109,6 +109,15 @@ class Sampler:
         return ids, probs / probs.sum()
 
 
-def sample_batch(samplers: Sequence[Sampler], logits: np.ndarray, histories: Sequence[Iterable[int]]) -> list[int]:
-    """Logits [B, vocab] in, B tokens out; row i is drawn by samplers[i] with its own parameters and RNG."""
-    return [s(row, h) for s, row, h in zip(samplers, logits, histories)]
+def sample_batch(samplers: Sequence[Sampler], logits: np.ndarray,
+                 histories: Sequence[Iterable[int]]) -> list[int | SamplingError]:
+    """Logits [B, vocab] in, B tokens out; row i is drawn by samplers[i] with its own parameters and RNG.
+    A row whose logits are broken gives its SamplingError instead of a token, so one bad request does
+    not fail the others."""
+    out: list[int | SamplingError] = []
+    for s, row, h in zip(samplers, logits, histories):
+        try:
+            out.append(s(row, h))
+        except SamplingError as e:
+            out.append(e)
+    return out

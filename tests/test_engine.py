@@ -28,8 +28,16 @@ def test_error_policy_names_the_fix(model):
     with pytest.raises(ContextOverflow, match="exceed the context of 16; shorten the prompt, raise --ctx"):
         eng.feed(list(range(10, 27)))
     eng.feed(list(range(10, 20)))
-    with pytest.raises(ContextOverflow):
-        list(eng.generate([5], GREEDY, 20))
+    with pytest.raises(ContextOverflow, match="the prompt has 17 tokens, which exceed the context of 16"):
+        list(eng.generate(list(range(7)), GREEDY, 20))
+
+
+def test_generation_reaching_the_context_end_finishes_with_length(model):
+    """Under the error policy a full context ends the reply (finish reason "length"), it is no failure."""
+    eng = Engine(session(model, 16))
+    out = list(eng.generate(list(range(10, 20)), GREEDY, 20))
+    assert len(out) == 16 - 10 + 1 and eng.finish_reason == "length" and eng.context_full
+    assert len(eng.tokens) == 16 and eng.pending == out[-1]
 
 
 def test_window_fallback_equals_reprefill_of_kept_tokens(model):

@@ -12,6 +12,7 @@ from glmcore.backend import Backend, Capabilities, LoadOptions, Probe, hookimpl
 
 class TorchBackend(Backend):
     name = "torch"
+    option_keys = ()        # no backend-specific options
     extra = "torch"
     description = "PyTorch fp32 reference (CPU)"
 
@@ -23,11 +24,15 @@ class TorchBackend(Backend):
                                                   "runs on": "this machine's CPU"})
 
     def capabilities(self) -> Capabilities:
-        return Capabilities(precisions=("f32",), weight_formats=("f32",), speed_rank=0)
+        return Capabilities(precisions=("f32",), weight_formats=("f32",), speed_rank=0, native_batch=True)
 
     def load(self, config, weights, options: LoadOptions):
         from .model import TorchRefSession
         return TorchRefSession(config, weights, options, self.capabilities())
+
+    def load_batch(self, config, weights, options: LoadOptions, n_slots: int):
+        from .model import TorchRefBatch
+        return TorchRefBatch(config, weights, options, self.capabilities(), n_slots)
 
 
 @hookimpl

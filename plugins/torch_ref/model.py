@@ -6,7 +6,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from glmcore.backend import Capabilities, LoadOptions, Session, default_capacity
+from glmcore.backend import BatchSession, Capabilities, LoadOptions, Session, default_capacity
 from glmcore.config import ModelConfig
 
 
@@ -32,47 +32,57 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return torch.cat((out, x_pass), dim=-1)
 
 
-class TorchRefSession(Session):
-    def __init__(self, cfg: ModelConfig, weights, options: LoadOptions, caps: Capabilities):
+class TorchRefBatch(BatchSession):
+    """n_slots sequences; one step runs every entry's tokens through each weight matrix together
+    (ragged: the entries' tokens are concatenated), attention per entry over its own slot's cache."""
+
+    native = True
+
+    def __init__(self, cfg: ModelConfig, weights, options: LoadOptions, caps: Capabilities, n_slots: int,
+                 shared: dict | None = None):
         if options.threads:
             torch.set_num_threads(options.threads)
-        self.cfg = cfg
+        self.cfg, self.n_slots = cfg, n_slots
         self.capacity = default_capacity(cfg, caps, options.capacity)
-        self.w = {k: torch.from_numpy(np.array(weights[k], dtype=np.float32)) for k in weights}
-        shape = (cfg.num_layers, self.capacity, cfg.num_kv_heads, cfg.head_dim)
-        self.k_cache = torch.zeros(shape)
+        self.w = shared if shared is not None else {
+            k: torch.from_numpy(np.array(weights[k], dtype=np.float32)) for k in weights}
+        shape = (n_slots, cfg.num_layers, self.capacity, cfg.num_kv_heads, cfg.head_dim)
+        self.k_cache = torch.zeros(shape)     # keys are cached after rotation
         self.v_cache = torch.zeros(shape)
-        self._len = 0
+        self.lens = [0] * n_slots
 
-    @property
-    def kv_len(self) -> int:
-        return self._len
+    def kv_len(self, slot: int) -> int:
+        return self.lens[slot]
 
-    def reset(self) -> None:
-        self._len = 0
+    def reset(self, slot: int) -> None:
+        self.lens[slot] = 0
+
+    def copy_prefix(self, src: int, dst: int, n: int) -> None:
+        if src != dst:
+            self.k_cache[dst, :, :n] = self.k_cache[src, :, :n]
+            self.v_cache[dst, :, :n] = self.v_cache[src, :, :n]
+        self.lens[dst] = n
 
     def close(self) -> None:
         self.w = {}
 
-    def prefill(self, ids: Sequence[int], all_logits: bool = False) -> np.ndarray:
-        logits = self._forward(list(ids))
-        return logits if all_logits else logits[-1]
-
-    def decode(self, token: int) -> np.ndarray:
-        return self._forward([token])[-1]
-
     @torch.inference_mode()
-    def _forward(self, ids: list[int]) -> np.ndarray:
+    def step(self, entries: Sequence[tuple[int, Sequence[int]]], all_logits: bool = False):
         cfg, w = self.cfg, self.w
-        start, T = self._len, len(ids)
-        if start + T > self.capacity:
-            raise RuntimeError(f"KV cache overflow: {start}+{T} > {self.capacity} (the core should have prevented this)")
-        end = start + T
-        x = w["embed.weight"][torch.tensor(ids)]
-        cos, sin = rotary_tables(cfg, torch.arange(start, end))
+        spans = []                                   # (slot, start, end, offset in the step's tokens)
+        offset = 0
+        for slot, ids in entries:
+            start, T = self.lens[slot], len(ids)
+            if start + T > self.capacity:
+                raise RuntimeError(f"KV cache overflow in slot {slot}: {start}+{T} > {self.capacity} "
+                                   "(the core should have prevented this)")
+            spans.append((slot, start, start + T, offset))
+            offset += T
+        ids = torch.tensor([t for _, e in entries for t in e])
+        positions = torch.cat([torch.arange(start, end) for _, start, end, _ in spans])
+        x = w["embed.weight"][ids]
+        cos, sin = rotary_tables(cfg, positions)
         group = cfg.num_heads // cfg.num_kv_heads
-        # query i (absolute position start+i) sees keys 0..start+i
-        mask = torch.arange(end)[None, :] <= torch.arange(start, end)[:, None]
         for i in range(cfg.num_layers):
             p = f"layers.{i}."
             h = rms_norm(x, w[p + "input_norm.weight"], cfg.norm_eps)
@@ -80,19 +90,62 @@ class TorchRefSession(Session):
             if cfg.qkv_bias:
                 qkv = qkv + w[p + "qkv.bias"]
             q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
-            q = apply_rotary(q.view(T, cfg.num_heads, cfg.head_dim), cos, sin)
-            k = apply_rotary(k.view(T, cfg.num_kv_heads, cfg.head_dim), cos, sin)
-            self.k_cache[i, start:end] = k          # keys are cached after rotation
-            self.v_cache[i, start:end] = v.view(T, cfg.num_kv_heads, cfg.head_dim)
-            keys = self.k_cache[i, :end].repeat_interleave(group, dim=1)      # [end, heads, hd]
-            values = self.v_cache[i, :end].repeat_interleave(group, dim=1)
-            scores = torch.einsum("thd,shd->hts", q, keys) / cfg.head_dim ** 0.5
-            scores = scores.masked_fill(~mask, float("-inf"))
-            attn = torch.einsum("hts,shd->thd", scores.softmax(-1), values).reshape(T, cfg.q_size)
+            q = apply_rotary(q.view(-1, cfg.num_heads, cfg.head_dim), cos, sin)
+            k = apply_rotary(k.view(-1, cfg.num_kv_heads, cfg.head_dim), cos, sin)
+            v = v.view(-1, cfg.num_kv_heads, cfg.head_dim)
+            attn = torch.empty(offset, cfg.q_size)
+            for slot, start, end, o in spans:
+                T = end - start
+                self.k_cache[slot, i, start:end] = k[o:o + T]
+                self.v_cache[slot, i, start:end] = v[o:o + T]
+                keys = self.k_cache[slot, i, :end].repeat_interleave(group, dim=1)      # [end, heads, hd]
+                values = self.v_cache[slot, i, :end].repeat_interleave(group, dim=1)
+                scores = torch.einsum("thd,shd->hts", q[o:o + T], keys) / cfg.head_dim ** 0.5
+                # query j (absolute position start+j) sees keys 0..start+j
+                mask = torch.arange(end)[None, :] <= torch.arange(start, end)[:, None]
+                scores = scores.masked_fill(~mask, float("-inf"))
+                attn[o:o + T] = torch.einsum("hts,shd->thd", scores.softmax(-1), values).reshape(T, cfg.q_size)
             x = x + attn @ w[p + "attn_out.weight"].T
             h = rms_norm(x, w[p + "post_attn_norm.weight"], cfg.norm_eps)
             gate, up = (h @ w[p + "ffn_up.weight"].T).chunk(2, dim=-1)
             x = x + (torch.nn.functional.silu(gate) * up) @ w[p + "ffn_down.weight"].T
-        x = rms_norm(x, w["final_norm.weight"], cfg.norm_eps)
-        self._len = end
-        return (x @ w["lm_head.weight"].T).numpy()
+        for slot, _, end, _ in spans:
+            self.lens[slot] = end
+        # the output layer only where logits are wanted
+        rows = torch.arange(offset) if all_logits else torch.tensor([o + e - s - 1 for _, s, e, o in spans])
+        logits = (rms_norm(x[rows], w["final_norm.weight"], cfg.norm_eps) @ w["lm_head.weight"].T).numpy()
+        if all_logits:
+            return [logits[o:o + e - s] for _, s, e, o in spans]
+        return logits
+
+
+class TorchRefSession(Session):
+    """One sequence: a one-slot TorchRefBatch (one code path for the math)."""
+
+    def __init__(self, cfg: ModelConfig, weights, options: LoadOptions, caps: Capabilities,
+                 batch: TorchRefBatch | None = None):
+        self.batch = batch or TorchRefBatch(cfg, weights, options, caps, 1)
+        self.capacity = self.batch.capacity
+        self._args = (cfg, weights, options, caps)
+
+    @property
+    def kv_len(self) -> int:
+        return self.batch.lens[0]
+
+    def reset(self) -> None:
+        self.batch.reset(0)
+
+    def close(self) -> None:
+        self.batch.close()
+
+    def fork(self) -> "TorchRefSession":
+        cfg, weights, options, caps = self._args
+        return type(self)(cfg, weights, options, caps, TorchRefBatch(cfg, weights, options, caps, 1,
+                                                                     shared=self.batch.w))
+
+    def prefill(self, ids: Sequence[int], all_logits: bool = False) -> np.ndarray:
+        out = self.batch.step([(0, list(ids))], all_logits=all_logits)
+        return out[0]
+
+    def decode(self, token: int) -> np.ndarray:
+        return self.batch.step([(0, [token])])[0]

@@ -1,0 +1,56 @@
+"""Batching from the command line: `run --prompts FILE`, `bench --batch`, and a reply cut by a full context."""
+import pytest
+
+from glmcore.cli import main
+
+GREEDY = ["--temperature", "0", "--threads", "1"]
+
+
+def test_prompts_file_runs_as_one_batch_and_equals_each_prompt_alone(tmp_path, capsys):
+    prompts = ["你好", "hello there", "what is 1+1?", "写一首诗"]
+    f = tmp_path / "p.txt"
+    f.write_text("\n".join(prompts[:2]) + "\n\n" + "\n".join(prompts[2:]) + "\n", encoding="utf-8")
+    assert main(["run", "--backend", "torch", "--prompts", str(f), "--slots", "3", "--max-new-tokens", "10",
+                 *GREEDY]) == 0
+    out, err = capsys.readouterr()
+    assert "4 prompts on 3 slots" in err and "tok/s aggregate" in err
+    answers = out.split("--- [")[1:]
+    assert [a.split("\n", 1)[0].split("] ", 1)[1] for a in answers] == prompts
+    for prompt, answer in zip(prompts, answers):
+        assert main(["run", "--backend", "torch", "--prompt", prompt, "--max-new-tokens", "10", *GREEDY]) == 0
+        alone = capsys.readouterr().out
+        assert answer.split("\n", 1)[1] == alone
+
+
+@pytest.mark.parametrize("argv,match", [
+    (["run"], "either --prompt TEXT or --prompts FILE"),
+    (["run", "--prompt", "x", "--prompts", "f"], "either --prompt TEXT or --prompts FILE"),
+    (["run", "--prompts", "/nonexistent/prompts.txt"], "cannot read --prompts"),
+    (["run", "--backend", "torch", "--prompts", "EMPTY"], "has no prompt"),
+    (["run", "--backend", "torch", "--prompts", "ONE", "--token-budget", "0"], "token budget"),
+    (["bench", "--backend", "torch", "--size", "tiny", "--batch", "0,x"], "--batch"),
+])
+def test_batch_errors_are_one_line(argv, match, tmp_path, capsys):
+    (tmp_path / "EMPTY").write_text("\n\n")
+    (tmp_path / "ONE").write_text("hi\n")
+    argv = [str(tmp_path / a) if a in ("EMPTY", "ONE") else a for a in argv]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) <= 2 and match in err[-1] and err[-1].startswith("error:")
+
+
+def test_a_full_context_ends_the_reply_with_a_notice_not_a_failure(capsys):
+    rc = main(["run", "--backend", "torch", "--prompt", "hello", "--ctx", "24", "--max-new-tokens", "100", *GREEDY])
+    out, err = capsys.readouterr()
+    assert rc == 0 and out.strip(), err
+    assert "note: the reply stopped because the context of 24 tokens is full" in err
+    assert "generated" in err.splitlines()[-1]          # the timing line still comes
+
+
+def test_bench_batch_prints_the_table(capsys):
+    assert main(["bench", "--backend", "torch", "--size", "tiny", "--batch", "1,4", "--prompt-len", "8", "--gen", "4",
+                 "--threads", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "| batch | prefill ms (whole batch) | ms / decode step | aggregate decode tok/s |" in out
+    rows = [line for line in out.splitlines() if line.startswith("| 1 |") or line.startswith("| 4 |")]
+    assert len(rows) == 2 and "native batched steps" in out
