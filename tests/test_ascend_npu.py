@@ -202,14 +202,18 @@ def test_graph_compiles_once_per_shape_not_per_step(graph):
     assert s.compiles == warm, "a prefill length inside the buckets or a decode step recompiled"
 
 
+def explain(m, ids_shape, k_cache, v_cache, n_rows_slots=None):
+    b, t = ids_shape
+    slots = torch.arange(b) if n_rows_slots is None else torch.tensor(n_rows_slots)
+    with torch.inference_mode():
+        return torch._dynamo.explain(m.forward)(torch.zeros(ids_shape, dtype=torch.long), torch.zeros(b, dtype=torch.long),
+                                                slots, torch.zeros(b, dtype=torch.long), k_cache, v_cache)
+
+
 def test_graph_has_no_graph_breaks(graph):
     _, _, s = graph
-    m = s.model
     for t in (1, 8, 32):                               # decode and both prefill buckets
-        ids_t = torch.zeros(t, dtype=torch.long)
-        with torch.inference_mode():
-            ex = torch._dynamo.explain(m.forward)(ids_t, torch.zeros(1, dtype=torch.long),
-                                                  torch.zeros(1, dtype=torch.long), s.k_cache, s.v_cache)
+        ex = explain(s.model, (1, t), s.k_cache, s.v_cache)
         assert ex.graph_break_count == 0, ex.break_reasons
         assert ex.graph_count == 1
 
@@ -242,8 +246,9 @@ def test_graph_decode_updates_the_cache_in_place_and_never_grows(graph):
 
 def _fake_torch_npu():
     """torch_npu's documented kernels, emulated on the CPU with the documented signatures (keyword
-    names, BNSD layout, atten_mask True = masked out, GQA through num_key_value_heads), so the dispatch
-    layer's calls are checked without the hardware. Wrong keywords raise TypeError."""
+    names, BNSD layout, atten_mask True = masked out, GQA through num_key_value_heads, actual_seq_lengths
+    a host list of per-batch KV lengths of which only the first keys are read), so the dispatch layer's
+    calls are checked without the hardware. Wrong keywords raise TypeError."""
     calls = []
 
     def npu_rms_norm(self, gamma, epsilon=1e-06):
@@ -252,14 +257,20 @@ def _fake_torch_npu():
         rstd = torch.rsqrt(self.float().pow(2).mean(-1, keepdim=True) + epsilon)
         return (self.float() * rstd * gamma.float()).to(self.dtype), rstd
 
-    def _fa(query, key, value, atten_mask, num_heads, scale_value, input_layout, num_key_value_heads):
+    def _fa(query, key, value, atten_mask, num_heads, scale_value, input_layout, num_key_value_heads, kv_lens):
         assert input_layout == "BNSD" and query.is_contiguous() and query.dtype in (torch.float16, torch.bfloat16)
         assert query.shape[1] == num_heads and key.shape[1] == num_key_value_heads
+        b = query.shape[0]
+        assert atten_mask.shape == (b, 1, query.shape[2], key.shape[2]) and atten_mask.dtype == torch.bool
         g = num_heads // num_key_value_heads
         k = key.float().repeat_interleave(g, 1)
         v = value.float().repeat_interleave(g, 1)
         s = query.float() @ k.transpose(-1, -2) * scale_value
         s = s.masked_fill(atten_mask, float("-inf"))
+        if kv_lens is not None:                        # keys past a batch row's length are never read
+            assert isinstance(kv_lens, list) and len(kv_lens) == b and all(isinstance(n, int) for n in kv_lens)
+            beyond = torch.arange(key.shape[2])[None, :] >= torch.tensor(kv_lens)[:, None]
+            s = s.masked_fill(beyond[:, None, None, :], float("-inf"))
         return (s.softmax(-1) @ v).to(query.dtype)
 
     def npu_prompt_flash_attention(query, key, value, *, pse_shift=None, padding_mask=None, atten_mask=None,
@@ -267,10 +278,10 @@ def _fake_torch_npu():
                                    quant_scale2=None, quant_offset2=None, num_heads=1, scale_value=1.0,
                                    pre_tokens=2147473647, next_tokens=0, input_layout="BSH",
                                    num_key_value_heads=0, actual_seq_lengths_kv=None, sparse_mode=0):
-        calls.append("prompt_fa")
+        calls.append(("prompt_fa", actual_seq_lengths_kv))
         assert sparse_mode == 0 and next_tokens >= key.shape[2]     # the mask alone decides
-        assert atten_mask.shape == (1, 1, query.shape[2], key.shape[2])
-        return _fa(query, key, value, atten_mask, num_heads, scale_value, input_layout, num_key_value_heads)
+        return _fa(query, key, value, atten_mask, num_heads, scale_value, input_layout, num_key_value_heads,
+                   actual_seq_lengths_kv)
 
     def npu_incre_flash_attention(query, key, value, *, padding_mask=None, pse_shift=None, atten_mask=None,
                                   actual_seq_lengths=None, dequant_scale1=None, quant_scale1=None,
@@ -278,9 +289,10 @@ def _fake_torch_npu():
                                   antiquant_offset=None, block_table=None, kv_padding_size=None, num_heads=1,
                                   scale_value=1.0, input_layout="BSH", num_key_value_heads=0, block_size=0,
                                   inner_precise=1):
-        calls.append("incre_fa")
-        assert query.shape[2] == 1 and atten_mask.shape == (1, 1, 1, key.shape[2])
-        return _fa(query, key, value, atten_mask, num_heads, scale_value, input_layout, num_key_value_heads)
+        calls.append(("incre_fa", actual_seq_lengths))
+        assert query.shape[2] == 1
+        return _fa(query, key, value, atten_mask, num_heads, scale_value, input_layout, num_key_value_heads,
+                   actual_seq_lengths)
 
     def scatter_update_(data, indices, updates, axis):
         calls.append("scatter_update_")
@@ -295,33 +307,167 @@ def _fake_torch_npu():
     return mod, calls
 
 
-def test_npu_dispatch_uses_the_documented_kernels_and_matches(make_tiny, monkeypatch):
+NPU = types.SimpleNamespace(type="npu")               # torch.device("npu") exists only with torch_npu
+
+
+def _run_steps(m, kc, vc, steps):
+    """steps: (ids [B, T] list, start list, slots list, last list); stacked logits."""
+    rows = []
+    with torch.inference_mode():
+        for ids, start, slots, last in steps:
+            seq_lens = [s + len(ids[0]) for s in start] if m.ops.seq_lens else None
+            rows.append(m(torch.tensor(ids), torch.tensor(start), torch.tensor(slots), torch.tensor(last), kc, vc,
+                          seq_lens)[0])
+    return torch.cat(rows).float().numpy()
+
+
+def test_npu_dispatch_uses_the_documented_kernels_with_per_row_lengths(make_tiny, monkeypatch):
     fake, calls = _fake_torch_npu()
     monkeypatch.setitem(sys.modules, "torch_npu", fake)
     cfg, w = model(make_tiny, "chatglm3")
-    cpu, slots = torch.device("cpu"), 64
-    npu = types.SimpleNamespace(type="npu")           # torch.device("npu") exists only with torch_npu
-    ops = select_ops(npu, torch.bfloat16)
-    assert ops.name == "npu" and "npu_incre_flash_attention" in ops.kernels["attention"]
-    npu_model = GLMGraphModel(cfg, w, cpu, torch.bfloat16, ops, slots)
-    host_model = GLMGraphModel(cfg, w, cpu, torch.bfloat16, select_ops(cpu, torch.bfloat16), slots)
-    shape = (1, cfg.num_kv_heads, slots, cfg.head_dim)
+    cpu, positions = torch.device("cpu"), 64
+    ops = select_ops(NPU, torch.bfloat16, "Ascend910B4")
+    assert ops.name == "npu" and ops.seq_lens and "npu_incre_flash_attention" in ops.kernels["attention"]
+    npu_model = GLMGraphModel(cfg, w, cpu, torch.bfloat16, ops, positions)
+    host_model = GLMGraphModel(cfg, w, cpu, torch.bfloat16, select_ops(cpu, torch.bfloat16), positions)
+    # one sequence (a one-slot cache: scatter_update_), then three sequences in slots 2, 0, 1 of a
+    # four-slot cache decoding together at different lengths (index_put_ into the rows' slots)
+    one = [(ids(10, 61), [0], [0], [9])] + [([[t]], [p], [0], [0]) for p, t in enumerate(ids(4, 62), start=10)]
+    one = [([x] if isinstance(x[0], int) else x, st, sl, la) for x, st, sl, la in one]
+    many = [([ids(7, 63)], [0], [2], [6]), ([ids(3, 64)], [0], [0], [2]), ([ids(5, 65)], [0], [1], [4]),
+            ([[11], [12], [13]], [7, 3, 5], [2, 0, 1], [0, 0, 0]), ([[14], [15], [16]], [8, 4, 6], [2, 0, 1], [0, 0, 0])]
     outs = []
     for m in (npu_model, host_model):
-        kc = [torch.zeros(shape, dtype=torch.bfloat16) for _ in range(cfg.num_layers)]
-        vc = [torch.zeros(shape, dtype=torch.bfloat16) for _ in range(cfg.num_layers)]
-        rows = []
-        with torch.inference_mode():
-            prompt = torch.tensor(ids(10, 61))
-            rows.append(m(prompt, torch.tensor([0]), torch.tensor([9]), kc, vc)[0])
-            for pos, t in enumerate(ids(4, 62), start=10):
-                rows.append(m(torch.tensor([t]), torch.tensor([pos]), torch.tensor([0]), kc, vc)[0])
-        outs.append(torch.cat(rows).numpy())
-    assert {"rms_norm", "prompt_fa", "incre_fa", "scatter_update_"} <= set(calls)
+        got = []
+        for n_slots, steps in ((1, one), (4, many)):
+            shape = (n_slots, cfg.num_kv_heads, positions, cfg.head_dim)
+            kc = [torch.zeros(shape, dtype=torch.bfloat16) for _ in range(cfg.num_layers)]
+            vc = [torch.zeros(shape, dtype=torch.bfloat16) for _ in range(cfg.num_layers)]
+            got.append(_run_steps(m, kc, vc, steps))
+        outs.append(np.concatenate(got))
+    assert {"rms_norm", "scatter_update_"} <= set(c for c in calls if isinstance(c, str))
+    assert ("prompt_fa", [10]) in calls and ("incre_fa", [11]) in calls      # per-row KV lengths, not capacity
+    assert ("incre_fa", [8, 4, 6]) in calls and ("incre_fa", [9, 5, 7]) in calls
     assert rel_l2(outs[0], outs[1]) < 0.02           # same math, two kernel sets, both in bf16
     assert (outs[0].argmax(-1) == outs[1].argmax(-1)).mean() >= 0.8
     # fp32 keeps SDPA: the flash-attention kernels take fp16/bf16 only
-    assert "scaled_dot_product_attention" in select_ops(npu, torch.float32).kernels["attention"]
+    assert "scaled_dot_product_attention" in select_ops(NPU, torch.float32, "Ascend910B4").kernels["attention"]
+
+
+@pytest.mark.parametrize("soc, fused", [("Ascend910B4", True), ("Ascend910_9391", True), ("Ascend310P3", False),
+                                        ("Ascend910A", False), ("Ascend910ProB", False), ("Ascend950PR", False),
+                                        ("", False)])
+def test_kernels_are_chosen_per_chip(soc, fused, monkeypatch):
+    """The fused kernels only where documented for this model (Atlas A2/A3); 310P, 910A, 950 and unknown
+    chips run SDPA + index_put_, and say why."""
+    fake, _ = _fake_torch_npu()
+    monkeypatch.setitem(sys.modules, "torch_npu", fake)
+    ops = select_ops(NPU, torch.float16, soc)
+    assert (ops.name == "npu") == fused and ops.seq_lens == fused
+    if not fused:
+        assert ops.name == "npu-sdpa" and "scaled_dot_product_attention" in ops.kernels["attention"]
+        assert ops.kernels["why"].startswith(f"{soc}: ")
+
+
+def _fake_npu_torch(monkeypatch, soc: str):
+    """torch.npu as torch_npu adds it, on a machine that has one NPU of `soc`."""
+    import glmcore_plugins.ascend_npu as pkg
+    fake, _ = _fake_torch_npu()
+    fake.__version__ = "2.6.0.post-test"
+    monkeypatch.setitem(sys.modules, "torch_npu", fake)
+    npu = types.SimpleNamespace(is_available=lambda: True, get_device_name=lambda i=0: soc,
+                                is_bf16_supported=lambda: soc.startswith("Ascend910"))
+    monkeypatch.setattr(torch, "npu", npu, raising=False)
+    monkeypatch.setattr(pkg.importlib.util, "find_spec",
+                        lambda name, *a: object() if name in ("torch", "torch_npu") else None)
+    monkeypatch.setattr(pkg, "_DEVICE", {})
+    return pkg
+
+
+@pytest.mark.parametrize("soc", ["Ascend910B2", "Ascend310P3"])
+def test_probe_and_rank_name_the_chip_and_its_kernels(soc, monkeypatch):
+    pkg = _fake_npu_torch(monkeypatch, soc)
+    monkeypatch.setitem(sys.modules, "torchair", types.ModuleType("torchair"))
+    p = AscendNpuBackend().probe()
+    caps = AscendNpuBackend().capabilities()
+    assert p.ready and p.device == "npu:0" and p.details["runs on"] == f"Ascend NPU ({soc})"
+    assert caps.native_batch
+    if soc.startswith("Ascend910B"):
+        assert "incre_flash_attention with actual_seq_lengths" in p.details["kernels"] and caps.speed_rank == 100
+        assert caps.default_precision == "bf16"
+    else:   # a 310P: no bf16, no fused attention: fp16 over SDPA, ranked below a fused-kernel NPU
+        assert "scaled_dot_product_attention" in p.details["kernels"] and caps.speed_rank < 100
+        assert caps.default_precision == "f16" and "310P" in p.details["soc"]
+    assert pkg._soc() == soc
+
+
+def test_probe_reports_a_broken_torchair_as_not_ready(monkeypatch):
+    """torch_npu registers torchair lazily; find_spec on it can raise. The probe must not."""
+    import importlib.util
+    real_find_spec = importlib.util.find_spec
+    _fake_npu_torch(monkeypatch, "Ascend910B3")
+    lazy = types.ModuleType("torchair")                      # a lazy module without a spec, as torch_npu makes it
+    lazy.__spec__ = None
+    monkeypatch.setitem(sys.modules, "torchair", lazy)
+    with pytest.raises(ValueError):
+        real_find_spec("torchair")                           # what the probe used to call
+    monkeypatch.setitem(sys.modules, "torchair", None)       # and one whose import fails
+    p = AscendNpuBackend().probe()
+    assert not p.ready and "torchair is not importable" in p.reason and "ships with torch_npu" in p.reason
+    assert "pip install torchair" not in p.reason + p.install
+
+
+def test_recompile_limit_on_old_and_new_torch():
+    from glmcore_plugins.ascend_npu.session import raise_recompile_limit
+    old = types.SimpleNamespace(cache_size_limit=8)           # torch <= 2.6: no recompile_limit
+    assert raise_recompile_limit(64, old) == "cache_size_limit" and old.cache_size_limit == 64
+    assert not hasattr(old, "recompile_limit")
+    new = types.SimpleNamespace(recompile_limit=8, cache_size_limit=8)
+    assert raise_recompile_limit(64, new) == "recompile_limit" and new.recompile_limit == 64
+    assert raise_recompile_limit() in ("recompile_limit", "cache_size_limit")
+
+
+def test_npu_graph_mode_marks_caches_static_and_lengths_dynamic(make_tiny, monkeypatch):
+    """On the NPU: frozen parameters, the KV caches' addresses marked static (frozen_parameter.md), and
+    with per-row lengths dynamic=True + mark_static inputs + tiling_schedule_optimize (torchair's
+    'path 4' for FA with actual_seq_lengths). torch.compile and torchair are stand-ins here."""
+    from glmcore_plugins.ascend_npu import session as sess
+    fake, _ = _fake_torch_npu()
+    monkeypatch.setitem(sys.modules, "torch_npu", fake)
+    configs, compiled, marked = [], [], {"address": [], "static": []}
+
+    class Config:
+        def __init__(self):
+            self.experimental_config = types.SimpleNamespace(frozen_parameter=False)
+
+    torchair = types.ModuleType("torchair")
+    torchair.CompilerConfig = Config
+    torchair.get_npu_backend = lambda compiler_config: configs.append(compiler_config) or "npu-backend"
+    monkeypatch.setitem(sys.modules, "torchair", torchair)
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: compiled.append(kw) or fn)
+    monkeypatch.setattr(torch._dynamo, "mark_static_address", lambda t: marked["address"].append(t))
+    monkeypatch.setattr(torch._dynamo, "mark_static", lambda t: marked["static"].append(t))
+    monkeypatch.setattr(sess, "select_ops", lambda device, dtype, soc: select_ops(NPU, dtype, soc))
+    cfg, w = model(make_tiny, "chatglm3")
+    opts = AscendNpuBackend().resolve(LoadOptions(precision="bf16", capacity=32, extra={"buckets": "8"}))
+    device = torch.device("cpu")                              # tensors on the CPU, kernels the fake NPU's
+    runner = sess.StepRunner(cfg, w, opts, AscendNpuBackend().capabilities(), device, 3, "Ascend910B4")
+    runner.on_npu = True
+    runner._step = runner._compile()
+    caches = runner.k_cache + runner.v_cache
+    assert configs[0].experimental_config.frozen_parameter and configs[0].experimental_config.tiling_schedule_optimize
+    assert compiled[-1]["dynamic"] is True and compiled[-1]["fullgraph"] is True
+    assert all(any(t is c for t in marked["address"]) for c in caches)
+    assert "tiling_schedule_optimize=True" in runner.compiler
+    marked["static"].clear()
+    runner.call(torch.zeros((2, 1), dtype=torch.long), [3, 5], [0, 2], [0, 0])
+    assert len(marked["static"]) == 4                           # ids, start, slots, last: static shapes
+    # without length-taking kernels (another chip) the graph stays fully static
+    runner = sess.StepRunner(cfg, w, opts, AscendNpuBackend().capabilities(), device, 1, "Ascend310P3")
+    runner.on_npu = True
+    runner._compile()
+    assert compiled[-1]["dynamic"] is False and not getattr(configs[-1].experimental_config,
+                                                            "tiling_schedule_optimize", False)
 
 
 def test_on_an_ascend_npu_graph_mode_runs_torchair_and_matches(make_tiny):
@@ -337,3 +483,119 @@ def test_on_an_ascend_npu_graph_mode_runs_torchair_and_matches(make_tiny):
     got, want = run(s, script), run(reference(cfg, w), script)
     assert rel_l2(got, want) < 0.06
     assert math.isfinite(float(got.sum()))
+
+
+# ---------------------------------------------------------------- the native batch session (contract v2)
+
+@pytest.fixture(scope="module")
+def batch(make_tiny):
+    cfg, w = model(make_tiny, "chatglm3")
+    b = AscendNpuBackend().load_batch(cfg, w, LoadOptions(precision="f32", capacity=64, extra={
+        "device": "cpu", "buckets": "8,32", "batch_buckets": "2,4"}), 4)
+    yield cfg, w, b
+    b.close()
+
+
+class Mirror:
+    """One torch reference session per slot, fed what the batch session's slot holds."""
+
+    def __init__(self, cfg, w, n):
+        self.refs = [reference(cfg, w, 64) for _ in range(n)]
+        self.held = [[] for _ in range(n)]
+
+    def step(self, entries, all_logits=False):
+        out = []
+        for slot, ids in entries:
+            r = self.refs[slot]
+            if all_logits or len(ids) > 1 or r.kv_len == 0:
+                out.append(r.prefill(ids, all_logits=all_logits))
+            else:
+                out.append(r.decode(ids[0]))
+            self.held[slot] += ids
+        return out if all_logits else np.stack(out)
+
+    def reset(self, slot):
+        self.refs[slot].reset()
+        self.held[slot] = []
+
+    def copy_prefix(self, src, dst, n):
+        ids = self.held[src][:n]
+        self.reset(dst)
+        self.step([(dst, ids)])
+
+
+def test_batch_matches_the_single_sequence_reference_in_mixed_steps(batch):
+    cfg, w, b = batch
+    assert b.native and b.n_slots == 4 and b.capacity == 64 and b.report()["decode batch buckets"] == [2, 4]
+    mirror = Mirror(cfg, w, 4)
+    t = iter(ids(200, 90))
+    steps = [
+        [(0, ids(5, 91)), (1, ids(12, 92)), (2, [next(t)])],          # different lengths; a 1-token start
+        [(0, [next(t)]), (1, [next(t)]), (2, [next(t)])],              # 3 decodes: batch bucket 4, one pad row
+        [(0, [next(t)]), (3, ids(20, 93))],                            # slot 3 prefills while slot 0 decodes
+        "reset 1",
+        [(1, ids(3, 94)), (0, [next(t)]), (3, [next(t)]), (2, [next(t)])],   # slot 1 freed and reused
+        "copy 3 1 10",                                                 # a shared prefix copied between slots
+        [(1, [next(t)]), (2, [next(t)]), (3, [next(t)]), (0, [next(t)])],
+        [(2, ids(40, 95)), (1, [next(t)])],                            # a 40-token prompt: chunks 32 + 8
+    ]
+    for step in steps:
+        if isinstance(step, str):
+            op, *args = step.split()
+            getattr(b, {"reset": "reset", "copy": "copy_prefix"}[op])(*map(int, args))
+            getattr(mirror, {"reset": "reset", "copy": "copy_prefix"}[op])(*map(int, args))
+            continue
+        got, want = b.step(step), mirror.step(step)
+        assert got.shape == (len(step), cfg.vocab_size) and got.dtype == np.float32
+        assert np.abs(got - want).max() < 1e-3, step
+        assert [b.kv_len(s) for s in range(4)] == [r.kv_len for r in mirror.refs]
+    # all_logits: every position of a prefill chunk, and a decode row's one
+    entries = [(0, ids(6, 96)), (3, [next(t)])]
+    got, want = b.step(entries, all_logits=True), mirror.step(entries, all_logits=True)
+    assert [g.shape for g in got] == [(6, cfg.vocab_size), (1, cfg.vocab_size)]
+    for g, wnt in zip(got, want):
+        assert np.abs(g - wnt).max() < 1e-3
+
+
+def test_batch_compiles_once_per_bucket_and_has_no_graph_breaks(batch):
+    cfg, _, b = batch
+    for s in range(4):
+        b.reset(s)
+    b.step([(0, ids(5, 97)), (1, ids(30, 98))])                # prefill buckets 8 and 32
+    b.step([(0, [5]), (1, [6])])                                # decode bucket 2
+    b.step([(0, [5]), (1, [6]), (2, [7])])                      # decode bucket 4
+    warm = b.runner.compiles
+    for n in (1, 2, 3, 4, 4, 1):
+        b.step([(s, [9]) for s in range(n)])
+    b.step([(3, ids(17, 99))])
+    assert b.runner.compiles == warm, "a batch size or prompt inside the buckets recompiled"
+    m = b.runner.model
+    for shape, slots in (((4, 1), [3, 0, 2, 4]), ((2, 1), [1, 4]), ((1, 8), [2]), ((1, 32), [0])):
+        ex = explain(m, shape, b.runner.k_cache, b.runner.v_cache, slots)
+        assert ex.graph_break_count == 0 and ex.graph_count == 1, ex.break_reasons
+
+
+def test_batch_refuses_bad_entries(batch):
+    cfg, _, b = batch
+    for s in range(4):
+        b.reset(s)
+    with pytest.raises(BackendError, match="appears twice"):
+        b.step([(0, [1]), (0, [2])])
+    with pytest.raises(BackendError, match="slots 0..3"):
+        b.step([(4, [1])])
+    with pytest.raises(BackendError, match="outside the vocabulary"):
+        b.step([(0, [cfg.vocab_size])])
+    with pytest.raises(BackendError, match="overflow in slot 1"):
+        b.step([(1, ids(65, 100))])
+    with pytest.raises(BackendError, match="cannot copy"):
+        b.copy_prefix(0, 1, 1)
+    assert [b.kv_len(s) for s in range(4)] == [0, 0, 0, 0]      # a refused step changes nothing
+
+
+def test_eager_batch_matches_too(make_tiny):
+    cfg, w = model(make_tiny, "glm4")
+    b = AscendNpuBackend().load_batch(cfg, w, LoadOptions(precision="f32", capacity=32,
+                                                          extra={"device": "cpu", "mode": "eager"}), 3)
+    mirror = Mirror(cfg, w, 3)
+    for entries in ([(0, ids(4, 101)), (2, ids(9, 102))], [(0, [7]), (2, [8]), (1, [9])], [(1, [3]), (2, [4])]):
+        assert np.abs(b.step(entries) - mirror.step(entries)).max() < 1e-3

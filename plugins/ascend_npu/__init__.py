@@ -1,10 +1,12 @@
 """Backend `ascend_npu`: GLM as one PyTorch graph with fused attention/RMSNorm, for Ascend NPUs.
 
 On an Ascend NPU (torch_npu present and a device visible) the step is compiled by torchair's NPU
-backend with frozen parameters, and attention/RMSNorm/KV updates run as torch_npu fused kernels. On
-any other machine the same model and the same graph discipline run on CUDA or the CPU: torch.compile
-with inductor, SDPA and the fused RMSNorm. `--opt mode=eager` runs it uncompiled. torch and torch_npu
-are imported only in probe()/capabilities()/load().
+backend with frozen parameters; on Atlas A2/A3 attention/RMSNorm/KV updates run as torch_npu fused
+kernels, on other Ascend chips as SDPA and index_put_ (ops.soc_support says why). On any other machine
+the same model and the same graph discipline run on CUDA or the CPU: torch.compile with inductor, SDPA
+and the fused RMSNorm. `--opt mode=eager` runs it uncompiled. `load_batch` gives a native batch
+session (decode of many sequences in one graph call). torch and torch_npu are imported only in
+probe()/capabilities()/load().
 """
 from __future__ import annotations
 
@@ -29,6 +31,8 @@ def detect_device(requested: str | None = None) -> tuple[str, dict]:
             import torch_npu  # noqa: F401  (registers the "npu" device with torch)
             notes["torch_npu"] = getattr(torch_npu, "__version__", "unknown")
             npu_ok = torch.npu.is_available()
+            if npu_ok:
+                notes["soc"] = torch.npu.get_device_name(0)
         except Exception as e:      # a broken CANN install must not break the host path
             notes["torch_npu"] = f"failed to import: {type(e).__name__}: {e}"
             npu_ok = False
@@ -55,6 +59,24 @@ def _default_device() -> str:
     return _DEVICE["device"]
 
 
+def _soc() -> str:
+    """The NPU's SoC name (torch.npu.get_device_name), or "" off the NPU."""
+    _default_device()
+    return _DEVICE["notes"].get("soc", "")
+
+
+def torchair_status() -> tuple[bool, str]:
+    """Whether torchair (shipped inside torch_npu, importable as `torchair` once torch_npu is imported)
+    can be imported. Importing, not find_spec: torch_npu registers torchair as a lazy module whose
+    __spec__ may be None, and find_spec raises on that."""
+    try:
+        import torchair  # noqa: F401
+    except Exception as e:
+        return False, (f"torchair is not importable ({type(e).__name__}: {e}); it ships with torch_npu "
+                       "(torch_npu.dynamo.torchair): install the torch_npu build matching your CANN and torch")
+    return True, f"torchair {getattr(torchair, '__version__', '')}".strip()
+
+
 def device_precisions(device: str) -> tuple[str, ...]:
     import torch
     kind = device.split(":")[0]
@@ -73,6 +95,7 @@ def device_precisions(device: str) -> tuple[str, ...]:
 
 class AscendNpuBackend(Backend):
     name = "ascend_npu"
+    option_keys = ("device", "mode", "buckets", "batch_buckets")
     extra = "ascend"
     description = "torch graph mode (torchair on Ascend NPU; inductor on CUDA/CPU), fused attention + RMSNorm, static KV cache"
 
@@ -85,15 +108,25 @@ class AscendNpuBackend(Backend):
         kind = device.split(":")[0]
         details = {"torch": torch.__version__, "torch_npu": notes["torch_npu"], "device": device,
                    "mode": "graph (default; --opt mode=eager)"}
+        details["batch"] = ("native: load_batch decodes all sequences' tokens in one graph call per step "
+                            "(static cache [slots, kv_heads, positions, head_dim], one graph per batch-size bucket)")
         if kind == "npu":
-            details["torchair"] = ("installed" if importlib.util.find_spec("torchair") else
-                                   "not installed: graph mode needs it (pip install torchair) or use mode=eager")
+            from .ops import soc_support
+            fused, why = soc_support(_soc())
+            details["soc"] = why
+            ok, tair = torchair_status()
+            details["torchair"] = tair
             details["compiler"] = "torchair npu backend, frozen parameters"
-            details["kernels"] = "torch_npu npu_rms_norm, npu_prompt/incre_flash_attention, scatter_update_"
-            details["runs on"] = "Ascend NPU"
+            details["kernels"] = ("torch_npu npu_rms_norm, npu_prompt/incre_flash_attention with actual_seq_lengths, "
+                                  "scatter_update_" if fused else "F.rms_norm, scaled_dot_product_attention, index_put_")
+            details["runs on"] = f"Ascend NPU ({_soc() or 'SoC unknown'})"
+            if not ok:
+                return Probe(False, device=device, reason=f"{tair}; graph mode (the default) needs it",
+                             install="the torch_npu wheel for your CANN version (torchair is part of it)",
+                             details=details)
         else:
             details["compiler"] = "inductor"
-            details["kernels"] = "F.rms_norm, scaled_dot_product_attention, index_copy_ (no NPU: host path)"
+            details["kernels"] = "F.rms_norm, scaled_dot_product_attention, index_put_ (no NPU: host path)"
             details["runs on"] = "CUDA GPU" if kind == "cuda" else "this machine's CPU (no Ascend NPU found)"
             if kind == "cpu" and not shutil.which(os.environ.get("CXX", "g++")):
                 details["compiler"] = "inductor needs a C++ compiler (g++) for graph mode; mode=eager works without"
@@ -107,8 +140,11 @@ class AscendNpuBackend(Backend):
         kind = device.split(":")[0]
         default = "f32" if kind == "cpu" else ("bf16" if "bf16" in precisions else "f16")
         rank = {"npu": 100, "cuda": 50}.get(kind, -1)   # on the CPU it is a compile-heavy host path: not a default
+        if kind == "npu":
+            from .ops import soc_support
+            rank = 100 if soc_support(_soc())[0] else 60   # no fused kernels on this chip: still the NPU, plainer
         return Capabilities(precisions=precisions, weight_formats=precisions, default_precision=default,
-                            default_weights=default, can_shift=False, speed_rank=rank)
+                            default_weights=default, can_shift=False, speed_rank=rank, native_batch=True)
 
     def resolve(self, options: LoadOptions) -> LoadOptions:
         # Weights are held in the compute precision: --weights defaults to --precision and must match it.
@@ -131,10 +167,8 @@ class AscendNpuBackend(Backend):
         return [{"mode": "graph"}, {"mode": "eager", "precision": "f32", "weights": "f32"},
                 {"mode": "eager", "precision": "bf16", "weights": "bf16"}]
 
-    def load(self, config, weights, options: LoadOptions):
+    def _device(self, options: LoadOptions):
         import torch
-        from .session import AscendSession
-        options = self.resolve(options)
         requested = options.extra.get("device")
         device = detect_device(requested)[0] if requested else _default_device()
         if options.precision not in device_precisions(device):
@@ -142,7 +176,19 @@ class AscendNpuBackend(Backend):
                                f"choose one of {', '.join(device_precisions(device))}")
         if device.startswith("npu"):
             torch.npu.set_device(device)
-        return AscendSession(config, weights, options, self.capabilities(), torch.device(device))
+        return torch.device(device)
+
+    def load(self, config, weights, options: LoadOptions):
+        from .session import AscendSession
+        options = self.resolve(options)
+        device = self._device(options)
+        return AscendSession(config, weights, options, self.capabilities(), device, _soc())
+
+    def load_batch(self, config, weights, options: LoadOptions, n_slots: int):
+        from .session import AscendBatchSession
+        options = self.resolve(options)
+        device = self._device(options)
+        return AscendBatchSession(config, weights, options, self.capabilities(), device, n_slots, _soc())
 
 
 @hookimpl

@@ -1,8 +1,10 @@
 """The GLM forward pass written for whole-graph capture (torch.compile fullgraph / torchair).
 
-Rules that keep it one static graph: every shape is fixed by the inputs' shapes (the token block
-length T and the cache slots S), positions arrive as a tensor (never a Python int taken from data),
-masks are computed from that tensor, and nothing branches on tensor values. Device kernels come from
+Rules that keep it one static graph: every shape is fixed by the inputs' shapes (B rows of T tokens,
+the cache's slots and positions), positions arrive as tensors (never a Python int taken from data),
+masks are computed from them, and nothing branches on tensor values. One step serves B rows, each
+row a chunk of one sequence (its cache slot): a single sequence is B = 1 over a one-slot cache; a
+batch of sequences decodes as B rows of one token. Device kernels come from
 the Ops chosen at load (ops.py). The math is plugins/torch_ref's: RMSNorm, fused QKV + bias, GQA,
 rotary on the first half of each head's dims in interleaved pairs with fp32 angles, keys cached after
 rotation, SwiGLU, final norm, lm_head.
@@ -35,20 +37,21 @@ def to_device(arr: np.ndarray, device: torch.device, dtype: torch.dtype) -> nn.P
     return nn.Parameter(t, requires_grad=False)
 
 
-def rotary_tables(cfg: ModelConfig, slots: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin [slots, rotary_dim/2] in fp32 for every cache slot, computed once at load."""
+def rotary_tables(cfg: ModelConfig, positions: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin [positions, rotary_dim/2] in fp32 for every cache position, computed once at load."""
     dim = cfg.rotary_dim
     inv_freq = 1.0 / (cfg.rope_base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
-    angles = torch.arange(slots, dtype=torch.float32)[:, None] * inv_freq[None, :]
+    angles = torch.arange(positions, dtype=torch.float32)[:, None] * inv_freq[None, :]
     return angles.cos().to(device), angles.sin().to(device)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [T, heads, head_dim]; rotate the first half of the dims in interleaved pairs, in fp32."""
+    """x [..., T, heads, head_dim], cos/sin [..., T, rot/2]; rotate the first half of the dims in
+    interleaved pairs, in fp32."""
     rot = x.shape[-1] // 2
     xf = x.float()
     x0, x1, x_pass = xf[..., 0:rot:2], xf[..., 1:rot:2], xf[..., rot:]
-    c, s = cos[:, None, :], sin[:, None, :]
+    c, s = cos.unsqueeze(-2), sin.unsqueeze(-2)
     out = torch.stack((x0 * c - x1 * s, x1 * c + x0 * s), dim=-1).flatten(-2)
     return torch.cat((out, x_pass), dim=-1).to(x.dtype)
 
@@ -70,29 +73,33 @@ class Layer(nn.Module):
 class GLMGraphModel(nn.Module):
     """Weights on the device in the compute dtype (norm weights in fp32); `forward` is the captured step."""
 
-    def __init__(self, cfg: ModelConfig, weights, device: torch.device, dtype: torch.dtype, ops: Ops, slots: int):
+    def __init__(self, cfg: ModelConfig, weights, device: torch.device, dtype: torch.dtype, ops: Ops, positions: int):
         super().__init__()
         self.cfg, self.ops, self.dtype = cfg, ops, dtype
         self.embed = to_device(weights["embed.weight"], device, dtype)
         self.layers = nn.ModuleList(Layer(cfg, weights, i, device, dtype) for i in range(cfg.num_layers))
         self.final_norm = to_device(weights["final_norm.weight"], device, torch.float32)
         self.lm_head = to_device(weights["lm_head.weight"], device, dtype)
-        cos, sin = rotary_tables(cfg, slots, device)
+        cos, sin = rotary_tables(cfg, positions, device)
         self.register_buffer("cos", cos, persistent=False)
         self.register_buffer("sin", sin, persistent=False)
-        self.register_buffer("slot_ids", torch.arange(slots, device=device), persistent=False)
+        self.register_buffer("position_ids", torch.arange(positions, device=device), persistent=False)
 
-    def forward(self, ids: torch.Tensor, start: torch.Tensor, last: torch.Tensor,
-                k_cache: list[torch.Tensor], v_cache: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        """ids [T] int64 at positions start..start+T-1 (start: [1] int64). Writes K/V into the static
-        caches in place and returns (float32 logits [1, vocab] of row `last` ([1] int64), final
-        hidden states [T, hidden]). Rows past the real tokens are padding; their results are unused."""
+    def forward(self, ids: torch.Tensor, start: torch.Tensor, slots: torch.Tensor, last: torch.Tensor,
+                k_cache: list[torch.Tensor], v_cache: list[torch.Tensor],
+                seq_lens: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """ids [B, T] int64: row b holds tokens at positions start[b]..start[b]+T-1 of cache slot
+        slots[b] (start, slots, last: [B] int64). Writes K/V into the static caches in place and returns
+        (float32 logits [B, vocab] of each row's token `last[b]`, final hidden states [B, T, hidden]).
+        Tokens past a row's real ones are padding; their results are unused. seq_lens: each row's KV
+        length start[b]+T as host ints, for kernels that take it (Ops.seq_lens), else None."""
         cfg, ops = self.cfg, self.ops
-        t = ids.shape[0]
+        b, t = ids.shape
         hd, nh, nkv = cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
-        pos = start + self.slot_ids[:t]                      # [T] absolute positions
+        pos = start[:, None] + self.position_ids[:t]                       # [B, T] absolute positions
         cos, sin = self.cos[pos], self.sin[pos]
-        allowed = self.slot_ids[None, :] <= pos[:, None]     # [T, S]: causal over the whole cache
+        allowed = self.position_ids[None, None, :] <= pos[:, :, None]      # [B, T, S]: causal over the whole slot
+        one_slot = k_cache[0].shape[0] == 1                            # a static fact of the cache, not data
         # The residual stream stays fp32 in every precision; matmuls and the cache run in self.dtype.
         dt = self.dtype
         x = self.embed[ids].float()
@@ -100,20 +107,22 @@ class GLMGraphModel(nn.Module):
             h = ops.rms_norm(x, layer.input_norm, cfg.norm_eps).to(dt)
             qkv = F.linear(h, layer.qkv, layer.qkv_bias)
             q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
-            q = apply_rotary(q.view(t, nh, hd), cos, sin)
-            k = apply_rotary(k.view(t, nkv, hd), cos, sin)
-            # [T, heads, D] -> BNSD [1, heads, T, D]
-            q = q.transpose(0, 1)[None]
-            ops.cache_write(k_cache[i], pos, start, k.transpose(0, 1)[None])   # keys cached after rotation
-            ops.cache_write(v_cache[i], pos, start, v.view(t, nkv, hd).transpose(0, 1)[None])
-            attn = ops.attention(q, k_cache[i], v_cache[i], allowed)           # [1, H, T, D]
-            attn = attn[0].transpose(0, 1).reshape(t, cfg.q_size)
+            q = apply_rotary(q.view(b, t, nh, hd), cos, sin).transpose(1, 2)       # BNSD [B, H, T, D]
+            k = apply_rotary(k.view(b, t, nkv, hd), cos, sin)                       # keys cached after rotation
+            ops.cache_write(k_cache[i], slots, pos, k.transpose(1, 2))
+            ops.cache_write(v_cache[i], slots, pos, v.view(b, t, nkv, hd).transpose(1, 2))
+            # each row reads its own slot: the cache itself for one slot, else the rows' slots gathered
+            kc = k_cache[i] if one_slot else k_cache[i].index_select(0, slots)
+            vc = v_cache[i] if one_slot else v_cache[i].index_select(0, slots)
+            attn = ops.attention(q, kc, vc, allowed, seq_lens)                     # [B, H, T, D]
+            attn = attn.transpose(1, 2).reshape(b, t, cfg.q_size)
             x = x + F.linear(attn, layer.attn_out).float()
             h = ops.rms_norm(x, layer.post_attn_norm, cfg.norm_eps).to(dt)
             gate, up = F.linear(h, layer.ffn_up).chunk(2, dim=-1)
             x = x + F.linear(F.silu(gate) * up, layer.ffn_down).float()
         x = ops.rms_norm(x, self.final_norm, cfg.norm_eps).to(dt)
-        logits = F.linear(x.index_select(0, last), self.lm_head).float()
+        rows = x.gather(1, last[:, None, None].expand(b, 1, x.shape[-1]))[:, 0]     # [B, hidden]
+        logits = F.linear(rows, self.lm_head).float()
         return logits, x
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -1,17 +1,22 @@
 """The one place where device-specific kernels are chosen: RMSNorm, attention, KV-cache update.
 
-`select_ops(device, dtype)` decides once, at load, and the model only ever calls the returned Ops.
-On an Ascend NPU the fused torch_npu kernels are used (npu_rms_norm, npu_prompt_flash_attention for
-prefill, npu_incre_flash_attention for decode, scatter_update_ for the cache); elsewhere the fused
-PyTorch equivalents (F.rms_norm, scaled_dot_product_attention, index_copy_). Every function here is
-branch-free on tensor values, so it traces into one graph.
+`select_ops(device, dtype, soc)` decides once, at load, and the model only ever calls the returned
+Ops. The fused torch_npu kernels (npu_rms_norm, npu_prompt_flash_attention for prefill,
+npu_incre_flash_attention for decode, scatter_update_ for the cache) are used only on the chips they
+are documented for with this model's shapes: Atlas A2/A3 (SoC names Ascend910B*, Ascend910_93*).
+Elsewhere, on other NPUs as on CUDA and the CPU, the fused PyTorch equivalents run (F.rms_norm,
+scaled_dot_product_attention, index_put_); see `soc_support`. Every function here is branch-free on
+tensor values, so it traces into one graph.
 
-Cache layout is BNSD, [1, kv_heads, slots, head_dim] per layer: the sequence is axis -2, the axis
+Shapes: a step has B rows of T tokens; each row belongs to one cache slot. Cache layout is BNSD,
+[slots, kv_heads, positions, head_dim] per layer: the position axis is -2, the axis
 torch_npu.scatter_update_ writes in place (its documented KV-cache use) and the layout the Ascend
 flash-attention kernels read without a transpose ("BNSD"); SDPA reads the same layout on CPU/CUDA.
 
-Masks: `allowed` [q, slots] is True where a query may attend a key. The Ascend kernels take the
-opposite convention (True/1 = masked out), so the NPU functions pass ~allowed.
+Masks: `allowed` [B, T, positions] is True where a query may attend a key. The Ascend kernels take
+the opposite convention (True/1 = masked out), so the NPU functions pass ~allowed. Per-row KV lengths
+(`seq_lens`, a host list of ints) go to the NPU kernels as actual_seq_lengths, so their work scales
+with the tokens a row holds, not with the cache capacity; SDPA has no such argument and masks.
 """
 from __future__ import annotations
 
@@ -27,35 +32,84 @@ import torch.nn.functional as F
 class Ops:
     name: str                                  # "npu" | "torch"
     rms_norm: Callable                         # (x fp32, weight fp32, eps) -> normalized x, fp32
-    attention: Callable                        # (q [1,H,T,D], k/v cache [1,Hkv,S,D], allowed [T,S]) -> [1,H,T,D]
-    cache_write: Callable                      # (cache [1,Hkv,S,D], pos [T], start [1], new [1,Hkv,T,D]) -> None
+    attention: Callable                        # (q [B,H,T,D], k/v [B,Hkv,S,D], allowed [B,T,S], seq_lens) -> [B,H,T,D]
+    cache_write: Callable                      # (cache [slots,Hkv,S,D], slots [B], pos [B,T], new [B,Hkv,T,D]) -> None
     kernels: dict = field(default_factory=dict)   # what runs, for the probe and the session report
+    seq_lens: bool = False                     # attention wants per-row KV lengths (a host list of ints)
 
 
-# ---------------------------------------------------------------- host / CUDA path
+# ---------------------------------------------------------------- which chip runs what
+
+# torch.npu.get_device_name() reports the SoC version string (Ascend/pytorch: torch_npu/npu/utils.py
+# get_device_name -> the CANN SoC name, e.g. "Ascend910B4", "Ascend910_9391", "Ascend310P3").
+def soc_family(name: str) -> str:
+    n = (name or "").replace(" ", "")
+    if n.startswith("Ascend910_93"):
+        return "A3"
+    if n.startswith("Ascend910B"):
+        return "A2"
+    if n.startswith("Ascend310P"):
+        return "310P"
+    if n.startswith(("Ascend910A", "Ascend910Pro", "Ascend910Premium")) or n == "Ascend910":
+        return "910A"
+    if n.startswith("Ascend950"):
+        return "950"
+    return "unknown"
+
+
+_WHY_NOT = {
+    "310P": "Atlas inference cards (310P): the fused attention kernels take fp16 only and no grouped KV heads "
+            "as used here, and scatter_update_ is not offered",
+    "910A": "Atlas training series (910A): prompt/incre flash attention are listed as unsupported",
+    "950": "Ascend 950: npu_fused_infer_attention_score is the kernel there; not wired here yet",
+    "unknown": "a SoC this backend has no kernel table for",
+}
+
+
+def soc_support(name: str) -> tuple[bool, str]:
+    """(fused kernels?, why) for the SoC name torch.npu.get_device_name() reports."""
+    family = soc_family(name)
+    if family in ("A2", "A3"):
+        return True, f"{name}: Atlas {family}, fused torch_npu kernels"
+    return False, f"{name}: {_WHY_NOT[family]}; SDPA + index_put_ instead"
+
+
+# ---------------------------------------------------------------- host / CUDA path (and NPUs without the fused kernels)
 
 def _torch_rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     # F.rms_norm is one fused kernel in eager mode and fuses into its neighbours under inductor.
     return F.rms_norm(x, (x.shape[-1],), w, eps)
 
 
-def _torch_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+def _torch_attention(q, k, v, allowed, seq_lens=None):
     # GQA without copying the cache: fold each KV group's query heads into the query-length axis,
-    # [1, Hkv*G, T, D] -> [1, Hkv, G*T, D]; the mask rows repeat per group to match.
-    _, h, t, d = q.shape
+    # [B, Hkv*G, T, D] -> [B, Hkv, G*T, D] (rows g-major); the mask rows repeat per group to match.
+    b, h, t, d = q.shape
     hkv = k.shape[1]
     g = h // hkv
-    qg = q.reshape(1, hkv, g * t, d)
-    mask = allowed.repeat(g, 1)[None, None]
+    qg = q.reshape(b, hkv, g * t, d)
+    mask = allowed.repeat(1, g, 1)[:, None]
     out = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask, scale=1.0 / math.sqrt(d))
-    return out.reshape(1, h, t, d)
+    return out.reshape(b, h, t, d)
 
 
-def _torch_cache_write(cache: torch.Tensor, pos: torch.Tensor, start: torch.Tensor, new: torch.Tensor) -> None:
-    cache.index_copy_(2, pos, new)
+def _torch_cache_write(cache, slots, pos, new):
+    # cache[slots[b], :, pos[b, t]] = new[b, :, t]: one index_put_ for every row and token, in place.
+    # (The advanced indices are split by a slice, so the indexed view is [B, T, Hkv, D].)
+    cache[slots[:, None].expand_as(pos), :, pos] = new.transpose(1, 2)
 
 
-# ---------------------------------------------------------------- Ascend NPU path
+TORCH_KERNELS = {"rms_norm": "torch.nn.functional.rms_norm (fused)",
+                 "attention": "torch.nn.functional.scaled_dot_product_attention (masked over the whole cache)",
+                 "kv_update": "indexed assignment (index_put_) into the static cache"}
+
+
+def _torch_ops(name: str = "torch", why: str = "") -> Ops:
+    kernels = dict(TORCH_KERNELS, **({"why": why} if why else {}))
+    return Ops(name, _torch_rms_norm, _torch_attention, _torch_cache_write, kernels)
+
+
+# ---------------------------------------------------------------- Ascend NPU path (Atlas A2/A3)
 
 def _npu_ops(dtype: torch.dtype) -> Ops:
     import torch_npu
@@ -63,37 +117,42 @@ def _npu_ops(dtype: torch.dtype) -> Ops:
     def rms_norm(x, w, eps):
         return torch_npu.npu_rms_norm(x, w, epsilon=eps)[0]
 
-    def attention(q, k, v, allowed):
+    def attention(q, k, v, allowed, seq_lens):
         _, h, t, d = q.shape
-        masked = (~allowed)[None, None].contiguous()          # Ascend: True = does not participate
+        masked = (~allowed)[:, None].contiguous()             # Ascend: True = does not participate
         common = dict(num_heads=h, scale_value=1.0 / math.sqrt(d), input_layout="BNSD",
                       num_key_value_heads=k.shape[1], atten_mask=masked)
         if t == 1:   # a static shape, decided at trace time: decode uses the incremental kernel
-            return torch_npu.npu_incre_flash_attention(q.contiguous(), k, v, **common)
+            return torch_npu.npu_incre_flash_attention(q.contiguous(), k, v, actual_seq_lengths=seq_lens, **common)
         # sparse_mode 0 with the full mask; pre/next_tokens wide open so the mask alone decides
         return torch_npu.npu_prompt_flash_attention(q.contiguous(), k, v, pre_tokens=2147483647,
-                                                    next_tokens=2147483647, sparse_mode=0, **common)
+                                                    next_tokens=2147483647, sparse_mode=0,
+                                                    actual_seq_lengths_kv=seq_lens, **common)
 
-    def cache_write(cache, pos, start, new):
-        # writes new[:, :, j] at cache[:, :, start + j] for each batch row, in place (axis -2 = S of BNSD)
-        torch_npu.scatter_update_(cache, start, new.contiguous(), -2)
+    def cache_write(cache, slots, pos, new):
+        if cache.shape[0] == 1:
+            # one sequence: writes new[:, :, j] at cache[:, :, pos[0, 0] + j] in place (axis -2 = S of BNSD)
+            torch_npu.scatter_update_(cache, pos[:, 0], new.contiguous(), -2)
+        else:
+            # several slots: scatter_update_ writes batch row b of the cache, not slot slots[b]
+            _torch_cache_write(cache, slots, pos, new)
 
+    kv = "torch_npu.scatter_update_ (axis -2; index_put_ for several slots)"
     if dtype == torch.float32:
         # The fused flash-attention kernels take fp16/bf16/int8 only; fp32 keeps exact SDPA math.
         return Ops("npu", rms_norm, _torch_attention, cache_write,
                    {"rms_norm": "torch_npu.npu_rms_norm", "attention": "scaled_dot_product_attention (fp32: "
-                    "the NPU flash-attention kernels take fp16/bf16 only)", "kv_update": "torch_npu.scatter_update_"})
+                    "the NPU flash-attention kernels take fp16/bf16 only)", "kv_update": kv})
     return Ops("npu", rms_norm, attention, cache_write,
                {"rms_norm": "torch_npu.npu_rms_norm",
-                "attention": "torch_npu.npu_prompt_flash_attention (prefill) / npu_incre_flash_attention (decode), BNSD",
-                "kv_update": "torch_npu.scatter_update_ (axis -2)"})
+                "attention": "torch_npu.npu_prompt_flash_attention (prefill) / npu_incre_flash_attention (decode), "
+                             "BNSD, per-row actual_seq_lengths",
+                "kv_update": kv}, seq_lens=True)
 
 
-def select_ops(device: torch.device, dtype: torch.dtype) -> Ops:
-    """Choose the kernels for this device and dtype, once."""
+def select_ops(device, dtype: torch.dtype, soc: str | None = None) -> Ops:
+    """Choose the kernels for this device, dtype and (on an NPU) SoC, once."""
     if device.type == "npu":
-        return _npu_ops(dtype)
-    return Ops("torch", _torch_rms_norm, _torch_attention, _torch_cache_write,
-               {"rms_norm": "torch.nn.functional.rms_norm (fused)",
-                "attention": "torch.nn.functional.scaled_dot_product_attention",
-                "kv_update": "Tensor.index_copy_ (axis 2)"})
+        fused, why = soc_support(soc or "")
+        return _npu_ops(dtype) if fused else _torch_ops("npu-sdpa", why)
+    return _torch_ops()

@@ -1,18 +1,25 @@
-"""A Session running the GLM graph model with a static KV cache, in graph or eager mode.
+"""Sessions running the GLM graph model over a static KV cache, in graph or eager mode: a single
+sequence (AscendSession, the core's Session) and a native batch of sequences (AscendBatchSession,
+contract v2). Both drive one StepRunner: the model, the cache of `n_slots` slots and the step.
 
-Graph mode compiles the step (torch.compile fullgraph=True, dynamic=False): with the torchair NPU
-backend (frozen parameters) on an Ascend NPU, with inductor elsewhere. Shapes are static so the
-compile happens once per shape, not per step:
-  - decode is a 1-token step; its position is a tensor input, its mask is computed from it over the
-    whole preallocated cache;
-  - prefill pads each chunk of the prompt to one of a few bucket lengths (default 16, 64, 256; longer
-    prompts go in 256-token chunks), so a session compiles at most len(buckets) + 1 graphs.
-Padded rows write their K/V at slots after the real tokens, which no real query can see (causal
-mask) and the next real tokens overwrite; the cache has `max(buckets)` spare slots past the
-capacity so padding never writes out of bounds.
+Graph mode compiles the step with static shapes, so the compile happens once per shape, not per step:
+  - decode is a step of one token per row; positions are tensor inputs, the mask is computed from them
+    over each slot's whole preallocated cache;
+  - prefill pads each chunk of a prompt to one of a few bucket lengths (default 16, 64, 256; longer
+    prompts go in 256-token chunks);
+  - a batch decodes its rows in one step padded to a batch-size bucket (default 1, 2, 4, 8, 16, ... up
+    to n_slots); padding rows read and write a scratch slot.
+So a single session compiles at most len(buckets) + 1 graphs, a batch session len(buckets) +
+len(batch buckets). Padded tokens write their K/V at positions after the real tokens, which no real
+query can see (causal mask) and the next real tokens overwrite; each slot has `max(buckets)` spare
+positions past the capacity so padding never writes out of bounds.
 
-The decode graph is compiled at load; each prefill bucket on its first use. Eager mode runs the same
-module, uncompiled, with exact lengths (no padding).
+Compilers: on an Ascend NPU torchair's NPU backend with frozen parameters and the caches' addresses
+marked static (torchair frozen_parameter.md); when the attention kernels take per-row KV lengths
+(actual_seq_lengths, a SymInt list) the step compiles with dynamic=True, every tensor input
+mark_static'd and tiling_schedule_optimize on, so the lengths become graph inputs instead of
+constants that would recompile every step (torchair docs, dynamic_static_graph/typical_issues.md,
+"path 4"). Elsewhere inductor, dynamic=False. Eager mode runs the same module uncompiled, exact lengths.
 """
 from __future__ import annotations
 
@@ -23,7 +30,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from glmcore.backend import Capabilities, LoadOptions, Session, default_capacity
+from glmcore.backend import BatchSession, Capabilities, LoadOptions, Session, default_capacity
 from glmcore.config import ModelConfig
 from glmcore.errors import BackendError
 
@@ -58,6 +65,16 @@ def _inductor_backend():
     return _INDUCTOR
 
 
+def raise_recompile_limit(limit: int = 64, config=None) -> str:
+    """Allow `limit` compiled graphs per code object (one per bucket). The setting is
+    torch._dynamo.config.recompile_limit from torch 2.7 and cache_size_limit before (torch_npu builds
+    exist for torch 2.1-2.6). Returns the name it set."""
+    config = torch._dynamo.config if config is None else config
+    name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
+    setattr(config, name, max(getattr(config, name), limit))
+    return name
+
+
 def _private_copy(method):
     """The same bound method over a private copy of its code object. Dynamo keeps compiled graphs on
     the code object; torchair's frozen_parameter bakes this session's weight addresses into its
@@ -67,22 +84,35 @@ def _private_copy(method):
     return types.MethodType(g, method.__self__)
 
 
-def parse_buckets(value) -> tuple[int, ...]:
+def parse_buckets(value, default=DEFAULT_BUCKETS, what="buckets") -> tuple[int, ...]:
     if value is None:
-        return DEFAULT_BUCKETS
+        return default
     try:
         items = value.split(",") if isinstance(value, str) else list(value)
         buckets = tuple(sorted({int(b) for b in items}))
     except (TypeError, ValueError):
         buckets = ()
     if not buckets or buckets[0] < 1:
-        raise BackendError(f"ascend_npu: buckets={value!r} is not a list of positive lengths; "
-                           "pass e.g. --opt buckets=16,64,256")
+        raise BackendError(f"ascend_npu: {what}={value!r} is not a list of positive sizes; "
+                           f"pass e.g. --opt {what}=" + ",".join(str(b) for b in default))
     return buckets
 
 
-class AscendSession(Session):
-    def __init__(self, cfg: ModelConfig, weights, options: LoadOptions, caps: Capabilities, device: torch.device):
+def npu_compiler(torchair_mod, dynamic_lengths: bool):
+    """torchair's NPU backend as this backend configures it: frozen parameters always; with per-row KV
+    lengths also tiling_schedule_optimize (the lengths stay graph inputs; see the module docstring)."""
+    config = torchair_mod.CompilerConfig()
+    config.experimental_config.frozen_parameter = True
+    if dynamic_lengths:
+        config.experimental_config.tiling_schedule_optimize = True
+    return torchair_mod.get_npu_backend(compiler_config=config)
+
+
+class StepRunner:
+    """The model on the device, its static KV cache of `n_slots` slots and the (compiled) step."""
+
+    def __init__(self, cfg: ModelConfig, weights, options: LoadOptions, caps: Capabilities, device: torch.device,
+                 n_slots: int, soc: str | None = None):
         extra = options.extra
         self.mode = str(extra.get("mode", "graph")).lower()
         if self.mode not in MODES:
@@ -94,122 +124,251 @@ class AscendSession(Session):
         self.dtype = DTYPES[self.precision]
         self.capacity = default_capacity(cfg, caps, options.capacity)
         self.buckets = parse_buckets(extra.get("buckets"))
-        # Spare slots past the capacity take the padded rows of the last bucket (graph mode only).
+        # Spare positions past the capacity take the padded tokens of the last bucket (graph mode only).
         spare = self.buckets[-1] if self.mode == "graph" else 0
-        self.slots = self.capacity + spare
-        self.ops = select_ops(device, self.dtype)
-        self.model = GLMGraphModel(cfg, weights, device, self.dtype, self.ops, self.slots).eval()
-        # Static KV cache, BNSD per layer: [1, kv_heads, slots, head_dim] (see ops.py for why).
-        shape = (1, cfg.num_kv_heads, self.slots, cfg.head_dim)
+        self.ops = select_ops(device, self.dtype, soc)
+        self.model = GLMGraphModel(cfg, weights, device, self.dtype, self.ops, self.capacity + spare).eval()
+        # Static KV cache, BNSD per layer: [slots, kv_heads, positions, head_dim] (see ops.py for why).
+        shape = (n_slots, cfg.num_kv_heads, self.capacity + spare, cfg.head_dim)
         self.k_cache = [torch.zeros(shape, dtype=self.dtype, device=device) for _ in range(cfg.num_layers)]
         self.v_cache = [torch.zeros(shape, dtype=self.dtype, device=device) for _ in range(cfg.num_layers)]
-        # Preallocated step inputs, refilled in place: decode creates no tensors of its own.
-        self._tok = torch.zeros(1, dtype=torch.long, device=device)
-        self._start = torch.zeros(1, dtype=torch.long, device=device)
-        self._zero = torch.zeros(1, dtype=torch.long, device=device)
-        self._len = 0
+        self.on_npu = device.type == "npu"
         self.compiler = "none (eager)"
-        self.compiles = 0                   # graphs compiled by this session's calls
+        self.compiles = 0                   # graphs compiled by this runner's calls
         self.compile_seconds = 0.0          # wall time of those calls (compile + first run)
         self._step = self.model.forward
         if self.mode == "graph":
             self._step = self._compile()
-            # Compile the decode graph now, so the first generated tokens run at steady speed and the
-            # compile shows as load time. It writes slot 0, which the first real token overwrites.
-            self._call(self._tok, self._start, self._zero)
-
-    # ------------------------------------------------------------ compile
 
     def _compile(self):
-        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
-        if self.device.type == "npu":
+        raise_recompile_limit()
+        if self.on_npu:
             try:
                 import torchair
-                from torchair.configs.compiler_config import CompilerConfig
-            except ImportError as e:
-                raise BackendError(f"ascend_npu: graph mode on the NPU needs torchair ({e}); install the "
-                                   "torchair matching your torch_npu, or pass --opt mode=eager") from None
-            config = CompilerConfig()
-            config.experimental_config.frozen_parameter = True   # weight addresses fixed for the session
-            backend = _counting(torchair.get_npu_backend(compiler_config=config))
-            self.compiler = "torchair npu backend (frozen_parameter=True)"
-            return torch.compile(_private_copy(self.model.forward), backend=backend, fullgraph=True, dynamic=False)
+            except Exception as e:      # torchair ships inside torch_npu; a broken install must say so
+                raise BackendError(f"ascend_npu: graph mode on the NPU needs torchair, which ships with torch_npu "
+                                   f"({type(e).__name__}: {e}); install the torch_npu matching your CANN, or pass "
+                                   "--opt mode=eager") from None
+            for t in self.k_cache + self.v_cache:
+                # frozen_parameter.md: inputs marked with mark_static_address keep fixed addresses like
+                # the parameters (torch >= 2.6), so the graph does not re-register them every step
+                torch._dynamo.mark_static_address(t)
+                torch._dynamo.mark_static(t)
+            backend = _counting(npu_compiler(torchair, self.ops.seq_lens))
+            self.compiler = ("torchair npu backend (frozen_parameter=True"
+                             + (", tiling_schedule_optimize=True, dynamic=True with static tensor shapes)"
+                                if self.ops.seq_lens else ")"))
+            return torch.compile(_private_copy(self.model.forward), backend=backend, fullgraph=True,
+                                 dynamic=self.ops.seq_lens)
         self.compiler = "inductor"
         return torch.compile(self.model.forward, backend=_inductor_backend(), fullgraph=True, dynamic=False)
 
+    def call(self, ids: torch.Tensor, start: list[int], slots: list[int], last: list[int]):
+        """One step over B rows: ids [B, T] (on the device), per-row start position, cache slot and index
+        of the row's last real token. Returns (float32 logits [B, vocab], hidden [B, T, hidden])."""
+        dev = self.device
+        start_t = torch.tensor(start, dtype=torch.long, device=dev)
+        slots_t = torch.tensor(slots, dtype=torch.long, device=dev)
+        last_t = torch.tensor(last, dtype=torch.long, device=dev)
+        seq_lens = [s + ids.shape[1] for s in start] if self.ops.seq_lens else None
+        if self.on_npu and self.mode == "graph":
+            for t in (ids, start_t, slots_t, last_t):     # static shapes; only the length list varies
+                torch._dynamo.mark_static(t)
+        # A call that compiled (new shape) is timed and counted apart from the steady-state steps.
+        before = COMPILE_COUNT["graphs"]
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            out = self._step(ids, start_t, slots_t, last_t, self.k_cache, self.v_cache, seq_lens)
+        if COMPILE_COUNT["graphs"] != before:
+            self.compiles += COMPILE_COUNT["graphs"] - before
+            self.compile_seconds += time.perf_counter() - t0
+        return out
+
+    def bucket(self, n: int) -> int:
+        return n if self.mode == "eager" else next(b for b in self.buckets if b >= n)
+
+    def prefill_chunks(self, slot: int, start: int, ids: list[int], all_logits: bool):
+        """Append ids to `slot` from position `start` in bucket-sized chunks. Returns the last
+        position's logits [vocab] and, with all_logits, every position's [len(ids), vocab]."""
+        chunk = self.buckets[-1] if self.mode == "graph" else len(ids)
+        rows, last = [], None
+        for i in range(0, len(ids), chunk):
+            part = ids[i:i + chunk]
+            padded = torch.zeros((1, self.bucket(len(part))), dtype=torch.long)
+            padded[0, :len(part)] = torch.tensor(part, dtype=torch.long)
+            last, hidden = self.call(padded.to(self.device), [start + i], [slot], [len(part) - 1])
+            if all_logits:
+                with torch.inference_mode():
+                    rows.append(self.model.logits(hidden[0, :len(part)]).cpu())
+        return last[0].cpu().numpy(), (torch.cat(rows).numpy() if all_logits else None)
+
     def report(self) -> dict:
-        """What this session runs: device, dtype, mode, compiler and kernels (chosen once, at load)."""
+        """What runs: device, dtype, mode, compiler and kernels (chosen once, at load)."""
         return {"device": str(self.device), "precision": self.precision, "mode": self.mode,
                 "compiler": self.compiler, "kernels": self.ops.kernels, "capacity": self.capacity,
                 "prefill buckets": list(self.buckets) if self.mode == "graph" else "exact lengths"}
 
-    # ------------------------------------------------------------ Session contract
+    def close(self) -> None:
+        self.k_cache, self.v_cache, self.model, self._step = [], [], None, None
+
+
+def check_ids(ids, cfg: ModelConfig) -> list[int]:
+    ids = [int(i) for i in ids]
+    if not ids:
+        raise BackendError("a step needs at least one token id")
+    bad = [t for t in ids if not 0 <= t < cfg.vocab_size]
+    if bad:
+        raise BackendError(f"token id {bad[0]} is outside the vocabulary (0..{cfg.vocab_size - 1})")
+    return ids
+
+
+class AscendSession(Session):
+    """One sequence: slot 0 of a one-slot cache."""
+
+    def __init__(self, cfg: ModelConfig, weights, options: LoadOptions, caps: Capabilities, device: torch.device,
+                 soc: str | None = None):
+        self.runner = StepRunner(cfg, weights, options, caps, device, 1, soc)
+        self.cfg, self.capacity = cfg, self.runner.capacity
+        self._tok = torch.zeros((1, 1), dtype=torch.long, device=device)
+        self._len = 0
+        if self.runner.mode == "graph":
+            # Compile the decode graph now, so the first generated tokens run at steady speed and the
+            # compile shows as load time. It writes position 0, which the first real token overwrites.
+            self.runner.call(self._tok, [0], [0], [0])
+
+    # the runner's facts, under the names tests and benchmarks read
+    mode = property(lambda self: self.runner.mode)
+    buckets = property(lambda self: self.runner.buckets)
+    model = property(lambda self: self.runner.model)
+    ops = property(lambda self: self.runner.ops)
+    k_cache = property(lambda self: self.runner.k_cache)
+    v_cache = property(lambda self: self.runner.v_cache)
+    compiles = property(lambda self: self.runner.compiles)
+    compile_seconds = property(lambda self: self.runner.compile_seconds)
+
+    def report(self) -> dict:
+        return self.runner.report()
 
     @property
     def kv_len(self) -> int:
         return self._len
 
     def reset(self) -> None:
-        self._len = 0     # stale slots are masked out (a query sees only slots <= its position)
+        self._len = 0     # stale positions are masked out (a query sees only positions <= its own)
 
     def close(self) -> None:
-        self.k_cache, self.v_cache, self.model, self._step = [], [], None, None
+        self.runner.close()
 
     def prefill(self, ids: Sequence[int], all_logits: bool = False) -> np.ndarray:
-        ids = [int(i) for i in ids]
-        if not ids:
-            raise BackendError("prefill needs at least one token id")
+        ids = check_ids(ids, self.cfg)
         self._check_room(len(ids))
-        chunk = self.buckets[-1] if self.mode == "graph" else len(ids)
-        rows, last = [], None
-        for i in range(0, len(ids), chunk):
-            part = ids[i:i + chunk]
-            last, hidden = self._run(part)
-            if all_logits:
-                with torch.inference_mode():
-                    rows.append(self.model.logits(hidden[:len(part)]).cpu())
-        if all_logits:
-            return torch.cat(rows).numpy()
-        return last[0].cpu().numpy()
+        last, rows = self.runner.prefill_chunks(0, self._len, ids, all_logits)
+        self._len += len(ids)
+        return rows if all_logits else last
 
     def decode(self, token: int) -> np.ndarray:
+        (token,) = check_ids([token], self.cfg)
         self._check_room(1)
-        self._tok.fill_(int(token))
-        self._start.fill_(self._len)
-        logits, _ = self._call(self._tok, self._start, self._zero)
+        self._tok.fill_(token)
+        logits, _ = self.runner.call(self._tok, [self._len], [0], [0])
         self._len += 1
         return logits[0].cpu().numpy()
-
-    # ------------------------------------------------------------ internals
 
     def _check_room(self, n: int) -> None:
         if self._len + n > self.capacity:
             raise BackendError(f"KV cache overflow: {self._len}+{n} > capacity {self.capacity} "
                                "(the core's overflow policy should have prevented this)")
 
-    def _bucket(self, n: int) -> int:
-        if self.mode == "eager":
-            return n
-        return next(b for b in self.buckets if b >= n)
 
-    def _run(self, part: list[int]):
-        n = len(part)
-        size = self._bucket(n)
-        ids = torch.zeros(size, dtype=torch.long)
-        ids[:n] = torch.tensor(part, dtype=torch.long)
-        self._start.fill_(self._len)
-        last = torch.tensor([n - 1], dtype=torch.long, device=self.device)
-        out = self._call(ids.to(self.device), self._start, last)
-        self._len += n
-        return out
+def default_batch_buckets(n_slots: int) -> tuple[int, ...]:
+    sizes = {n_slots}
+    b = 1
+    while b < n_slots:
+        sizes.add(b)
+        b *= 2
+    return tuple(sorted(sizes))
 
-    def _call(self, ids, start, last):
-        # A call that compiled (new shape) is timed and counted apart from the steady-state steps.
-        before = COMPILE_COUNT["graphs"]
-        t0 = time.perf_counter()
-        with torch.inference_mode():
-            out = self._step(ids, start, last, self.k_cache, self.v_cache)
-        if COMPILE_COUNT["graphs"] != before:
-            self.compiles += COMPILE_COUNT["graphs"] - before
-            self.compile_seconds += time.perf_counter() - t0
-        return out
+
+class AscendBatchSession(BatchSession):
+    """n_slots sequences over one [n_slots + 1]-slot cache (the extra slot takes padding rows). A step
+    runs all its decode entries (one token each) as one batched graph call, so each weight matrix is
+    read once for all of them, and each prefill chunk as a call of its own (prompts are
+    compute-bound already)."""
+
+    native = True
+
+    def __init__(self, cfg: ModelConfig, weights, options: LoadOptions, caps: Capabilities, device: torch.device,
+                 n_slots: int, soc: str | None = None):
+        if n_slots < 1:
+            raise BackendError(f"ascend_npu: a batch session needs at least one slot (got {n_slots})")
+        self.runner = StepRunner(cfg, weights, options, caps, device, n_slots + 1, soc)
+        self.cfg, self.n_slots, self.capacity = cfg, n_slots, self.runner.capacity
+        self.batch_buckets = parse_buckets(options.extra.get("batch_buckets"), default_batch_buckets(n_slots),
+                                           "batch_buckets")
+        if self.runner.mode == "graph" and self.batch_buckets[-1] < n_slots:
+            self.batch_buckets += (n_slots,)
+        self._lens = [0] * n_slots
+
+    def report(self) -> dict:
+        return dict(self.runner.report(), slots=self.n_slots, **{
+            "decode batch buckets": list(self.batch_buckets) if self.runner.mode == "graph" else "exact sizes"})
+
+    def kv_len(self, slot: int) -> int:
+        return self._lens[self._slot(slot)]
+
+    def _slot(self, slot) -> int:
+        if not isinstance(slot, (int, np.integer)) or not 0 <= slot < self.n_slots:
+            raise BackendError(f"slot {slot!r} does not exist: this batch session has slots 0..{self.n_slots - 1}")
+        return int(slot)
+
+    def step(self, entries, all_logits: bool = False):
+        entries = [(self._slot(s), check_ids(ids, self.cfg)) for s, ids in entries]
+        if not entries:
+            raise BackendError("a batch step needs at least one (slot, ids) entry")
+        slots = [s for s, _ in entries]
+        if len(set(slots)) != len(slots):
+            raise BackendError(f"slot {next(s for s in slots if slots.count(s) > 1)} appears twice in one step; "
+                               "give each slot at most one entry per step")
+        for s, ids in entries:
+            if self._lens[s] + len(ids) > self.capacity:
+                raise BackendError(f"KV cache overflow in slot {s}: {self._lens[s]}+{len(ids)} > capacity "
+                                   f"{self.capacity} (the core's overflow policy should have prevented this)")
+        out: list = [None] * len(entries)
+        decodes = [i for i, (_, ids) in enumerate(entries) if len(ids) == 1]
+        for i, (s, ids) in enumerate(entries):
+            if len(ids) > 1:
+                last, rows = self.runner.prefill_chunks(s, self._lens[s], ids, all_logits)
+                out[i] = rows if all_logits else last
+        if decodes:
+            logits = self._decode([entries[i][0] for i in decodes], [entries[i][1][0] for i in decodes])
+            for row, i in enumerate(decodes):
+                out[i] = logits[row:row + 1] if all_logits else logits[row]
+        for s, ids in entries:
+            self._lens[s] += len(ids)
+        return out if all_logits else np.stack(out)
+
+    def _decode(self, slots: list[int], tokens: list[int]) -> np.ndarray:
+        """One token for each slot in one call, padded to a batch bucket with rows on the scratch slot."""
+        n = len(slots)
+        size = n if self.runner.mode == "eager" else next(b for b in self.batch_buckets if b >= n)
+        pad = size - n
+        ids = torch.tensor(tokens + [0] * pad, dtype=torch.long).reshape(size, 1)
+        logits, _ = self.runner.call(ids.to(self.runner.device), [self._lens[s] for s in slots] + [0] * pad,
+                                     slots + [self.n_slots] * pad, [0] * size)
+        return logits[:n].cpu().numpy()
+
+    def reset(self, slot: int) -> None:
+        self._lens[self._slot(slot)] = 0
+
+    def copy_prefix(self, src: int, dst: int, n: int) -> None:
+        src, dst = self._slot(src), self._slot(dst)
+        if not 0 <= n <= self._lens[src]:
+            raise BackendError(f"copy_prefix: slot {src} holds {self._lens[src]} positions, cannot copy {n}")
+        if src != dst:
+            with torch.inference_mode():
+                for cache in self.runner.k_cache + self.runner.v_cache:   # keys are stored rotated at 0..n-1
+                    cache[dst, :, :n].copy_(cache[src, :, :n])
+        self._lens[dst] = n
+
+    def close(self) -> None:
+        self.runner.close()
