@@ -270,6 +270,7 @@ def cmd_backends(a) -> int:
             "backend": name, "ready": pr.ready, "device": pr.device,
             "precisions": list(caps.precisions) if caps else [], "weights": list(caps.weight_formats) if caps else [],
             "why not": pr.reason, "install": pr.install, "details": pr.details,
+            "batching": _batching(caps),
         })
     if a.json:
         print(json.dumps(rows, indent=2, default=str))
@@ -280,9 +281,17 @@ def cmd_backends(a) -> int:
               f"weights={','.join(r['weights'])}")
         if not r["ready"]:
             print(f"{'':<14} why: {r['why not']}" + (f"  fix: {r['install']}" if r["install"] else ""))
-        for k, v in r["details"].items():
+        for k, v in {**r["details"], "batching": r["batching"]}.items():
             print(f"{'':<14} {k}: {v}")
     return 0
+
+
+def _batching(caps) -> str:
+    if caps is None:
+        return ""
+    if caps.native_batch:
+        return "native batched steps" + (f" (up to {caps.max_slots} sequences)" if caps.max_slots else "")
+    return "core adapter: one session per sequence (correct, not faster)"
 
 
 def cmd_make_model(a) -> int:

@@ -54,3 +54,12 @@ def test_bench_batch_prints_the_table(capsys):
     assert "| batch | prefill ms (whole batch) | ms / decode step | aggregate decode tok/s |" in out
     rows = [line for line in out.splitlines() if line.startswith("| 1 |") or line.startswith("| 4 |")]
     assert len(rows) == 2 and "native batched steps" in out
+
+
+def test_backends_say_how_each_batches(capsys):
+    import json
+    assert main(["backends", "--json"]) == 0
+    rows = {r["backend"]: r for r in json.loads(capsys.readouterr().out)}
+    assert rows["torch"]["batching"] == "native batched steps"
+    for r in rows.values():
+        assert r["batching"].startswith(("native batched steps", "core adapter")) or not r["ready"]
