@@ -77,11 +77,11 @@ class Sampler:
         if 0 < p.top_k < x.size:
             kth = np.partition(x, -p.top_k)[-p.top_k]
             cand = np.flatnonzero(x >= kth)          # ties at the k-th value stay, as with a -inf mask
-        return self._nucleus(x, cand)
+        return self._nucleus(x, float(x[top]), cand)
 
-    def _nucleus(self, x: np.ndarray, cand: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
+    def _nucleus(self, x: np.ndarray, m: float, cand: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
+        """m: the largest logit."""
         p, t = self.params, self.params.temperature
-        m = float(x.max())
         tail = 0.0
         if cand is None:
             e = np.subtract(x, np.float32(m))         # one scratch buffer, then in place: 3 passes over V
