@@ -63,3 +63,23 @@ def test_backends_say_how_each_batches(capsys):
     assert rows["torch"]["batching"] == "native batched steps"
     for r in rows.values():
         assert r["batching"].startswith(("native batched steps", "core adapter")) or not r["ready"]
+
+
+def test_chat_survives_a_full_context(monkeypatch, capsys):
+    """Under the default policy a full context ends the reply with a notice; a turn that no longer fits
+    is refused with the fix named, and the session goes on (/reset starts over)."""
+    lines = iter(["hello", "and more", "/reset", "again", "/quit"])
+    monkeypatch.setattr("builtins.input", lambda prompt="": next(lines))
+    assert main(["chat", "--backend", "torch", "--ctx", "24", "--max-new-tokens", "40", *GREEDY]) == 0
+    out, err = capsys.readouterr()
+    assert out.count("assistant> ") == 3
+    assert "note: the reply stopped because the context of 24 tokens is full" in err
+    assert "exceed the context of 24" in err and "/reset starts a new conversation" in err
+
+
+def test_pipeline_keeps_the_partial_reply_when_the_context_fills(make_tiny):
+    from glmcore import LoadOptions, Pipeline, SamplingParams
+    pipe = Pipeline(make_tiny("glm4"), "torch", LoadOptions(capacity=24, threads=1))
+    reply = pipe.chat([{"role": "user", "content": "hi"}], params=SamplingParams(temperature=0), max_new_tokens=50)
+    assert pipe.finish_reason == "length" and pipe.context_full
+    assert reply.content and pipe.timings.new_tokens >= 24 - pipe.timings.prompt_tokens
