@@ -153,7 +153,9 @@ class Handle:
                 item = self._queue.get_nowait()
             except queue.Empty:
                 if not self.scheduler.threaded:
-                    self.scheduler.step()
+                    if not self.scheduler.step() and self._queue.empty():
+                        raise GlmcoreError(f"internal error: request {self.id} is neither queued nor running; "
+                                           "please report")
                     continue
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
@@ -172,7 +174,10 @@ class Handle:
     def _emit(self, token: int | None) -> None:
         self._queue.put(token)
         if self.on_token is not None:
-            self.on_token(self, token)
+            try:
+                self.on_token(self, token)
+            except Exception:       # a consumer's callback must not stop the scheduler: drop its request
+                self._cancel = True
 
 
 class Scheduler:
@@ -435,9 +440,23 @@ class Scheduler:
 
     def _loop(self) -> None:
         while not self._stop:
-            if not self.step():
+            try:
+                busy = self.step()
+            except Exception as e:     # a bug must not leave consumers waiting forever
+                self._fail_all(GlmcoreError(f"internal error in the scheduler: {type(e).__name__}: {e}; "
+                                            "please report"))
+                continue
+            if not busy:
                 self._wake.wait(timeout=0.5)
                 self._wake.clear()
+
+    def _fail_all(self, err: GlmcoreError) -> None:
+        with self._lock:
+            handles = list(self.waiting) + [s.handle for s in self.slots if s.handle is not None]
+            self.waiting.clear()
+        for h in handles:
+            h.error = err
+            self._finish(h, "error")
 
     def stop(self, grace_s: float = 0.0) -> None:
         """Stop the background thread: running requests get grace_s to finish, then are cancelled."""

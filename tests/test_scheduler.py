@@ -272,3 +272,22 @@ def test_eight_greedy_requests_on_the_reference_equal_each_run_alone(tiny):
                        n_vocab=cfg.vocab_size)
     for h, p in zip(handles, ps):
         assert h.tokens == list(single.submit(Request(p, GREEDY, 6)))
+
+
+def test_a_failing_callback_drops_only_its_request_and_a_scheduler_bug_fails_requests_cleanly():
+    sched = Scheduler(PureBatch(n_slots=2)).start()
+    try:
+        def boom(h, t):
+            raise RuntimeError("consumer went away")
+        bad = sched.submit(Request([1, 2], GREEDY, 40), on_token=boom)
+        good = sched.submit(Request([3, 4], GREEDY, 5))
+        assert list(good) == alone([3, 4], max_new=5)
+        bad.wait(timeout=10)
+        assert bad.finish_reason == "cancelled"
+        sched._admit = lambda: 1 / 0          # a bug inside a step
+        h = sched.submit(Request([5], GREEDY, 3))
+        with pytest.raises(GlmcoreError, match="internal error in the scheduler: ZeroDivisionError"):
+            h.wait(timeout=10)
+        del sched._admit
+    finally:
+        sched.stop()
