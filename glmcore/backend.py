@@ -62,7 +62,20 @@ class LoadOptions:
     extra: dict = field(default_factory=dict)   # backend-specific: group_size, seq_len, mode ...
 
 
-class Session(ABC):
+class _Closable:
+    """Sessions hold memory (weights, KV caches, device buffers): close() frees it; usable in `with`."""
+
+    def close(self) -> None:
+        pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+class Session(_Closable, ABC):
     """One sequence's KV cache. Positions are 0..kv_len-1 of what the cache holds."""
 
     capacity: int
@@ -94,20 +107,12 @@ class Session(ABC):
         model once per sequence; without it the adapter calls Backend.load again."""
         raise NotImplementedError
 
-    def close(self) -> None:
-        pass
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
 
 
 Entry = tuple[int, Sequence[int]]   # (slot, token ids): a prefill chunk or one decode token
 
 
-class BatchSession(ABC):
+class BatchSession(_Closable, ABC):
     """Contract v2: `n_slots` independent sequences in one session; a slot is one sequence's KV region
     of `capacity` positions, and a slot's positions are 0..kv_len(slot)-1 of what it holds.
 
@@ -141,14 +146,6 @@ class BatchSession(ABC):
         """dst drops what it held and holds src's first n positions (a shared prompt prefilled once).
         src == dst keeps the slot's first n positions (a conversation that diverges after them)."""
 
-    def close(self) -> None:
-        pass
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
 
 
 class SessionAdapter(BatchSession):
