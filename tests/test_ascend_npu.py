@@ -387,7 +387,9 @@ def _fake_npu_torch(monkeypatch, soc: str):
 @pytest.mark.parametrize("soc", ["Ascend910B2", "Ascend310P3"])
 def test_probe_and_rank_name_the_chip_and_its_kernels(soc, monkeypatch):
     pkg = _fake_npu_torch(monkeypatch, soc)
-    monkeypatch.setitem(sys.modules, "torchair", types.ModuleType("torchair"))
+    torchair = types.ModuleType("torchair")
+    torchair.get_npu_backend = lambda **kw: None
+    monkeypatch.setitem(sys.modules, "torchair", torchair)
     p = AscendNpuBackend().probe()
     caps = AscendNpuBackend().capabilities()
     assert p.ready and p.device == "npu:0" and p.details["runs on"] == f"Ascend NPU ({soc})"
@@ -411,10 +413,15 @@ def test_probe_reports_a_broken_torchair_as_not_ready(monkeypatch):
     monkeypatch.setitem(sys.modules, "torchair", lazy)
     with pytest.raises(ValueError):
         real_find_spec("torchair")                           # what the probe used to call
-    monkeypatch.setitem(sys.modules, "torchair", None)       # and one whose import fails
-    p = AscendNpuBackend().probe()
-    assert not p.ready and "torchair is not importable" in p.reason and "ships with torch_npu" in p.reason
-    assert "pip install torchair" not in p.reason + p.install
+
+    def failed_import(name):                                 # torch_npu.dynamo._LazyException: the import error
+        raise ImportError("libge_runner.so: cannot open shared object file")   # surfaces on first use
+    lazy.__getattr__ = failed_import
+    for broken in (lazy, None):                              # None: `import torchair` itself fails
+        monkeypatch.setitem(sys.modules, "torchair", broken)
+        p = AscendNpuBackend().probe()
+        assert not p.ready and "torchair is not importable" in p.reason and "ships with torch_npu" in p.reason
+        assert "pip install torchair" not in p.reason + p.install
 
 
 def test_recompile_limit_on_old_and_new_torch():

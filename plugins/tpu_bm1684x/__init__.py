@@ -58,6 +58,7 @@ def host_missing() -> list[str]:
 
 class TpuBm1684xBackend(Backend):
     name = "tpu_bm1684x"
+    option_keys = ("runtime", "bmodel", "device_id", "seq_len", "quantize", "group_size")
     extra = "tpu"
     description = "Sophgo BM1684X static graphs (TPU-MLIR); onnxruntime host emulation elsewhere"
 
@@ -77,6 +78,9 @@ class TpuBm1684xBackend(Backend):
                                 f"{TORCH_OPSET})" if "torch" not in missing and "onnx" not in missing
                                 else "needs torch and onnx")}
         details["compiler"] = tpu_mlir_status()[1]
+        details["verified"] = ("host emulation runs in the tests against the torch reference; the sail runtime path "
+                               "only against a stand-in that follows sophon-sail's binding, compile.sh against stub "
+                               "TPU-MLIR tools; neither on a BM1684X")
         if not device_ok and missing:
             return Probe(False, device="cpu", reason=f"{', '.join(missing)} not installed (needed to export and "
                          f"emulate the static graphs) and {device_why}", install=self.install_hint(), details=details)
@@ -96,6 +100,9 @@ class TpuBm1684xBackend(Backend):
         # The graphs hold their weights in the compute precision: either option implies the other.
         if (options.weights is None) != (options.precision is None):
             both = options.precision or options.weights
+            if options.weights is not None and both not in self.capabilities().weight_formats:
+                raise BackendError(f"backend {self.name!r} has no weight format {both!r}; choose one of "
+                                   f"{', '.join(self.capabilities().weight_formats)}")
             options = LoadOptions(both, both, options.capacity, options.threads, options.cache_dir,
                                   dict(options.extra))
         opts = super().resolve(options)
@@ -113,6 +120,9 @@ class TpuBm1684xBackend(Backend):
         if runtime not in ("auto", "host", "device"):
             raise BackendError(f"unknown --opt runtime={runtime}; choose auto, host or device")
         bmodel = opts.extra.get("bmodel")
+        if bmodel is not None and not Path(str(bmodel)).is_file():
+            raise BackendError(f"--opt bmodel={bmodel}: no such file; pass the .bmodel that TPU-MLIR built from "
+                               "`glmcore convert --backend tpu_bm1684x`")
         device_ok, device_why = sail_status() if runtime != "host" else (False, "")
         if runtime == "device" and not device_ok:
             raise BackendError(f"--opt runtime=device: {device_why}; install the Sophon SDK's sophon.sail on the "
