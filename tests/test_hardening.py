@@ -197,3 +197,32 @@ def test_bad_input_is_one_line_without_traceback(monkeypatch, capsys):
     monkeypatch.setattr(cli, "cmd_backends", lambda a: (_ for _ in ()).throw(ConfigError("bad thing; fix it")))
     assert cli.main(["backends"]) == 2
     assert capsys.readouterr().err == "error: bad thing; fix it\n"
+
+
+# ------------------------------------------------------------------ options are never silently ignored
+
+@pytest.mark.parametrize("backend,argv,match", [
+    ("torch", ["--opt", "group_size=64"], "backend 'torch': unknown option 'group_size'; it takes no --opt"),
+    ("openvino_amx", ["--opt", "grup_size=64"], "unknown option 'grup_size'; known: ir, group_size"),
+    ("tpu_bm1684x", ["--opt", "seqlen=64"], "unknown option 'seqlen'"),
+    ("ascend_npu", ["--opt", "bucket=16"], "unknown option 'bucket'"),
+    ("cpu_int4", ["--opt", "grup_size=64"], "unknown option 'grup_size'"),
+    ("tpu_bm1684x", ["--opt", "bmodel=/no/such.bmodel"], "no such file"),
+    ("tpu_bm1684x", ["--weights", "int8"], "no weight format 'int8'"),
+    ("", [], "--backend is empty"),
+    ("torch", ["--threads", "10000"], "invalid --threads 10000"),
+])
+def test_bad_options_are_refused(backend, argv, match, tmp_path, make_tiny):
+    from glmcore.backend import registry
+    if backend and not registry().probe(backend).ready:
+        pytest.skip(f"{backend} not ready here: {registry().probe(backend).reason}")
+    r = _cli("run", "--backend", backend, "--model", str(make_tiny("chatglm3")), "--prompt", "hi",
+             "--max-new-tokens", "1", "--threads", "1", *argv, env_cache=tmp_path / "c")
+    assert r.returncode == 2 and match in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
+def test_help_shows_defaults_and_convert_needs_a_model():
+    r = _cli("run", "--help")
+    assert "(default: 256)" in r.stdout and "(default: error)" in r.stdout and "(default: 0.8)" in r.stdout
+    r = _cli("convert", "--help")
+    assert "demo model" not in r.stdout and "to convert (required)" in r.stdout

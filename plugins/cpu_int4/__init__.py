@@ -46,6 +46,7 @@ def default_threads() -> int:
 
 class CpuInt4Backend(Backend):
     name = "cpu_int4"
+    option_keys = OPTIONS
     extra = "int4"
     description = "INT4 group-quantized weights, own AVX2/AVX-512 C kernels, StreamingLLM window (CPU)"
 
@@ -82,9 +83,7 @@ class CpuInt4Backend(Backend):
     def _settings(self, options: LoadOptions):
         from . import native
         from .quant import QuantOptions
-        unknown = sorted(set(options.extra) - set(OPTIONS))
-        if unknown:
-            raise BackendError(f"cpu_int4: unknown option {unknown[0]!r}; known: {', '.join(OPTIONS)}")
+        self.check_options(options.extra)
         q = QuantOptions.from_extra(options.extra)
         kv = str(options.extra.get("kv_dtype", "f16"))
         if kv not in ("f16", "f32"):
@@ -140,9 +139,7 @@ class CpuInt4Backend(Backend):
     def convert(self, config, weights, options: LoadOptions, out: Path, progress) -> None:
         from .quant import QuantOptions, write_packed
         extra = {k: v for k, v in options.extra.items() if v is not None}
-        unknown = sorted(set(extra) - set(OPTIONS))
-        if unknown:
-            raise BackendError(f"cpu_int4: unknown option {unknown[0]!r}; known: {', '.join(OPTIONS)}")
+        self.check_options(extra)
         q = QuantOptions.from_extra(extra)
         fp = weights.fingerprint() if hasattr(weights, "fingerprint") else ""
         write_packed(config, weights, q, Path(out), progress, fingerprint=fp)
