@@ -354,9 +354,10 @@ def test_npu_dispatch_uses_the_documented_kernels_with_per_row_lengths(make_tiny
     assert "scaled_dot_product_attention" in select_ops(NPU, torch.float32, "Ascend910B4").kernels["attention"]
 
 
-@pytest.mark.parametrize("soc, fused", [("Ascend910B4", True), ("Ascend910_9391", True), ("Ascend310P3", False),
-                                        ("Ascend910A", False), ("Ascend910ProB", False), ("Ascend950PR", False),
-                                        ("", False)])
+@pytest.mark.parametrize("soc, fused", [("Ascend910B4", True), ("Ascend910B2C", True), ("Ascend910_9391", True),
+                                        ("Ascend910C1", True), ("Ascend310P3", False), ("Ascend910A", False),
+                                        ("Ascend910ProB", False), ("Ascend910B", False), ("Ascend910_9591", False),
+                                        ("Ascend950PR", False), ("Ascend310B1", False), ("", False)])
 def test_kernels_are_chosen_per_chip(soc, fused, monkeypatch):
     """The fused kernels only where documented for this model (Atlas A2/A3); 310P, 910A, 950 and unknown
     chips run SDPA + index_put_, and say why."""

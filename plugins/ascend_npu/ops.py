@@ -21,6 +21,7 @@ with the tokens a row holds, not with the cache capacity; SDPA has no such argum
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -40,20 +41,25 @@ class Ops:
 
 # ---------------------------------------------------------------- which chip runs what
 
-# torch.npu.get_device_name() reports the SoC version string (Ascend/pytorch: torch_npu/npu/utils.py
-# get_device_name -> the CANN SoC name, e.g. "Ascend910B4", "Ascend910_9391", "Ascend310P3").
+# torch.npu.get_device_name() reports the CANN SoC name. torch_npu's SoC table: Ascend910PremiumA,
+# Ascend910ProA, Ascend910A, Ascend910ProB and plain Ascend910B are the first-generation (Atlas
+# training series) chips; Ascend910B1..B4 are Atlas A2; Ascend910_93xx (Ascend910C*) Atlas A3;
+# Ascend310P* the Atlas inference cards; Ascend310B* Atlas 200I/500 A2; torchair's check_platform.py
+# takes "Ascend910_95" / "Ascend950" for Ascend 950.
 def soc_family(name: str) -> str:
     n = (name or "").replace(" ", "")
-    if n.startswith("Ascend910_93"):
-        return "A3"
-    if n.startswith("Ascend910B"):
+    if re.match(r"Ascend910B\d", n):
         return "A2"
+    if n.startswith("Ascend910_93") or re.match(r"Ascend910C\d", n):
+        return "A3"
+    if n.startswith(("Ascend910_95", "Ascend950")):
+        return "950"
     if n.startswith("Ascend310P"):
         return "310P"
-    if n.startswith(("Ascend910A", "Ascend910Pro", "Ascend910Premium")) or n == "Ascend910":
+    if n.startswith("Ascend310B"):
+        return "310B"
+    if n.startswith("Ascend910"):
         return "910A"
-    if n.startswith("Ascend950"):
-        return "950"
     return "unknown"
 
 
@@ -61,6 +67,7 @@ _WHY_NOT = {
     "310P": "Atlas inference cards (310P): the fused attention kernels take fp16 only and no grouped KV heads "
             "as used here, and scatter_update_ is not offered",
     "910A": "Atlas training series (910A): prompt/incre flash attention are listed as unsupported",
+    "310B": "Atlas 200I/500 A2: prompt/incre flash attention are listed as unsupported",
     "950": "Ascend 950: npu_fused_infer_attention_score is the kernel there; not wired here yet",
     "unknown": "a SoC this backend has no kernel table for",
 }
