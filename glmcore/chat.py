@@ -39,6 +39,9 @@ class Message:
     tool_calls: list[ToolCall] = field(default_factory=list)
     metadata: str = ""               # ChatGLM3/GLM-4 text after <|role|> on the same line
     error: str | None = None         # parse_reply: why a reply that looked like a tool call was kept as text
+    # An assistant turn's token ids as generated (after <|assistant|>): re-encoding the text may give other
+    # ids, so a server that sends them keeps the cached conversation a prefix of the next prompt.
+    ids: list[int] | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self):
         if self.role == "observation":
@@ -241,10 +244,17 @@ class _RoleFormat(ChatFormat):
     def _tools_turn(self, functions: list[dict], messages: list[Message]) -> tuple[list[int], list[Message]]:
         raise NotImplementedError
 
+    def call_prefix(self, name: str) -> list[int]:
+        """Ids that open a call of `name` right after the generation prompt's <|assistant|>: the model
+        then writes only its arguments (a server forcing OpenAI's tool_choice)."""
+        return self.tok.encode(f"{name}\n")
+
     def _call_text(self, call: ToolCall) -> str:
         raise NotImplementedError
 
     def _message(self, m: Message) -> list[int]:
+        if m.ids is not None and m.role == "assistant":
+            return [self.assistant_id] + list(m.ids)
         role = "observation" if m.role == "tool" else m.role
         ids = []
         if m.content or not m.tool_calls:
@@ -412,10 +422,11 @@ class ToolCallStream:
     A call that cannot be parsed is emitted as text and recorded in .errors.
     """
 
-    def __init__(self, chat_format: ChatFormat, tools: list[dict] | None = None):
+    def __init__(self, chat_format: ChatFormat, tools: list[dict] | None = None, calls: bool = True):
         self.fmt = chat_format
         self.family = chat_format.family
-        self.names = {f["name"] for f in _functions(tools)} if tools else None
+        # calls=False: every segment is text (OpenAI's tool_choice "none"); no tools: any name is a call
+        self.names = set() if not calls else {f["name"] for f in _functions(tools)} if tools else None
         self.errors: list[str] = []
         self.message: Message | None = None
         self._content = ""              # all text emitted so far

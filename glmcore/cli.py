@@ -1,4 +1,4 @@
-"""The `glmcore` command line: run, chat, backends, make-model, convert, conformance, bench."""
+"""The `glmcore` command line: run, chat, serve, backends, make-model, convert, conformance, bench."""
 from __future__ import annotations
 
 import argparse
@@ -322,6 +322,13 @@ def cmd_convert(a) -> int:
     return 0
 
 
+def cmd_serve(a) -> int:
+    from .server import serve    # lazily: the web stack is the optional extra glmcore[server]
+    return serve(a.model, a.backend, load_options(a), a.host, a.port, a.slots, a.token_budget, a.max_queue,
+                 a.api_key or os.environ.get("GLMCORE_API_KEY") or None, a.served_name, a.max_body_mb << 20,
+                 a.grace, a.log_level)
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="glmcore", description="Run GLM chat models on any hardware.")
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -363,6 +370,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quantize", help="tpu_bm1684x: F16|BF16|W8F16|W4F16")
     p.add_argument("--group-size", type=int, help="cpu_int4: quantization group")
     p.set_defaults(fn=cmd_convert)
+
+    p = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (needs glmcore[server])")
+    add_load_args(p)
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (loopback only by default)")
+    p.add_argument("--port", type=int, default=8000, help="TCP port (0: any free port)")
+    p.add_argument("--slots", type=int, default=4, help="sequences generated at once (continuous batching)")
+    p.add_argument("--token-budget", type=int, default=256,
+                   help="tokens per batched step: more admits prompts faster, fewer keeps decoding smoother")
+    p.add_argument("--max-queue", type=int, default=64, help="requests waiting for a slot before 429")
+    p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' (default: $GLMCORE_API_KEY, else none)")
+    p.add_argument("--served-name", help="the model id clients send (default: the model directory's name)")
+    p.add_argument("--max-body-mb", type=int, default=4, help="largest request body, MiB (413 above)")
+    p.add_argument("--grace", type=float, default=10.0, help="seconds running requests get to finish on SIGTERM")
+    p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
+    p.set_defaults(fn=cmd_serve)
 
     p = sub.add_parser("conformance", help="check backends against the torch reference", add_help=False)
     p.set_defaults(fn=None, delegate="glmcore_conformance.suite")

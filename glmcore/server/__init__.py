@@ -1,0 +1,91 @@
+"""`glmcore serve`: an OpenAI-compatible HTTP server over the continuous-batching scheduler.
+
+A thin layer (DESIGN.md): glmcore.server.app turns requests into scheduler Requests and the scheduler's
+tokens into JSON / server-sent events; chat formats and tool-call parsing stay in glmcore.chat. Its web
+stack (FastAPI, uvicorn, prometheus_client) is the optional extra `glmcore[server]`.
+"""
+from __future__ import annotations
+
+import ipaddress
+import signal
+import socket
+import sys
+
+from ..errors import GlmcoreError
+
+INSTALL = 'pip install "glmcore[server]"'
+
+
+def _require_stack() -> None:
+    missing = []
+    for module in ("fastapi", "uvicorn", "prometheus_client"):
+        try:
+            __import__(module)
+        except ImportError:
+            missing.append(module)
+    if missing:
+        raise GlmcoreError(f"the server needs {', '.join(missing)}, which is not installed; fix: {INSTALL}")
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise GlmcoreError(f"cannot listen on {host}:{port} ({e.strerror}); choose another --port or --host") \
+            from None
+    sock.listen(128)
+    return sock
+
+
+def serve(model_dir, backend, options, host: str = "127.0.0.1", port: int = 8000, slots: int = 4,
+          token_budget: int = 256, max_queue: int = 64, api_key: str | None = None, name: str | None = None,
+          max_body: int | None = None, grace_s: float = 10.0, log_level: str = "warning") -> int:
+    """Load the model with `slots` sequences, serve until SIGTERM/SIGINT: then stop accepting, let running
+    requests finish for grace_s, cancel the rest and return 0."""
+    _require_stack()
+    import uvicorn
+
+    from ..model import load_model
+    from .app import MAX_BODY, create_app
+
+    if max_queue < 0:
+        raise GlmcoreError(f"invalid --max-queue {max_queue}: use 0 or more")
+    if not 0 <= port <= 65535:
+        raise GlmcoreError(f"invalid --port {port}: use 0..65535 (0: any free port)")
+    if grace_s < 0:
+        raise GlmcoreError(f"invalid --grace {grace_s}: use 0 or more seconds")
+    sock = _bind(host, port)
+    model = load_model(model_dir, backend, options, slots=slots, token_budget=token_budget)
+    model.scheduler.max_queue = max_queue
+    name = name or model.model_dir.name
+    app = create_app(model, name, api_key, max_body or MAX_BODY)
+    config = uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=grace_s, access_log=False)
+    server = uvicorn.Server(config)
+    model.scheduler.start()
+    bound_host, bound_port = sock.getsockname()[:2]
+    url_host = f"[{bound_host}]" if ":" in bound_host else bound_host
+    batch = model.scheduler.batch
+    print(f"glmcore serve: http://{url_host}:{bound_port}/v1 | model {name} ({model.config.family}, {model.model_dir}) "
+          f"| backend {model.backend.name} ({'native batched steps' if batch.native else 'core adapter'}) | "
+          f"{batch.n_slots} slots, context {batch.capacity}, token budget {token_budget}"
+          + (" | API key required" if api_key else ""), file=sys.stderr, flush=True)
+    if not api_key and not ipaddress.ip_address(bound_host).is_loopback:
+        print(f"warning: listening on {bound_host} without --api-key: anyone who can reach it can use it",
+              file=sys.stderr, flush=True)
+    # uvicorn re-raises the signal that stopped it once it has shut down; after a graceful stop that
+    # is a clean exit, so the re-raised signal meets a no-op handler here
+    previous = {sig: signal.signal(sig, lambda *_: None) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        server.run(sockets=[sock])
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        model.scheduler.stop(0)     # uvicorn already gave running requests their grace period
+        model.close()
+        sock.close()
+    print("glmcore serve: stopped", file=sys.stderr, flush=True)
+    return 0

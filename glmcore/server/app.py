@@ -1,0 +1,577 @@
+"""The OpenAI-compatible HTTP layer: requests become scheduler Requests, the scheduler's tokens become JSON
+or server-sent events. Chat formats and tool-call parsing are glmcore.chat's; this module only moves
+events between the scheduler's thread and the event loop and writes OpenAI's shapes."""
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import time
+import uuid
+from collections import OrderedDict
+from collections.abc import AsyncIterator
+
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from ..chat import Message, ToolCall, ToolCallStream, as_message
+from ..errors import ContextOverflow, GlmcoreError
+from ..pipeline import chat_request
+from ..sampling import SamplingParams
+from ..scheduler import QueueFull, Request as SchedRequest
+from ..tokenizer import StreamDecoder
+from .protocol import ApiError, ChatRequest, CompletionRequest, error_body, parse
+
+log = logging.getLogger("glmcore.server")
+MAX_BODY = 4 << 20            # bytes; a request body over it is a 413
+REPLY_IDS_KEPT = 4096         # assistant replies whose generated ids are remembered for prefix reuse
+
+
+class Metrics:
+    """The Prometheus series of /metrics, on the app's own registry."""
+
+    def __init__(self, scheduler):
+        r = self.registry = CollectorRegistry()
+        self.requests = Counter("glmcore_requests", "HTTP requests by endpoint and status (an HTTP status, or "
+                                "'disconnected' for a client that went away before the reply ended)",
+                                ["endpoint", "status"], registry=r)
+        self.prompt_tokens = Counter("glmcore_prompt_tokens", "prompt tokens of submitted requests", registry=r)
+        self.cached_tokens = Counter("glmcore_prompt_cached_tokens", "prompt tokens reused from a slot's cache",
+                                     registry=r)
+        self.generated = Counter("glmcore_generation_tokens", "generated tokens", registry=r)
+        Gauge("glmcore_queue_length", "requests waiting for a slot", registry=r).set_function(
+            lambda: scheduler.queue_len)
+        Gauge("glmcore_busy_slots", "slots running a request", registry=r).set_function(lambda: scheduler.busy_slots)
+        Gauge("glmcore_slots", "slots of the batch session", registry=r).set(scheduler.batch.n_slots)
+        self.ttft = Histogram("glmcore_time_to_first_token_seconds", "submission to first generated token",
+                              buckets=(.01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 30, 60), registry=r)
+        self.itl = Histogram("glmcore_inter_token_latency_seconds", "time between two tokens of one reply",
+                             buckets=(.005, .01, .02, .04, .08, .15, .3, .6, 1.2, 2.5, 5), registry=r)
+
+
+class ReplyIds:
+    """Generated ids of recent assistant replies, keyed by the message as the client sends it back. The
+    next turn encodes that message with these ids, so the conversation a slot holds stays a prefix of the
+    new prompt (re-encoding the text can give other ids) and only the new turn is prefilled."""
+
+    def __init__(self, kept: int = REPLY_IDS_KEPT):
+        self.kept, self.map = kept, OrderedDict()
+
+    @staticmethod
+    def key(m: Message) -> str:
+        calls = [(c.name, json.dumps(c.arguments, sort_keys=True, ensure_ascii=False)) for c in m.tool_calls]
+        return json.dumps([m.content or "", calls], ensure_ascii=False)
+
+    def put(self, m: Message, ids: list[int]) -> None:
+        k = self.key(m)
+        self.map[k] = ids
+        self.map.move_to_end(k)
+        while len(self.map) > self.kept:
+            self.map.popitem(last=False)
+
+    def get(self, m: Message) -> list[int] | None:
+        return self.map.get(self.key(m))
+
+
+class StopStrings:
+    """OpenAI's `stop`: text is held back while it could be the start of a stop string (so one split
+    across tokens is still caught), and nothing from the first match on is ever emitted."""
+
+    def __init__(self, stops: list[str]):
+        self.stops, self.held = stops, ""
+
+    def push(self, text: str) -> tuple[str, bool]:
+        """(text now certain, whether a stop string matched)."""
+        if not self.stops:
+            return text, False
+        buf = self.held + text
+        hits = [i for i in (buf.find(s) for s in self.stops) if i >= 0]
+        if hits:
+            self.held = ""
+            return buf[:min(hits)], True
+        keep = max((k for s in self.stops for k in range(1, min(len(s), len(buf) + 1)) if buf.endswith(s[:k])),
+                   default=0)
+        self.held = buf[len(buf) - keep:] if keep else ""
+        return buf[:len(buf) - keep], False
+
+    def flush(self) -> str:
+        out, self.held = self.held, ""
+        return out
+
+
+class PlainText:
+    """The parser of /v1/completions: decoded text, nothing else (no chat format, no tool calls)."""
+
+    def __init__(self, tokenizer):
+        self.decoder = StreamDecoder(tokenizer)
+
+    def push(self, token: int) -> list:
+        text = self.decoder.push(token)
+        return [("text", text)] if text else []
+
+    def close(self) -> list:
+        text = self.decoder.flush()
+        return [("text", text)] if text else []
+
+
+class Reply:
+    """Parser events of one reply after stop strings and parallel_tool_calls=false are applied."""
+
+    def __init__(self, parser, stops: list[str], one_call: bool = False):
+        self.parser, self.stops, self.one_call = parser, StopStrings(stops), one_call
+        self.text: list[str] = []
+        self.calls: list[ToolCall] = []
+        self.cut = False           # ended early by a stop string or the one allowed call
+
+    def _take(self, events) -> list:
+        out = []
+        for kind, value in events:
+            if self.cut:
+                break
+            if kind == "text":
+                text, self.cut = self.stops.push(value)
+                if text:
+                    self.text.append(text)
+                    out.append(("text", text))
+            else:
+                value.id = value.id or f"call_{uuid.uuid4().hex[:24]}"
+                self.calls.append(value)
+                out.append(("tool_call", value))
+                self.cut = self.one_call
+        return out
+
+    def push(self, token: int) -> list:
+        return self._take(self.parser.push(token))
+
+    def close(self) -> list:
+        out = self._take(self.parser.close())
+        if not self.cut:
+            tail = self.stops.flush()
+            if tail:
+                self.text.append(tail)
+                out.append(("text", tail))
+        return out
+
+    @property
+    def content(self) -> str:
+        return "".join(self.text)
+
+
+class Generation:
+    """One request on the scheduler; its tokens cross from the scheduler's thread to the event loop."""
+
+    def __init__(self, state: "State", request: SchedRequest, param: str):
+        loop = asyncio.get_running_loop()
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.request, self.metrics, self.param = request, state.metrics, param
+        self._t0, self._last = time.perf_counter(), 0.0
+
+        def on_token(_handle, token):        # the scheduler's thread
+            now = time.perf_counter()
+            if token is not None:
+                (self.metrics.itl if self._last else self.metrics.ttft).observe(now - (self._last or self._t0))
+                self._last = now
+            try:
+                loop.call_soon_threadsafe(self.queue.put_nowait, token)
+            except RuntimeError:             # the loop is closed: the server is gone
+                pass
+
+        try:
+            self.handle = state.scheduler.submit(request, on_token)
+        except QueueFull as e:
+            raise ApiError(429, f"the server is busy: {e}", code="rate_limit_exceeded", type="rate_limit_error",
+                           headers={"Retry-After": str(state.retry_after)}) from None
+        except ContextOverflow as e:
+            raise ApiError(400, f"'{param}': {e}", param, "context_length_exceeded") from None
+        except GlmcoreError as e:
+            raise ApiError(400, f"'{param}': {e}", param) from None
+        self.metrics.prompt_tokens.inc(len(request.prompt))
+
+    async def tokens(self) -> AsyncIterator[int]:
+        while (token := await self.queue.get()) is not None:
+            yield token
+        h = self.handle
+        self.metrics.cached_tokens.inc(h.timings.cached_tokens)
+        self.metrics.generated.inc(len(h.tokens))
+        if h.finish_reason == "error":
+            if isinstance(h.error, ContextOverflow):
+                raise ApiError(400, f"'{self.param}': {h.error}", self.param, "context_length_exceeded")
+            raise ApiError(500, f"generation failed: {h.error}", type="server_error", code="backend_error")
+
+    def cancel(self) -> None:
+        self.handle.cancel()
+
+    def usage(self) -> dict:
+        h = self.handle
+        n_prompt, n_new = len(self.request.prompt), len(h.tokens)
+        return {"prompt_tokens": n_prompt, "completion_tokens": n_new, "total_tokens": n_prompt + n_new,
+                "prompt_tokens_details": {"cached_tokens": h.timings.cached_tokens}}
+
+    def finish_reason(self, reply: Reply) -> str:
+        if not reply.cut and self.handle.finish_reason == "length":
+            return "length"
+        return "tool_calls" if reply.calls else "stop"
+
+
+class State:
+    def __init__(self, model, name: str, api_key: str | None, max_body: int, retry_after: int):
+        self.model, self.name, self.api_key, self.max_body = model, name, api_key, max_body
+        self.scheduler = model.scheduler
+        self.retry_after = retry_after
+        self.metrics = Metrics(self.scheduler)
+        self.reply_ids = ReplyIds()
+        self.created = int(time.time())
+
+
+# ----------------------------------------------------------------------------- request -> scheduler
+
+async def read_body(request: Request, limit: int) -> bytes:
+    size = request.headers.get("content-length")
+    if size is not None and size.isdigit() and int(size) > limit:
+        raise ApiError(413, f"the request body has {size} bytes; the limit is {limit}", code="request_too_large")
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > limit:
+            raise ApiError(413, f"the request body exceeds the limit of {limit} bytes", code="request_too_large")
+    return bytes(body)
+
+
+def sampling(req) -> SamplingParams:
+    d = SamplingParams()
+    try:
+        return SamplingParams(d.temperature if req.temperature is None else req.temperature,
+                              d.top_p if req.top_p is None else req.top_p, req.top_k or 0,
+                              req.repetition_penalty or 1.0, req.seed)
+    except GlmcoreError as e:
+        raise ApiError(400, str(e)) from None
+
+
+def max_new(state: State, req, n_prompt: int) -> int:
+    n = getattr(req, "max_completion_tokens", None) or req.max_tokens
+    return n if n is not None else max(1, state.scheduler.capacity - n_prompt)
+
+
+def _text(content, where: str) -> str:
+    if content is None or isinstance(content, str):
+        return content or ""
+    parts = []
+    for i, part in enumerate(content):
+        if part.get("type") != "text" or not isinstance(part.get("text"), str):
+            raise ApiError(400, f"{where}.{i}: content part type {part.get('type')!r} is not supported: this model "
+                           "reads text parts only ({\"type\": \"text\", \"text\": ...})", f"{where}.{i}",
+                           "unsupported_value")
+        parts.append(part["text"])
+    return "".join(parts)
+
+
+def to_messages(state: State, req: ChatRequest) -> list[Message]:
+    if not req.messages:
+        raise ApiError(400, "'messages' is empty; send at least one message", "messages")
+    out = []
+    for i, m in enumerate(req.messages):
+        calls = [{"id": c.id, "function": {"name": c.function.name, "arguments": c.function.arguments}}
+                 for c in m.tool_calls or []]
+        if calls and m.role != "assistant":
+            raise ApiError(400, f"messages.{i}: only assistant messages have tool_calls", f"messages.{i}.tool_calls")
+        role = "system" if m.role == "developer" else m.role
+        try:
+            msg = as_message({"role": role, "content": _text(m.content, f"messages.{i}.content"),
+                              "tool_calls": calls})
+        except GlmcoreError as e:
+            raise ApiError(400, f"messages.{i}: {e}", f"messages.{i}") from None
+        if role == "assistant":
+            msg.ids = state.reply_ids.get(msg)
+        out.append(msg)
+    return out
+
+
+def tool_setup(fmt, req: ChatRequest) -> tuple[list | None, bool, str | None]:
+    """(tools for the prompt, whether replies are parsed for calls, the function a reply must call)."""
+    choice = req.tool_choice
+    if not req.tools:
+        if choice not in (None, "none", "auto"):
+            raise ApiError(400, "'tool_choice' names a tool but 'tools' is empty; send the tools", "tool_choice")
+        return None, False, None
+    try:
+        names = [f["name"] for f in fmt.check_tools(req.tools)]
+    except GlmcoreError as e:
+        raise ApiError(400, str(e), "tools") from None
+    if choice in (None, "auto"):
+        return req.tools, True, None
+    if choice == "none":
+        return req.tools, False, None
+    if choice == "required":
+        if len(names) != 1:
+            raise ApiError(400, f"tool_choice 'required' with {len(names)} tools is not supported: this server forces "
+                           "a call by naming its function (it has no constrained decoding to choose among several); "
+                           "name one with {\"type\": \"function\", \"function\": {\"name\": ...}} or send one tool",
+                           "tool_choice", "unsupported_value")
+        return req.tools, True, names[0]
+    name = choice.get("function", {}).get("name") if isinstance(choice, dict) else None
+    if choice.get("type") != "function" or name not in names:
+        raise ApiError(400, f"tool_choice {json.dumps(choice)[:80]} names no function of 'tools' "
+                       f"({', '.join(names)})", "tool_choice", "invalid_value")
+    return req.tools, True, name
+
+
+def check_model(state: State, name: str) -> None:
+    if name != state.name:
+        raise ApiError(404, f"the model {name!r} does not exist here; this server serves {state.name!r} "
+                       "(see /v1/models)", "model", "model_not_found")
+
+
+# ----------------------------------------------------------------------------- responses
+
+def _sse(obj) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+def _call_json(call: ToolCall, index: int | None = None) -> dict:
+    out = {"id": call.id, "type": "function",
+           "function": {"name": call.name, "arguments": json.dumps(call.arguments, ensure_ascii=False)}}
+    return out if index is None else {"index": index, **out}
+
+
+async def _cancel_on_disconnect(request: Request, gen: Generation) -> None:
+    """A non-streamed request whose client went away stops generating and frees its slot."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+    gen.cancel()
+
+
+async def _respond(state: State, request: Request, endpoint: str, gen: Generation, reply: Reply, stream: bool,
+                   include_usage: bool, make_chunk, make_final, store_ids=None):
+    """Drive one generation to a JSON response or an SSE stream; counts the request in /metrics."""
+    metrics = state.metrics
+    if not stream:
+        watcher = asyncio.create_task(_cancel_on_disconnect(request, gen))
+        try:
+            async for token in gen.tokens():
+                reply.push(token)
+                if reply.cut:
+                    gen.cancel()
+                    break
+            reply.close()
+        except ApiError as e:
+            metrics.requests.labels(endpoint, str(e.status)).inc()
+            raise
+        finally:
+            watcher.cancel()
+        if gen.handle.finish_reason == "cancelled" and not reply.cut:
+            metrics.requests.labels(endpoint, "disconnected").inc()
+            return Response(status_code=499)
+        metrics.requests.labels(endpoint, "200").inc()
+        if store_ids:
+            store_ids()
+        return JSONResponse(make_final())
+
+    async def events():
+        status = "disconnected"
+        try:
+            yield "".join(map(_sse, make_chunk(None, None)))
+            async for token in gen.tokens():
+                for event in reply.push(token):
+                    yield "".join(map(_sse, make_chunk(event, None)))
+                if reply.cut:
+                    gen.cancel()
+                    break
+            for event in reply.close():
+                yield "".join(map(_sse, make_chunk(event, None)))
+            yield "".join(map(_sse, make_chunk(None, gen.finish_reason(reply))))
+            if include_usage:
+                yield _sse({**make_chunk(None, None)[0], "choices": [], "usage": gen.usage()})
+            status = "200"
+            if store_ids:
+                store_ids()
+        except ApiError as e:          # the generation failed after the stream began: say so in the stream
+            status = str(e.status)
+            yield _sse(e.body())
+        finally:
+            if not gen.handle.done:
+                gen.cancel()
+            metrics.requests.labels(endpoint, status).inc()
+        yield "data: [DONE]\n\n"
+
+    return StreamingResponse(events(), media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+def create_app(model, name: str, api_key: str | None = None, max_body: int = MAX_BODY,
+               retry_after: int = 1) -> FastAPI:
+    """The ASGI app over a LoadedModel with a scheduler (load_model(..., slots=N)); the caller starts the
+    scheduler's thread (scheduler.start()) and stops it."""
+    if model.scheduler is None:
+        raise GlmcoreError("the server needs a model loaded with slots (load_model(..., slots=N))")
+    state = State(model, name, api_key, max_body, retry_after)
+    app = FastAPI(title="glmcore", docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.glmcore = state
+
+    @app.exception_handler(ApiError)
+    async def _api_error(_request, e: ApiError):
+        return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request, e):
+        code = "not_found" if e.status_code == 404 else None
+        msg = f"{request.method} {request.url.path}: {e.detail}"
+        return JSONResponse(error_body(msg, code=code), status_code=e.status_code, headers=e.headers)
+
+    @app.exception_handler(Exception)
+    async def _bug(_request, e):       # never a traceback to the client; the log has it
+        log.exception("internal error")
+        return JSONResponse(error_body(f"internal error ({type(e).__name__}); see the server log", "server_error"),
+                            status_code=500)
+
+    async def authorize(request: Request) -> None:
+        if state.api_key is None:
+            return
+        given = request.headers.get("authorization", "")
+        scheme, _, token = given.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), state.api_key.encode()):
+            raise ApiError(401, "missing or wrong API key: send the header 'Authorization: Bearer KEY'",
+                           code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+
+    v1 = APIRouter(prefix="/v1", dependencies=[Depends(authorize)])
+
+    @v1.get("/models")
+    async def models():
+        return {"object": "list", "data": [_model_card(state)]}
+
+    @v1.get("/models/{model_id:path}")
+    async def model_card(model_id: str):
+        check_model(state, model_id)
+        return _model_card(state)
+
+    @v1.post("/chat/completions")
+    async def chat(request: Request):
+        try:
+            req = parse(ChatRequest, await read_body(request, state.max_body))
+            check_model(state, req.model)
+            fmt = state.model.chat_format
+            messages = to_messages(state, req)
+            tools, calls, forced = tool_setup(fmt, req)
+            params, stops = sampling(req), req.stops()
+            try:
+                sreq = chat_request(fmt, messages, tools, params)
+            except GlmcoreError as e:
+                raise ApiError(400, str(e), "messages") from None
+            opening = fmt.call_prefix(forced) if forced else []
+            sreq.prompt = list(sreq.prompt) + opening
+            sreq.max_new_tokens = max_new(state, req, len(sreq.prompt))
+            gen = Generation(state, sreq, "messages")
+        except ApiError as e:
+            state.metrics.requests.labels("chat", str(e.status)).inc()
+            raise
+        parser = ToolCallStream(fmt, tools, calls=calls)
+        for t in opening:              # the forced "name\n" opens the call in the parser too
+            parser.push(t)
+        reply = Reply(parser, stops, one_call=req.parallel_tool_calls is False)
+        cid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+
+        def message() -> dict:
+            msg = {"role": "assistant", "content": reply.content or (None if reply.calls else "")}
+            if reply.calls:
+                msg["tool_calls"] = [_call_json(c) for c in reply.calls]
+            return msg
+
+        def chunk(event, finish) -> list[dict]:
+            if event is None:
+                deltas = [{} if finish else {"role": "assistant", "content": ""}]
+            elif event[0] == "text":
+                deltas = [{"content": event[1]}]
+            else:                      # as OpenAI streams a call: index, id and name, then the arguments
+                call = _call_json(event[1], next(i for i, c in enumerate(reply.calls) if c is event[1]))
+                args = call["function"]["arguments"]
+                deltas = [{"tool_calls": [{**call, "function": {"name": call["function"]["name"], "arguments": ""}}]},
+                          {"tool_calls": [{"index": call["index"], "function": {"arguments": args}}]}]
+            out = [{"id": cid, "object": "chat.completion.chunk", "created": created, "model": state.name,
+                    "choices": [{"index": 0, "delta": d, "logprobs": None, "finish_reason": finish}]} for d in deltas]
+            return [{**o, "usage": None} for o in out] if include_usage else out
+
+        def final():
+            return {"id": cid, "object": "chat.completion", "created": created, "model": state.name,
+                    "choices": [{"index": 0, "message": message(), "logprobs": None,
+                                 "finish_reason": gen.finish_reason(reply)}],
+                    "usage": gen.usage()}
+
+        def store_ids():
+            # only a reply sent back whole: one cut by a stop string has generated ids past its text
+            if not reply.cut and not parser.errors and gen.handle.finish_reason in ("stop", "length"):
+                state.reply_ids.put(as_message(message()), opening + list(gen.handle.tokens))
+
+        return await _respond(state, request, "chat", gen, reply, req.stream, include_usage, chunk, final, store_ids)
+
+    @v1.post("/completions")
+    async def completions(request: Request):
+        try:
+            req = parse(CompletionRequest, await read_body(request, state.max_body))
+            check_model(state, req.model)
+            ids = prompt_ids(state, req.prompt)
+            sreq = SchedRequest(ids, sampling(req), max_new(state, req, len(ids)), [state.model.tokenizer.eos_id])
+            stops = req.stops()
+            gen = Generation(state, sreq, "prompt")
+        except ApiError as e:
+            state.metrics.requests.labels("completions", str(e.status)).inc()
+            raise
+        reply = Reply(PlainText(state.model.tokenizer), stops)
+        cid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+
+        def chunk(event, finish) -> list[dict]:
+            out = {"id": cid, "object": "text_completion", "created": created, "model": state.name,
+                   "choices": [{"index": 0, "text": event[1] if event else "", "logprobs": None,
+                                "finish_reason": finish}]}
+            return [{**out, "usage": None} if include_usage else out]
+
+        def final():
+            return {"id": cid, "object": "text_completion", "created": created, "model": state.name,
+                    "choices": [{"index": 0, "text": reply.content, "logprobs": None,
+                                 "finish_reason": gen.finish_reason(reply)}],
+                    "usage": gen.usage()}
+
+        return await _respond(state, request, "completions", gen, reply, req.stream, include_usage, chunk, final)
+
+    app.include_router(v1)
+
+    @app.get("/health")
+    async def health():
+        s = state.scheduler
+        return {"status": "ok", "model": state.name, "slots": s.batch.n_slots, "busy_slots": s.busy_slots,
+                "queue_length": s.queue_len}
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    return app
+
+
+def prompt_ids(state: State, prompt) -> list[int]:
+    """/v1/completions' prompt: text (after the model's [gMASK]sop prefix, no chat template) or token ids."""
+    tok = state.model.tokenizer
+    if isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
+        if len(prompt) != 1:
+            raise ApiError(400, f"'prompt' holds {len(prompt)} prompts; this server takes one per request", "prompt",
+                           "unsupported_value")
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        ids = list(state.model.chat_format.prefix) + tok.encode(prompt)
+    else:
+        ids = list(prompt)
+        bad = [i for i in ids if not 0 <= i < tok.n_vocab]
+        if bad:
+            raise ApiError(400, f"'prompt' holds token id {bad[0]}, outside 0..{tok.n_vocab - 1}", "prompt")
+    if len(ids) == 0:
+        raise ApiError(400, "'prompt' is empty", "prompt")
+    return ids
+
+
+def _model_card(state: State) -> dict:
+    m = state.model
+    return {"id": state.name, "object": "model", "created": state.created, "owned_by": "glmcore",
+            "family": m.config.family, "backend": m.backend.name, "context": state.scheduler.capacity}
