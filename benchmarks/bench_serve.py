@@ -8,6 +8,9 @@ Each client sends `--requests` streamed chat requests one after another (a disti
 --prompt-len tokens, max_tokens --new-tokens, greedy, stream_options.include_usage). Per concurrency it
 prints aggregate generated tok/s (completion tokens reported by the server / wall time), time to first
 token p50/p99 (request sent -> first content) and inter-token latency p50/p99 (between content chunks).
+With --conversation, it measures prefix reuse instead: a first turn with a prompt of about --prompt-len
+tokens, then a second turn (the reply sent back plus a short user message): the second turn's time to
+first token should follow the new turn's length, not the history's.
 Traffic goes only to loopback addresses; every loop is bounded in count and time (--timeout).
 """
 from __future__ import annotations
@@ -75,6 +78,34 @@ async def one_request(http: httpx.AsyncClient, url: str, model: str, content: st
         raise RuntimeError("the stream had no content or no usage chunk (does the server honour include_usage?)")
     return {"ttft": stamps[0] - t0, "itl": np.diff(stamps).tolist(), "prompt": usage["prompt_tokens"],
             "new": usage["completion_tokens"]}
+
+
+async def conversation(url, model, n_words, new_tokens, timeout, api_key) -> list[dict]:
+    """Two turns of one conversation; each turn's TTFT, prompt tokens and cached tokens (as the server reports)."""
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    messages = [{"role": "user", "content": prompt_text(n_words, 10**6, 0)}]  # not a prompt calibrate sent
+    out = []
+    async with httpx.AsyncClient(timeout=timeout) as http:
+        for turn in range(2):
+            body = {"model": model, "messages": messages, "max_tokens": new_tokens, "temperature": 0,
+                    "stream": True, "stream_options": {"include_usage": True}}
+            t0, first, text, usage = time.perf_counter(), None, [], None
+            async with http.stream("POST", f"{url}/chat/completions", json=body, headers=headers) as r:
+                async for line in r.aiter_lines():
+                    if not line.startswith("data: {"):
+                        continue
+                    chunk = json.loads(line[6:])
+                    usage = chunk.get("usage") or usage
+                    for c in chunk.get("choices") or []:
+                        if (c.get("delta") or {}).get("content"):
+                            first = first or time.perf_counter()
+                            text.append(c["delta"]["content"])
+            details = (usage or {}).get("prompt_tokens_details") or {}
+            out.append({"ttft": (first or time.perf_counter()) - t0, "prompt": usage["prompt_tokens"],
+                        "cached": details.get("cached_tokens", 0)})
+            messages += [{"role": "assistant", "content": "".join(text)},
+                         {"role": "user", "content": "and one more short question"}]
+    return out
 
 
 async def phase(url, model, clients, requests, n_words, new_tokens, timeout, api_key) -> dict:
@@ -147,6 +178,7 @@ def main(argv=None) -> int:
     ap.add_argument("--prompt-len", type=int, default=16)
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--timeout", type=float, default=600, help="seconds one request may take")
+    ap.add_argument("--conversation", action="store_true", help="measure a second turn's TTFT instead")
     a = ap.parse_args(argv)
     if a.size == "tiny" and a.url is None and a.clients == "1,4,16":     # CI's smoke run: small and quick
         a.clients, a.new_tokens, a.requests = "1,4", min(a.new_tokens, 16), 1
@@ -165,6 +197,13 @@ def main(argv=None) -> int:
             proc, url, model = start_server(a)
         n_words = calibrate(url, model, a.prompt_len, a.api_key)
         load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+        if a.conversation:
+            turns = asyncio.run(conversation(url, model, n_words, a.new_tokens, a.timeout, a.api_key))
+            print(f"# {url} model {model}; load average {load:.2f} at start")
+            for i, t in enumerate(turns, 1):
+                print(f"turn {i}: prompt {t['prompt']} tok, {t['cached']} reused from the cache, "
+                      f"{t['prompt'] - t['cached']} prefilled | time to first token {t['ttft'] * 1e3:.0f} ms")
+            return 0
         print(f"# {url} model {model}; prompt ~{a.prompt_len} tok, {a.new_tokens} new tok, {a.requests} request(s) "
               f"per client, greedy; load average {load:.2f} at start")
         print("| clients | requests | prompt tok | generated tok | wall s | aggregate tok/s | TTFT p50 ms | "

@@ -125,6 +125,13 @@ def test_completions_models_and_health(url, tiny_model):
     assert c.models.retrieve("tiny").id == "tiny"
     h = httpx.get(f"{url}/health").json()
     assert h["status"] == "ok" and h["slots"] == 4
+    text = httpx.get(f"{url}/metrics").text
+    for series in ("glmcore_requests_total", "glmcore_prompt_tokens_total", "glmcore_generation_tokens_total",
+                   "glmcore_prompt_cached_tokens_total", "glmcore_queue_length", "glmcore_busy_slots",
+                   "glmcore_time_to_first_token_seconds_bucket", "glmcore_inter_token_latency_seconds_bucket"):
+        assert series in text, series
+    assert metric(url, "glmcore_generation_tokens_total") >= r.usage.completion_tokens
+    assert metric(url, "glmcore_time_to_first_token_seconds_count") >= 3
 
 
 def test_stop_ids_and_no_special_token_text_in_many_replies(url, tiny_model):
