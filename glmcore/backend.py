@@ -60,6 +60,7 @@ class LoadOptions:
     threads: int | None = None
     cache_dir: Path | None = None    # where conversion results (IR, ONNX, packed int4) live
     extra: dict = field(default_factory=dict)   # backend-specific: group_size, seq_len, mode ...
+    tp: int = 1                      # tensor-parallel ranks: load_model splits the model (glmcore/parallel.py)
 
 
 class _Closable:
@@ -206,6 +207,32 @@ class SessionAdapter(BatchSession):
     def close(self) -> None:
         for s in self.sessions:
             s.close()
+
+
+class SlotSession(Session):
+    """A single-sequence Session over slot 0 of a one-slot batch session (the reverse of SessionAdapter)."""
+
+    def __init__(self, batch: BatchSession):
+        self.batch, self.capacity = batch, batch.capacity
+
+    @property
+    def kv_len(self) -> int:
+        return self.batch.kv_len(0)
+
+    def prefill(self, ids: Sequence[int], all_logits: bool = False):
+        return self.batch.step([(0, list(ids))], all_logits=all_logits)[0]
+
+    def decode(self, token: int):
+        return self.batch.step([(0, [token])])[0]
+
+    def shift(self, n_keep: int, n_discard: int) -> None:
+        self.batch.shift(0, n_keep, n_discard)
+
+    def reset(self) -> None:
+        self.batch.reset(0)
+
+    def close(self) -> None:
+        self.batch.close()
 
 
 class Backend(ABC):

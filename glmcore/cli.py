@@ -50,6 +50,9 @@ def add_load_args(p: argparse.ArgumentParser, model_help: str = "checkpoint dire
     p.add_argument("--threads", type=int, help="CPU threads (default: the backend's choice)")
     p.add_argument("--opt", action="append", default=[], metavar="KEY=VALUE",
                    help="backend-specific option, e.g. group_size=128, seq_len=512, mode=eager")
+    p.add_argument("--tp", type=int, default=1, metavar="N",
+                   help="tensor parallel: split the model over N ranks started here (torch, ascend_npu); "
+                        "under torchrun, the job's world size")
 
 
 def load_options(a) -> LoadOptions:
@@ -59,7 +62,9 @@ def load_options(a) -> LoadOptions:
     if a.threads is not None and not 1 <= a.threads <= cpus:
         raise GlmcoreError(f"invalid --threads {a.threads}: this machine lets glmcore run on {cpus} CPUs; "
                            f"use 1..{cpus}")
-    return LoadOptions(a.precision, a.weights, a.ctx, a.threads, extra=_parse_opts(a.opt))
+    if a.tp < 1:
+        raise GlmcoreError(f"invalid --tp {a.tp}: use a positive number of ranks")
+    return LoadOptions(a.precision, a.weights, a.ctx, a.threads, extra=_parse_opts(a.opt), tp=a.tp)
 
 
 def add_gen_args(p: argparse.ArgumentParser) -> None:
@@ -310,6 +315,8 @@ def cmd_convert(a) -> int:
         raise GlmcoreError(f"--model {a.model!r} is not a checkpoint directory")
     backend = resolve_backend(a.backend)
     opts = load_options(a)
+    if opts.tp != 1:
+        raise GlmcoreError("--tp splits a model while it runs; convert writes one converted model, drop --tp")
     for key in ("seq_len", "group_size", "quantize"):
         if getattr(a, key) is not None:
             opts.extra[key] = getattr(a, key)
@@ -399,6 +406,12 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     ap = build_parser()
     try:
+        from .parallel import torchrun_world
+        if torchrun_world() > 1:          # one rank of a torchrun job: rank 0 runs the command, the others follow
+            from . import parallel
+            if os.environ.get("RANK", "0") != "0":
+                return parallel.follower_main()
+            parallel.group(torchrun_world())
         if argv and argv[0] in ("conformance", "bench"):
             import importlib
             module = importlib.import_module(f"glmcore_conformance.{'suite' if argv[0] == 'conformance' else 'bench'}")

@@ -70,6 +70,9 @@ def load_model(model: str | Path | None = None, backend: str | None = None, opti
     from .tokenizer import load_tokenizer
 
     b = resolve_backend(backend)
+    if options is not None and options.tp != 1:
+        from .parallel import tensor_parallel
+        b = tensor_parallel(b, options.tp)
     opts = b.resolve(options or LoadOptions())
     model_dir = Path(model) if model else demo_model_dir()
     if not model_dir.is_dir():

@@ -238,6 +238,24 @@ def _check(tensors: dict[str, np.ndarray], cfg: ModelConfig, model_dir: Path) ->
                               f"(num_layers={cfg.num_layers}); config.json belongs to another model size")
 
 
+def release(arr: np.ndarray) -> None:
+    """Drop a memory-mapped tensor's pages from this process once a backend holds its own copy: they
+    stay in the OS page cache (reading the tensor again maps them back), but no longer count in the
+    process's resident memory next to the copy. No-op for arrays that are not mapped, or without madvise."""
+    import mmap
+    base = arr
+    while base is not None and not isinstance(getattr(base, "base", None), mmap.mmap):
+        base = getattr(base, "base", None)
+    if base is None or not hasattr(mmap, "MADV_DONTNEED") or not arr.size:
+        return
+    start = base.ctypes.data - base.offset % mmap.ALLOCATIONGRANULARITY      # where np.memmap's mapping begins
+    steps = [(d - 1) * st for d, st in zip(arr.shape, arr.strides)]
+    low = arr.ctypes.data + sum(x for x in steps if x < 0)
+    high = arr.ctypes.data + sum(x for x in steps if x > 0) + arr.itemsize
+    first = (low - start) // mmap.PAGESIZE * mmap.PAGESIZE
+    base.base.madvise(mmap.MADV_DONTNEED, first, high - start - first)
+
+
 # ---------------------------------------------------------------- safetensors
 
 def _no_duplicates(pairs):

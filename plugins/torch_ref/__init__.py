@@ -34,6 +34,11 @@ class TorchBackend(Backend):
         from .model import TorchRefBatch
         return TorchRefBatch(config, weights, options, self.capabilities(), n_slots)
 
+    def load_shard(self, shard, options: LoadOptions, n_slots: int):
+        """This rank's part of the model under tensor parallelism (glmcore/parallel.py)."""
+        from .model import TorchRefBatch
+        return TorchRefBatch(shard.config, shard.weights, options, self.capabilities(), n_slots, tp=shard)
+
 
 @hookimpl
 def glmcore_backends():

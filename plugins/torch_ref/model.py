@@ -8,6 +8,8 @@ import torch
 
 from glmcore.backend import BatchSession, Capabilities, LoadOptions, Session, default_capacity
 from glmcore.config import ModelConfig
+from glmcore.parallel import LOCAL
+from glmcore.weights import release
 
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
@@ -32,20 +34,29 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return torch.cat((out, x_pass), dim=-1)
 
 
+def _f32(arr: np.ndarray) -> torch.Tensor:
+    """A checkpoint tensor as an fp32 copy; its mapped pages are then released (resident once, not twice)."""
+    t = torch.from_numpy(np.array(arr, dtype=np.float32))
+    release(arr)
+    return t
+
+
 class TorchRefBatch(BatchSession):
     """n_slots sequences; one step runs every entry's tokens through each weight matrix together
-    (ragged: the entries' tokens are concatenated), attention per entry over its own slot's cache."""
+    (ragged: the entries' tokens are concatenated), attention per entry over its own slot's cache.
+
+    Under tensor parallelism (`tp`, a glmcore.parallel.Shard) cfg and weights are this rank's part and
+    the tp hooks join the parts; on one device they are glmcore.parallel.LOCAL and do nothing."""
 
     native = True
 
     def __init__(self, cfg: ModelConfig, weights, options: LoadOptions, caps: Capabilities, n_slots: int,
-                 shared: dict | None = None):
+                 shared: dict | None = None, tp=LOCAL):
         if options.threads:
             torch.set_num_threads(options.threads)
-        self.cfg, self.n_slots = cfg, n_slots
+        self.cfg, self.n_slots, self.tp = cfg, n_slots, tp
         self.capacity = default_capacity(cfg, caps, options.capacity)
-        self.w = shared if shared is not None else {
-            k: torch.from_numpy(np.array(weights[k], dtype=np.float32)) for k in weights}
+        self.w = shared if shared is not None else {k: _f32(weights[k]) for k in weights}
         shape = (n_slots, cfg.num_layers, self.capacity, cfg.num_kv_heads, cfg.head_dim)
         self.k_cache = torch.zeros(shape)     # keys are cached after rotation
         self.v_cache = torch.zeros(shape)
@@ -80,7 +91,7 @@ class TorchRefBatch(BatchSession):
             offset += T
         ids = torch.tensor([t for _, e in entries for t in e])
         positions = torch.cat([torch.arange(start, end) for _, start, end, _ in spans])
-        x = w["embed.weight"][ids]
+        x = self.tp.embed(w["embed.weight"], ids)
         cos, sin = rotary_tables(cfg, positions)
         group = cfg.num_heads // cfg.num_kv_heads
         for i in range(cfg.num_layers):
@@ -105,15 +116,16 @@ class TorchRefBatch(BatchSession):
                 mask = torch.arange(end)[None, :] <= torch.arange(start, end)[:, None]
                 scores = scores.masked_fill(~mask, float("-inf"))
                 attn[o:o + T] = torch.einsum("hts,shd->thd", scores.softmax(-1), values).reshape(T, cfg.q_size)
-            x = x + attn @ w[p + "attn_out.weight"].T
+            x = x + self.tp.reduce(attn @ w[p + "attn_out.weight"].T)
             h = rms_norm(x, w[p + "post_attn_norm.weight"], cfg.norm_eps)
             gate, up = (h @ w[p + "ffn_up.weight"].T).chunk(2, dim=-1)
-            x = x + (torch.nn.functional.silu(gate) * up) @ w[p + "ffn_down.weight"].T
+            x = x + self.tp.reduce((torch.nn.functional.silu(gate) * up) @ w[p + "ffn_down.weight"].T)
         for slot, _, end, _ in spans:
             self.lens[slot] = end
         # the output layer only where logits are wanted
         rows = torch.arange(offset) if all_logits else torch.tensor([o + e - s - 1 for _, s, e, o in spans])
-        logits = (rms_norm(x[rows], w["final_norm.weight"], cfg.norm_eps) @ w["lm_head.weight"].T).numpy()
+        h = rms_norm(x[rows], w["final_norm.weight"], cfg.norm_eps)
+        logits = self.tp.gather(h @ w["lm_head.weight"].T).numpy()
         if all_logits:
             return [logits[o:o + e - s] for _, s, e, o in spans]
         return logits

@@ -1,0 +1,220 @@
+"""Tensor parallel (glmcore/parallel.py): the sharding plan on the host, then real gloo ranks on this
+machine held to the single-rank torch reference by the conformance suite (prefill, decode, window
+shift, batched steps ...), the CLI's --tp, and clean process lifetimes."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from glmcore import parallel, synth
+from glmcore.backend import LoadOptions, registry
+from glmcore.cli import main
+from glmcore.config import ModelConfig
+from glmcore.errors import BackendError
+from glmcore.weights import load_weights, read_safetensors, release, write_safetensors
+from glmcore_conformance import format_table, run_suite
+
+CASES = ("prefill", "decode", "decode_vs_prefill", "window_shift", "chat_continuation", "batch_mixed",
+         "batch_generate")
+# 12 query heads in 3 KV groups over 4 ranks: ranks 1 and 2 hold heads of two groups unevenly.
+UNEVEN = dict(hidden_size=96, num_layers=2, num_attention_heads=12, multi_query_group_num=3, kv_channels=8,
+              ffn_hidden_size=202, vocab="tokenizer")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _end_group():
+    yield
+    parallel.shutdown()
+
+
+def _cfg(heads=32, kv=2, vocab=65024, ffn=13696, head_dim=128) -> ModelConfig:
+    return ModelConfig("chatglm3", heads * head_dim, 2, heads, kv, head_dim, ffn, vocab, 8192, 10000.0, 1e-5)
+
+
+# ---------------------------------------------------------------- the plan, on the host
+
+@pytest.mark.parametrize("heads,kv,world", [(32, 2, 1), (32, 2, 2), (32, 2, 3), (32, 2, 4), (32, 2, 8), (12, 3, 4),
+                                            (4, 2, 4)])
+def test_plan_splits_everything_once_and_keeps_each_heads_kv_group(heads, kv, world):
+    cfg = _cfg(heads, kv, vocab=65021, ffn=1001)
+    plans = [parallel.plan(cfg, r, world) for r in range(world)]
+    assert [h for p in plans for h in range(*p.heads)] == list(range(heads))
+    assert [f for p in plans for f in range(*p.ffn)] == list(range(cfg.ffn_hidden_size))
+    assert [v for p in plans for v in range(*p.vocab)] == list(range(cfg.vocab_size))
+    for p in plans:
+        local = parallel.shard_config(cfg, p)
+        per_kv = local.num_heads // local.num_kv_heads
+        assert local.num_heads % local.num_kv_heads == 0
+        for j in range(local.num_heads):      # local query head j reads local KV head j // per_kv
+            assert p.kv[j // per_kv] == (p.heads[0] + j) // (heads // kv)
+
+
+def test_kv_groups_are_replicated_where_ranks_outnumber_them():
+    plans = [parallel.plan(_cfg(32, 2), r, 8) for r in range(8)]
+    assert [p.kv for p in plans] == [(0,)] * 4 + [(1,)] * 4
+    uneven = [parallel.plan(_cfg(12, 3), r, 4).kv for r in range(4)]
+    assert uneven == [(0,), (0, 1, 1), (1, 1, 2), (2,)]     # one KV head per query head where groups split unevenly
+
+
+def test_more_ranks_than_heads_is_refused():
+    with pytest.raises(BackendError, match="attention heads"):
+        parallel.plan(_cfg(4, 2), 0, 8)
+
+
+def test_shards_reassemble_the_checkpoint(tmp_path):
+    """Column shards stack to the fused QKV / gate-up rows, row shards to the output projections."""
+    from glmcore.synth import make_model
+    cfg = make_model("chatglm3", "tiny", tmp_path)
+    w = load_weights(tmp_path, cfg)
+    full = {k: np.array(w[k]) for k in w}
+    world, hd, f = 2, cfg.head_dim, cfg.ffn_hidden_size
+    shards = [parallel.ShardWeights(w, cfg, parallel.plan(cfg, r, world)) for r in range(world)]
+    qkv = [s["layers.0.qkv.weight"] for s in shards]
+    q_rows = [x[:(s.p.heads[1] - s.p.heads[0]) * hd] for x, s in zip(qkv, shards)]
+    assert np.array_equal(np.concatenate(q_rows), full["layers.0.qkv.weight"][:cfg.q_size])
+    for x, s in zip(qkv, shards):      # then my K groups, then my V groups
+        g, n = s.p.kv[0], (s.p.heads[1] - s.p.heads[0]) * hd
+        assert np.array_equal(x[n:n + hd], full["layers.0.qkv.weight"][cfg.q_size + g * hd:cfg.q_size + (g + 1) * hd])
+    assert np.array_equal(np.concatenate([s["layers.0.attn_out.weight"] for s in shards], 1),
+                          full["layers.0.attn_out.weight"])
+    up = [s["layers.1.ffn_up.weight"] for s in shards]
+    half = [len(x) // 2 for x in up]
+    assert np.array_equal(np.concatenate([x[:h] for x, h in zip(up, half)]), full["layers.1.ffn_up.weight"][:f])
+    assert np.array_equal(np.concatenate([x[h:] for x, h in zip(up, half)]), full["layers.1.ffn_up.weight"][f:])
+    assert np.array_equal(np.concatenate([s["layers.1.ffn_down.weight"] for s in shards], 1),
+                          full["layers.1.ffn_down.weight"])
+    assert np.array_equal(np.concatenate([s["lm_head.weight"] for s in shards]), full["lm_head.weight"])
+    assert np.array_equal(shards[1]["final_norm.weight"], full["final_norm.weight"])
+
+
+def _rss_file_mib() -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("RssFile:"):
+            return int(line.split()[1]) // 1024
+    pytest.skip("no /proc/self/status RssFile here")
+
+
+def test_release_drops_mapped_pages_and_keeps_the_data(tmp_path):
+    x = np.random.default_rng(0).standard_normal((2048, 4096), dtype=np.float32)     # 32 MiB
+    write_safetensors(tmp_path / "w.safetensors", {"a": x[:3], "b": x})
+    t = read_safetensors(tmp_path / "w.safetensors")
+    before = _rss_file_mib()
+    total = float(t["b"].sum())                  # maps every page
+    assert _rss_file_mib() - before >= 24
+    release(t["b"])
+    assert _rss_file_mib() - before < 8
+    assert float(t["b"].sum()) == total and np.array_equal(t["a"], x[:3])
+    release(x)                                   # not mapped: nothing happens
+
+
+# ---------------------------------------------------------------- real ranks, against the reference
+
+def _passed(report, ranks: int) -> None:
+    assert report.passed, format_table(report)
+    ran = {r.case for r in report.results}
+    assert set(CASES) <= ran, f"cases that did not run: {set(CASES) - ran}"
+    assert all(r.backend == f"torch tp={ranks}" for r in report.results)
+
+
+def test_two_gloo_ranks_equal_the_single_rank_reference():
+    tp = parallel.TensorParallel(registry().get("torch"), 2)
+    _passed(run_suite([tp], families=["chatglm3", "glm4"], cases=CASES, threads=1), 2)
+    assert parallel._GROUP.world == 2 and len(parallel._GROUP.procs) == 1
+
+
+def test_scheduler_and_cli_drive_two_ranks(tmp_path, capsys):
+    """run --prompts: the continuous-batching scheduler on rank 0, each batched step one sharded step."""
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("你好\nhello there\nwhat is 1+1?\n", encoding="utf-8")
+    args = ["run", "--backend", "torch", "--prompts", str(prompts), "--max-new-tokens", "8", "--temperature", "0"]
+    assert main(args + ["--threads", "1"]) == 0
+    alone = capsys.readouterr()
+    assert main(args + ["--tp", "2", "--threads", "1"]) == 0
+    split = capsys.readouterr()
+    assert split.out == alone.out and "[torch tp=2] 3 prompts on 3 slots" in split.err
+
+
+def test_four_ranks_on_kv_groups_that_do_not_divide_evenly(tmp_path, monkeypatch):
+    monkeypatch.setitem(synth.SIZES, "uneven", UNEVEN)
+    synth.make_model("chatglm3", "uneven", tmp_path)
+    cfg = ModelConfig.from_dir(tmp_path)
+    assert [parallel.plan(cfg, r, 4).kv for r in range(4)] == [(0,), (0, 1, 1), (1, 1, 2), (2,)]
+    tp = parallel.TensorParallel(registry().get("torch"), 4)
+    _passed(run_suite([tp], model_dir=tmp_path, cases=CASES, threads=1), 4)
+
+
+# ---------------------------------------------------------------- the command line and process lifetimes
+
+def _followers_of(pid: int) -> list[int]:
+    """Live follower processes started by process `pid` (they carry GLMCORE_TP_PARENT=pid)."""
+    out = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                env = (d / "environ").read_bytes()
+            except OSError:
+                continue
+            if f"GLMCORE_TP_PARENT={pid}".encode() in env.split(b"\0"):
+                out.append(int(d.name))
+    return out
+
+
+needs_proc = pytest.mark.skipif(not Path("/proc/self/environ").exists(), reason="needs Linux /proc")
+
+
+@needs_proc
+def test_glmcore_run_tp2_answers_like_one_rank_and_leaves_no_process():
+    env = dict(os.environ)
+    args = [sys.executable, "-m", "glmcore.cli", "run", "--backend", "torch", "--prompt", "你好", "--max-new-tokens",
+            "8", "--temperature", "0", "--threads", "1"]
+    one = subprocess.run(args, capture_output=True, text=True, timeout=300, env=env)
+    proc = subprocess.Popen(args + ["--tp", "2"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0 and one.returncode == 0, err
+    assert out == one.stdout and "[torch tp=2]" in err
+    assert _followers_of(proc.pid) == []
+
+
+@needs_proc
+def test_followers_exit_when_rank_0_is_killed(tmp_path):
+    script = ("import sys, time\nfrom glmcore import parallel\nparallel.group(3)\n"
+              "print(*[p.pid for p in parallel._GROUP.procs], flush=True)\ntime.sleep(120)\n")
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    pids = [int(p) for p in proc.stdout.readline().split()]
+    assert len(pids) == 2 and sorted(_followers_of(proc.pid)) == sorted(pids)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    deadline = time.monotonic() + 30
+    while _followers_of(proc.pid) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert _followers_of(proc.pid) == []
+
+
+@pytest.mark.parametrize("argv,match", [
+    (["run", "--backend", "torch", "--tp", "0", "--prompt", "x"], "invalid --tp 0"),
+    (["run", "--backend", "torch", "--tp", "8", "--prompt", "x"], "attention heads"),
+    (["convert", "--backend", "torch", "--tp", "2", "--model", ".", "--out", "OUT"], "drop --tp"),
+])
+def test_tp_errors_are_one_line(argv, match, tmp_path, capsys):
+    argv = [str(tmp_path / a) if a == "OUT" else a for a in argv]
+    if "convert" in argv:
+        synth.make_model("chatglm3", "tiny", tmp_path / "m")
+        argv[argv.index(".")] = str(tmp_path / "m")
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("error:") and match in err[-1]
+
+
+def test_a_backend_without_a_tensor_parallel_path_is_refused():
+    class NoShard(type(registry().get("torch"))):
+        name = "noshard"
+        load_shard = None
+    with pytest.raises(BackendError, match="no tensor-parallel path"):
+        parallel.TensorParallel(NoShard(), 2)
