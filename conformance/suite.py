@@ -24,6 +24,7 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 
@@ -502,6 +503,8 @@ def main(argv: list[str] | None = None) -> int:
     from glmcore.cli import _parse_opts
     from glmcore.model import resolve_backend
     a = build_parser().parse_args(argv)
+    if a.out and Path(a.out).exists() and not Path(a.out).is_dir():     # refuse before the suite runs
+        raise GlmcoreError(f"--out {a.out} is a file; give a directory for conformance.json and conformance.md")
     reg = registry()
     names = [n for arg in a.backend for n in arg.split(",") if n]
     if names:

@@ -1,4 +1,7 @@
 """glmcore: run the GLM chat models (ChatGLM2/3, GLM-4) on any hardware through backend plugins."""
+from .offline import block_telemetry
+
+block_telemetry()       # first: before any plugin imports a runtime
 from .backend import (Backend, BatchSession, Capabilities, LoadOptions, Probe, Session, SessionAdapter, hookimpl,
                       registry)
 from .config import ModelConfig

@@ -4,7 +4,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import sys
+import time
 from pathlib import Path
 
 from . import __version__
@@ -299,6 +301,37 @@ def _batching(caps) -> str:
     return "core adapter: one session per sequence (correct, not faster)"
 
 
+def cmd_cache(a) -> int:
+    from . import cache
+    if a.action == "list":
+        found = cache.entries()
+        for e in found:
+            age = (time.time() - e.last_used) / 86400
+            print(f"{e.size / 2**20:10.1f} MiB  used {age:5.1f} days ago  {e.state:<12}  {e.name}")
+        print(f"{sum(e.size for e in found) / 2**20:10.1f} MiB in {len(found)} entries under {cache.cache_root()}")
+    elif a.action == "remove":
+        if not a.names:
+            raise GlmcoreError("cache remove: name the entries to remove (as `glmcore cache list` shows them), "
+                               "or `all`")
+        found = {e.name: e for e in cache.entries()}
+        chosen = list(found.values()) if a.names == ["all"] else []
+        for name in [] if a.names == ["all"] else a.names:
+            if name.rstrip("/") not in found:
+                raise GlmcoreError(f"cache remove: no entry {name!r}; see `glmcore cache list`")
+            chosen.append(found[name.rstrip("/")])
+        for e in chosen:
+            cache.remove(e)
+            print(f"removed {e.name} ({e.size / 2**20:.1f} MiB)")
+    else:
+        if a.older_than < 0:
+            raise GlmcoreError(f"invalid --older-than {a.older_than}: use a number of days >= 0")
+        gone = cache.prune(a.older_than)
+        for e in gone:
+            print(f"removed {e.name} ({e.size / 2**20:.1f} MiB, {e.state})")
+        print(f"freed {sum(e.size for e in gone) / 2**20:.1f} MiB")
+    return 0
+
+
 def cmd_make_model(a) -> int:
     from .synth import make_model
     cfg = make_model(a.family, a.size, a.out, fmt=a.format, shards=a.shards, seed=a.seed,
@@ -308,6 +341,7 @@ def cmd_make_model(a) -> int:
 
 
 def cmd_convert(a) -> int:
+    from .cache import new_output_dir, seal
     from .config import ModelConfig
     from .model import resolve_backend
     from .weights import load_weights
@@ -322,9 +356,14 @@ def cmd_convert(a) -> int:
             opts.extra[key] = getattr(a, key)
     opts = backend.resolve(opts)
     cfg = ModelConfig.from_dir(a.model)
-    out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
-    backend.convert(cfg, load_weights(a.model, cfg), opts, out, progress)
+    weights = load_weights(a.model, cfg)
+    out = new_output_dir(a.out)
+    try:
+        backend.convert(cfg, weights, opts, out, progress)
+        seal(out, source=weights.fingerprint())      # what it holds and which checkpoint it came from
+    except BaseException:
+        shutil.rmtree(out, ignore_errors=True)       # it was new or empty: a failed convert leaves nothing
+        raise
     print(f"converted {a.model} for {backend.name} into {out}")
     return 0
 
@@ -358,6 +397,13 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("backends", help="list backends: ready or why not")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(fn=cmd_backends)
+
+    p = sub.add_parser("cache", help="list, remove or prune converted models and synthetic checkpoints")
+    p.add_argument("action", choices=["list", "remove", "prune"], help="what to do")
+    p.add_argument("names", nargs="*", help="remove: entries as `list` shows them, or all")
+    p.add_argument("--older-than", type=float, default=30.0,
+                   help="prune: also remove entries unused for this many days")
+    p.set_defaults(fn=cmd_cache)
 
     p = sub.add_parser("make-model", help="write a synthetic checkpoint in a family's real layout")
     p.add_argument("--family", required=True, choices=["chatglm2", "chatglm3", "glm4"])

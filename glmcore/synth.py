@@ -64,8 +64,19 @@ def make_model(family: str, size: str, out: str | Path, fmt: str = "safetensors"
         raise GlmcoreError(f"unknown size {size!r}; choose {', '.join(SIZES)}")
     if fmt not in ("safetensors", "bin"):
         raise GlmcoreError(f"unknown format {fmt!r}; choose safetensors or bin")
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
+    if shards is not None and (isinstance(shards, bool) or not isinstance(shards, int) or shards < 1):
+        raise GlmcoreError(f"invalid --shards {shards}: use a positive integer")
+    from .cache import build_once, new_output_dir
+    # Written beside `out` and renamed into place: a user's files are never overwritten, and a failed
+    # or interrupted run leaves nothing behind.
+    cfg: list[ModelConfig] = []
+    build_once(new_output_dir(out), lambda tmp: cfg.append(_write_model(family, size, tmp, fmt, shards, seed,
+                                                                       tokenizer_from, dtype, progress)),
+               complete=lambda p: False)
+    return cfg[0]
+
+
+def _write_model(family, size, out: Path, fmt, shards, seed, tokenizer_from, dtype, progress) -> ModelConfig:
     from .tokenizer import load_tokenizer, write_tokenizer
     n_vocab = write_tokenizer(family, out, tokenizer_from=tokenizer_from)
     tok = load_tokenizer(out, family)
@@ -93,8 +104,9 @@ def make_model(family: str, size: str, out: str | Path, fmt: str = "safetensors"
     total = sum(int(np.prod(s)) for s in shapes.values()) * np_dtype.itemsize
     if shards is None:
         shards = 2 if size == "tiny" else max(1, -(-total // (2 << 30)))
+    if shards > len(shapes):
+        raise GlmcoreError(f"invalid --shards {shards}: this model has only {len(shapes)} tensors")
     groups = _split(list(shapes), shapes, shards, np_dtype.itemsize)
-    _remove_old_weights(out)
     ext = "safetensors" if fmt == "safetensors" else "bin"
     stem = "model" if fmt == "safetensors" else "pytorch_model"
     weight_map = {}
@@ -115,7 +127,7 @@ def cached_model(family: str, size: str, seed: int = 0, purpose: str = "models")
     """A synthetic checkpoint in the cache directory, made on first use."""
     from .cache import build_once, cache_root
     return build_once(cache_root() / purpose / f"{family}-{size}-seed{seed}",
-                      lambda tmp: make_model(family, size, tmp, seed=seed),
+                      lambda tmp: _write_model(family, size, tmp, "safetensors", None, seed, None, None, None),
                       complete=lambda p: (p / "config.json").is_file())
 
 
@@ -154,12 +166,6 @@ def _split(names, shapes, n, itemsize):
     while len(groups) < n:      # more shards than tensors: never happens for real sizes
         groups.append([])
     return groups
-
-
-def _remove_old_weights(out: Path) -> None:
-    for pattern in ("model*.safetensors", "pytorch_model*.bin", "*.index.json"):
-        for f in out.glob(pattern):
-            f.unlink()
 
 
 def _write(path: Path, tensors: dict[str, np.ndarray], fmt: str) -> None:

@@ -95,9 +95,10 @@ def chatglm_name(canonical: str) -> str:
 class Weights(Mapping):
     """Canonical name -> numpy array (memory-mapped, dtype as stored). Read-only."""
 
-    def __init__(self, tensors: dict[str, np.ndarray], files: list[Path]):
+    def __init__(self, tensors: dict[str, np.ndarray], files: list[Path], config: ModelConfig | None = None):
         self._t = tensors
         self.files = files
+        self.config = config
 
     def __getitem__(self, name: str) -> np.ndarray:
         return self._t[name]
@@ -116,12 +117,18 @@ class Weights(Mapping):
         return self._t["embed.weight"].dtype
 
     def fingerprint(self) -> str:
-        """Cheap content key for conversion caches: file names, sizes, mtimes."""
+        """The checkpoint's identity, for conversion caches and the provenance of converted models: its
+        config and every tensor's name, dtype and shape and the bytes of 16 of its rows. Content, not paths
+        or times: a copied checkpoint is the same model, two checkpoints with the same config but other
+        weights differ."""
         import hashlib
-        h = hashlib.sha256()
-        for f in sorted(self.files):
-            st = f.stat()
-            h.update(f"{f.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode())
+        h = hashlib.sha256(json.dumps(self.config.to_dict() if self.config else None, sort_keys=True).encode())
+        for name in sorted(self._t):
+            t = self._t[name]
+            h.update(f"{name}:{t.dtype.str}:{t.shape}".encode())
+            if t.ndim and t.shape[0]:
+                rows = np.unique(np.linspace(0, t.shape[0] - 1, 16).astype(np.int64))
+                h.update(np.ascontiguousarray(t[rows]).view(np.uint8).tobytes())
         return h.hexdigest()[:16]
 
 
@@ -130,7 +137,7 @@ def load_weights(model_dir: str | Path, cfg: ModelConfig) -> Weights:
     raw, files = _read_raw(model_dir)
     tensors = _to_canonical(raw, model_dir)
     _check(tensors, cfg, model_dir)
-    return Weights(tensors, files)
+    return Weights(tensors, files, cfg)
 
 
 def _read_raw(model_dir: Path) -> tuple[dict[str, np.ndarray], list[Path]]:

@@ -2,7 +2,7 @@ import os
 
 import pytest
 
-from glmcore.cache import build_once, cache_root
+from glmcore.cache import ENTRY, build_once, cache_root, check_converted, seal
 
 
 def done(p):
@@ -26,7 +26,7 @@ def test_stale_result_is_replaced_and_failed_build_leaves_nothing(tmp_path):
     (tmp_path / "r").mkdir()
     (tmp_path / "r" / "half").write_text("interrupted")
     build_once(tmp_path / "r", lambda d: (d / "done").write_text("x"), done)
-    assert sorted(p.name for p in (tmp_path / "r").iterdir()) == ["done"]
+    assert sorted(p.name for p in (tmp_path / "r").iterdir()) == ["done", ENTRY]
 
     def boom(d):
         raise RuntimeError("conversion failed")
@@ -41,6 +41,7 @@ def test_concurrent_winner_is_kept(tmp_path):
         (d / "done").write_text("mine")
         (tmp_path / "r").mkdir()
         (tmp_path / "r" / "done").write_text("theirs")
+        seal(tmp_path / "r")
 
     build_once(tmp_path / "r", build_while_someone_else_finishes, done)
     assert (tmp_path / "r" / "done").read_text() == "theirs"
@@ -53,3 +54,98 @@ def test_cache_root_follows_environment(monkeypatch, tmp_path):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
     assert cache_root() == tmp_path / "xdg" / "glmcore"
     assert os.fspath(cache_root()).endswith("glmcore")
+
+
+# ------------------------------------------------------------------ seals, damaged entries, provenance
+
+def test_a_truncated_cache_entry_is_rebuilt(tmp_path):
+    calls = []
+
+    def build(d):
+        calls.append(1)
+        (d / "done").write_text("x")
+        (d / "weights.bin").write_bytes(b"\1" * 1000)
+
+    r = build_once(tmp_path / "r", build, done)
+    (r / "weights.bin").write_bytes(b"\1" * 10)              # truncated after the build
+    build_once(tmp_path / "r", build, done)
+    assert len(calls) == 2 and (r / "weights.bin").stat().st_size == 1000
+    (r / "done").write_text("edited")                        # a small file is hashed: an edit is seen too
+    build_once(tmp_path / "r", build, done)
+    assert len(calls) == 3
+
+
+def test_check_converted_refuses_damage_and_other_weights(tmp_path):
+    from glmcore.errors import GlmcoreError
+
+    class W:
+        def __init__(self, fp):
+            self.fp = fp
+
+        def fingerprint(self):
+            return self.fp
+
+    d = tmp_path / "conv"
+    d.mkdir()
+    (d / "meta.json").write_text("{}")
+    with pytest.raises(GlmcoreError, match="no valid glmcore-entry.json"):
+        check_converted(d, W("a"), "thing")
+    seal(d, source="a")
+    assert check_converted(d, W("a"), "thing") == d
+    with pytest.raises(GlmcoreError, match="converted from a different model"):
+        check_converted(d, W("b"), "thing")
+    (d / "meta.json").write_text("[]")
+    with pytest.raises(GlmcoreError, match="meta.json was modified"):
+        check_converted(d, W("a"), "thing")
+    with pytest.raises(GlmcoreError, match="no such directory"):
+        check_converted(tmp_path / "nope", W("a"), "thing")
+
+
+def test_fingerprint_is_content_not_path(make_tiny, tmp_path):
+    import shutil
+    from glmcore.config import ModelConfig
+    from glmcore.synth import make_model
+    from glmcore.weights import load_weights
+    a = make_tiny("chatglm3")
+    b = tmp_path / "copy"
+    shutil.copytree(a, b)
+    cfg = ModelConfig.from_dir(a)
+    assert load_weights(a, cfg).fingerprint() == load_weights(b, cfg).fingerprint()
+    make_model("chatglm3", "tiny", tmp_path / "other", seed=1)      # same config, other weights
+    assert load_weights(tmp_path / "other", cfg).fingerprint() != load_weights(a, cfg).fingerprint()
+
+
+# ------------------------------------------------------------------ glmcore cache
+
+def _cli(capsys, *argv):
+    from glmcore.cli import main
+    rc = main(list(argv))
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def test_cache_list_remove_prune(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("GLMCORE_CACHE", str(tmp_path))
+    for name in ("converted/cpu_int4-aaa", "converted/openvino_amx/x-int8-bbb"):
+        build_once(tmp_path / name, lambda d: (d / "done").write_bytes(b"0" * 2**20), done)
+    old = tmp_path / "models" / "chatglm3-tiny-seed9"
+    build_once(old, lambda d: (d / "done").write_text("x"), done)
+    os.utime(old / ENTRY, (0, 0))                                           # last used long ago
+    leftover = tmp_path / "converted" / ".cpu_int4-ccc-xyz"
+    leftover.mkdir()
+    (leftover / "weights.bin.part").write_bytes(b"0" * 100)
+    os.utime(leftover, (0, 0))
+    rc, out, _ = _cli(capsys, "cache", "list")
+    assert rc == 0
+    for name in ("converted/cpu_int4-aaa", "converted/openvino_amx/x-int8-bbb", "models/chatglm3-tiny-seed9",
+                 "converted/.cpu_int4-ccc-xyz"):
+        assert name in out
+    assert "1.0 MiB" in out and "incomplete build" in out and "4 entries" in out
+    rc, out, _ = _cli(capsys, "cache", "remove", "converted/cpu_int4-aaa")
+    assert rc == 0 and not (tmp_path / "converted/cpu_int4-aaa").exists()
+    assert _cli(capsys, "cache", "remove", "nope")[0] == 2
+    rc, out, _ = _cli(capsys, "cache", "prune")
+    assert rc == 0 and not old.exists() and not leftover.exists()
+    assert (tmp_path / "converted/openvino_amx/x-int8-bbb").exists()       # recently used: kept
+    rc, out, _ = _cli(capsys, "cache", "prune", "--older-than", "0")
+    assert not (tmp_path / "converted/openvino_amx/x-int8-bbb").exists()

@@ -226,3 +226,115 @@ def test_help_shows_defaults_and_convert_needs_a_model():
     assert "(default: 256)" in r.stdout and "(default: error)" in r.stdout and "(default: 0.8)" in r.stdout
     r = _cli("convert", "--help")
     assert "demo model" not in r.stdout and "to convert (required)" in r.stdout
+
+
+# ------------------------------------------------------------------ outputs: never destroy a user's files
+
+def _tree(d: Path) -> dict:
+    return {p.relative_to(d).as_posix(): p.read_bytes() for p in sorted(d.rglob("*")) if p.is_file()}
+
+
+def test_make_model_never_touches_an_existing_checkpoint(make_tiny, tmp_path):
+    d = tmp_path / "real"
+    shutil.copytree(make_tiny("glm4"), d)
+    (d / "model-00009-of-00009.safetensors").write_bytes(b"a shard make-model did not write")
+    before = _tree(d)
+    r = _cli("make-model", "--family", "chatglm3", "--out", str(d))
+    assert r.returncode == 2 and "is not empty" in r.stderr and _tree(d) == before
+
+
+@pytest.mark.parametrize("argv,match", [
+    (["--shards", "0"], "invalid --shards 0"),
+    (["--shards", "1000"], "only"),
+    (["--out-is-file"], "is a file"),
+])
+def test_make_model_bad_arguments_are_one_line(tmp_path, argv, match):
+    out = tmp_path / "out"
+    if argv == ["--out-is-file"]:
+        out.write_text("mine")
+        argv = []
+    r = _cli("make-model", "--family", "chatglm3", "--out", str(out), *argv)
+    assert r.returncode == 2 and match in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert not out.is_dir()
+
+
+def test_make_model_into_an_empty_directory_works(tmp_path):
+    (tmp_path / "m").mkdir()
+    r = _cli("make-model", "--family", "chatglm3", "--out", str(tmp_path / "m"))
+    assert r.returncode == 0 and (tmp_path / "m" / "config.json").is_file()
+    assert [p.name for p in tmp_path.iterdir()] == ["m"]                  # no temporary left beside it
+
+
+def test_convert_refuses_a_non_empty_out_and_a_failed_convert_leaves_nothing(make_tiny, tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    r = _cli("convert", "--backend", "cpu_int4", "--model", str(make_tiny("chatglm3")), "--out", str(out))
+    assert r.returncode == 2 and "is not empty" in r.stderr and _tree(out) == {"keep.txt": b"mine"}
+    r = _cli("convert", "--backend", "cpu_int4", "--model", str(make_tiny("chatglm3")), "--out",
+             str(tmp_path / "new"), "--opt", "scale_dtype=f8")            # fails after --out is made
+    assert r.returncode == 2 and "scale_dtype" in r.stderr and not (tmp_path / "new").exists()
+
+
+def test_conformance_out_file_is_refused_before_running(tmp_path):
+    (tmp_path / "f").write_text("x")
+    r = _cli("conformance", "--backend", "torch", "--out", str(tmp_path / "f"))
+    assert r.returncode == 2 and r.stderr.startswith("error: --out") and "is a file" in r.stderr
+
+
+# ------------------------------------------------------------------ converted models: provenance, meta
+
+@pytest.fixture(scope="module")
+def packed(make_tiny, tmp_path_factory):
+    out = tmp_path_factory.mktemp("conv") / "int4"
+    r = _cli("convert", "--backend", "cpu_int4", "--model", str(make_tiny("chatglm3")), "--out", str(out))
+    assert r.returncode == 0, r.stderr
+    return out
+
+
+def test_packed_model_from_other_weights_is_refused(packed, make_tiny, tmp_path):
+    other = tmp_path / "other"
+    from glmcore.synth import make_model
+    make_model("chatglm3", "tiny", other, seed=5)                        # same config, other weights
+    args = ("run", "--backend", "cpu_int4", "--prompt", "hi", "--max-new-tokens", "2", "--threads", "1",
+            "--opt", f"packed={packed}")
+    assert _cli(*args, "--model", str(make_tiny("chatglm3")), env_cache=tmp_path / "c").returncode == 0
+    r = _cli(*args, "--model", str(other), env_cache=tmp_path / "c")
+    assert r.returncode == 2 and "converted from a different model" in r.stderr, r.stderr
+
+
+def _meta_cases():
+    def offset_past_file(m):
+        m["tensors"]["layers.0.qkv.weight"]["offset"] = 1 << 40
+
+    def norm_past_end(m):
+        m["tensors"]["final_norm.weight"]["offset"] = m["stats"]["file_bytes"] - 8
+
+    def negative(m):
+        m["tensors"]["lm_head.weight"]["offset"] = -64
+
+    def size(m):
+        m["tensors"]["embed.q"]["nbytes"] *= 2
+
+    def options(m):
+        m["options"]["group_size"] = 48
+
+    def cfg(m):
+        m["config"]["hidden_size"] = "64"
+
+    def stats(m):
+        m["stats"]["file_bytes"] += 64
+
+    return [offset_past_file, norm_past_end, negative, size, options, cfg, stats]
+
+
+@pytest.mark.parametrize("mutate", _meta_cases(), ids=lambda f: f.__name__)
+def test_packed_meta_is_validated_before_the_kernels_see_it(packed, make_tiny, tmp_path, mutate):
+    from glmcore_plugins.cpu_int4.quant import read_packed
+    d = tmp_path / "p"
+    shutil.copytree(packed, d)
+    meta = json.loads((d / "meta.json").read_text())
+    mutate(meta)
+    (d / "meta.json").write_text(json.dumps(meta))
+    with pytest.raises(GlmcoreError, match="meta.json"):
+        read_packed(d, ModelConfig.from_dir(make_tiny("chatglm3")))

@@ -128,9 +128,9 @@ class CpuInt4Backend(Backend):
         return int(weights + config.num_layers * 2 * config.kv_size * kv_elt * kv_len)
 
     def _packed_dir(self, config, weights, options: LoadOptions) -> Path:
+        from glmcore.cache import cache_root, check_converted
         if options.extra.get("packed"):
-            return Path(options.extra["packed"])
-        from glmcore.cache import cache_root
+            return check_converted(Path(str(options.extra["packed"])), weights, "cpu_int4 packed model")
         from .quant import QuantOptions, ensure_packed
         q = QuantOptions.from_extra(options.extra)
         cache = Path(options.cache_dir) if options.cache_dir else cache_root() / "converted"

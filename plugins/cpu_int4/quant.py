@@ -18,8 +18,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import shutil
-import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -29,7 +27,7 @@ import numpy as np
 
 from glmcore.cache import build_once
 from glmcore.config import ModelConfig
-from glmcore.errors import BackendError
+from glmcore.errors import BackendError, GlmcoreError
 
 FORMAT = "glmcore-cpu_int4"
 VERSION = 2
@@ -365,19 +363,38 @@ def _release(arr) -> None:
 
 
 def read_packed(path: Path, cfg: ModelConfig | None = None) -> tuple[dict, np.memmap]:
+    """meta.json and the mapped weights.bin. Nothing in meta.json is trusted: the tensor table is
+    recomputed from its options and config (both validated) and must match exactly, and the file must
+    have the size that table implies; so the kernels only ever see offsets inside the mapping."""
     path = Path(path)
     try:
-        meta = json.loads((path / "meta.json").read_text())
-    except (OSError, ValueError):
+        meta = json.loads((path / "meta.json").read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError):
         raise BackendError(f"{path}: not a cpu_int4 packed model (meta.json missing or corrupt); "
                            "re-run `glmcore convert --backend cpu_int4`") from None
-    if meta.get("format") != FORMAT or meta.get("version") != VERSION:
-        raise BackendError(f"{path}: packed with another version of cpu_int4; convert the model again")
-    if cfg is not None and meta["config"] != cfg.to_dict():
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT or meta.get("version") != VERSION:
+        raise BackendError(f"{path}: packed with another version of cpu_int4 (or not a packed model); "
+                           "convert the model again")
+    try:
+        o = QuantOptions.from_extra(meta["options"])
+        packed_cfg = ModelConfig(**meta["config"]).validated(f"{path / 'meta.json'} config")
+        ok = asdict(o) == meta["options"] and packed_cfg.to_dict() == meta["config"]
+    except (KeyError, TypeError, AttributeError, GlmcoreError):
+        ok = False
+    if not ok:
+        raise BackendError(f"{path}: meta.json has invalid options or config; convert the model again")
+    if cfg is not None and packed_cfg != cfg:
         raise BackendError(f"{path}: packed from a different model (config differs); convert this model again")
+    layout = _layout(packed_cfg, o)
+    total = max(i["offset"] + i["nbytes"] for i in layout.values())
+    if meta.get("tensors") != layout or not isinstance(meta.get("stats"), dict) \
+            or meta["stats"].get("file_bytes") != total:
+        raise BackendError(f"{path}: meta.json's tensor table does not match its options and config (edited or "
+                           "corrupt); convert the model again")
     size = (path / "weights.bin").stat().st_size if (path / "weights.bin").is_file() else -1
-    if size != meta["stats"]["file_bytes"]:
+    if size != total:
         raise BackendError(f"{path}: weights.bin is missing or truncated; delete the directory and convert again")
+    meta["stats"] = _stats(packed_cfg, layout, total)
     return meta, np.memmap(path / "weights.bin", dtype=np.uint8, mode="r")
 
 
@@ -387,18 +404,6 @@ def ensure_packed(cfg: ModelConfig, weights, o: QuantOptions, cache_dir: Path, p
     final = Path(cache_dir) / f"cpu_int4-{cache_key(fp, o)}"
     return build_once(final, lambda tmp: write_packed(cfg, weights, o, tmp, progress, fingerprint=fp),
                       complete=lambda p: (p / "meta.json").is_file())
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=final.parent, prefix=".cpu_int4-"))
-    try:
-        write_packed(cfg, weights, o, tmp, progress, fingerprint=fp)
-        try:
-            tmp.rename(final)        # atomic: a concurrent loader never sees half a file
-        except OSError:
-            if not (final / "meta.json").is_file():
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return final
 
 
 def _content_fingerprint(weights) -> str:

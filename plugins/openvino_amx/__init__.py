@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib.util
 import sys
+from pathlib import Path
 
 from glmcore.backend import Backend, Capabilities, LoadOptions, Probe, default_capacity, hookimpl
 from glmcore.cpuinfo import cpu_name
@@ -68,12 +69,19 @@ class OpenVINOBackend(Backend):
         from . import graph, session
         xml = None
         if options.extra.get("ir"):
-            xml = session.checked_ir(options.extra["ir"], config, options.weights)
+            from glmcore.cache import check_converted
+            ir = Path(str(options.extra["ir"]))
+            check_converted(ir.parent if ir.suffix == ".xml" else ir, weights, "OpenVINO IR")
+            xml = session.checked_ir(ir, config, options.weights)
         elif options.cache_dir is not None:
             xml = session.cached_ir(config, weights, options, _stderr)
         if xml is not None:
             import openvino as ov
-            return ov.Core().read_model(xml), xml.with_suffix(".bin")
+            try:
+                return ov.Core().read_model(xml), xml.with_suffix(".bin")
+            except RuntimeError as e:
+                raise BackendError(f"{xml}: OpenVINO cannot read this IR ({str(e).strip().splitlines()[0][:120]}); "
+                                   "convert the model again") from None
         opts = session.ir_options(options)       # no cache directory: built in memory, resident twice
         return graph.build_model(config, weights, opts["weights"], opts.get("group_size", 128)), None
 
