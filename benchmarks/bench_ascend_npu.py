@@ -15,6 +15,13 @@ How it measures:
 - Inductor caches compiled kernels on disk (TORCHINDUCTOR_CACHE_DIR); a second run compiles from that
   cache and is much faster. --cold points it at a fresh directory to time a real first compile; the
   output says which it was.
+
+    python benchmarks/bench_ascend_npu.py --size small --batch 1,16   # aggregate decode of batch sessions
+
+--batch B1,B2,...: native batch sessions (load_batch) of each size instead. Per round every session
+resets its slots, prefills the --prompt ids into each slot (untimed), then decodes --steps steps with
+every slot taking one token per step; aggregate decode tok/s = slots x steps / time. The sessions take
+turns round by round; the figure is the median round. The first round compiles (reported apart).
 """
 from __future__ import annotations
 
@@ -56,6 +63,7 @@ def main(argv=None) -> int:
     ap.add_argument("--cold", action="store_true", help="fresh inductor cache: time a real first compile")
     ap.add_argument("--no-ref", action="store_true", help="skip the torch reference")
     ap.add_argument("--json", help="also write the results here")
+    ap.add_argument("--batch", help="comma-separated batch sizes: aggregate decode of native batch sessions")
     a = ap.parse_args(argv)
 
     cache_dir = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
@@ -82,6 +90,8 @@ def main(argv=None) -> int:
 
     backend = AscendNpuBackend()
     probe = backend.probe()
+    if a.batch:
+        return batch_bench(a, backend, probe, cfg, weights, prompt, tokens)
     sessions, loads = {}, {}
     for mode in ("graph", "eager"):
         opts = LoadOptions(precision=a.precision, capacity=a.capacity, threads=a.threads, extra={"mode": mode})
@@ -152,6 +162,52 @@ def main(argv=None) -> int:
                                             "decode_round_medians_s": per_round}, indent=2))
     for s in sessions.values():
         s.close()
+    return 0
+
+
+def batch_bench(a, backend, probe, cfg, weights, prompt, tokens) -> int:
+    import torch
+
+    from glmcore.backend import LoadOptions
+    sizes = [int(b) for b in a.batch.split(",")]
+    sessions, first = {}, {}
+    for n in sizes:
+        opts = LoadOptions(precision=a.precision, capacity=a.capacity, threads=a.threads)
+        sessions[n] = backend.load_batch(cfg, weights, opts, n)
+    per_round = {n: [] for n in sizes}
+    for r in range(a.rounds + 1):                      # round 0 compiles and warms up
+        for n, b in sessions.items():
+            for s in range(n):
+                b.reset(s)
+            b.step([(s, prompt) for s in range(n)])
+            t0 = time.perf_counter()
+            for tok in tokens[1:]:
+                b.step([(s, [tok]) for s in range(n)])
+            dt = time.perf_counter() - t0
+            if r == 0:
+                first[n] = {"s": dt, "graphs": b.runner.compiles, "compile_s": b.runner.compile_seconds}
+            else:
+                per_round[n].append(n * a.steps / dt)
+    print(f"ascend_npu batch bench: {a.family} {a.size} ({cfg.num_params() / 1e6:.1f}M params) {a.precision}, "
+          f"device {probe.device}, compiler {sessions[sizes[0]].report()['compiler']}, torch {torch.__version__}, "
+          f"threads {torch.get_num_threads()}, prompt {a.prompt} per slot, {a.steps} decode steps x {a.rounds} "
+          f"rounds, capacity {a.capacity}")
+    print(f"{'slots':>5} {'agg decode tok/s':>17} {'per-seq tok/s':>14} {'ms/step':>8} {'graphs':>6} {'compile s':>9}  "
+          "per-round tok/s")
+    rows = []
+    for n in sizes:
+        med = statistics.median(per_round[n])
+        rows.append({"slots": n, "aggregate_decode_tok_s": med, "per_round": per_round[n], **first[n]})
+        print(f"{n:>5} {med:>17.1f} {med / n:>14.1f} {1e3 * n / med:>8.2f} {first[n]['graphs']:>6} "
+              f"{first[n]['compile_s']:>9.1f}  {' '.join(f'{x:.1f}' for x in per_round[n])}")
+    if len(sizes) > 1:
+        base = rows[0]["aggregate_decode_tok_s"]
+        print("aggregate vs " + f"{sizes[0]} slot(s): " + ", ".join(
+            f"{r['slots']}: {r['aggregate_decode_tok_s'] / base:.2f}x" for r in rows[1:]))
+    if a.json:
+        Path(a.json).write_text(json.dumps({"args": vars(a), "device": probe.device, "rows": rows}, indent=2))
+    for b in sessions.values():
+        b.close()
     return 0
 
 

@@ -3,7 +3,7 @@
 `select_ops(device, dtype, soc)` decides once, at load, and the model only ever calls the returned
 Ops. The fused torch_npu kernels (npu_rms_norm, npu_prompt_flash_attention for prefill,
 npu_incre_flash_attention for decode, scatter_update_ for the cache) are used only on the chips they
-are documented for with this model's shapes: Atlas A2/A3 (SoC names Ascend910B*, Ascend910_93*).
+are documented for with this model's shapes: Atlas A2/A3 (SoC names Ascend910B1-B4, Ascend910_93xx).
 Elsewhere, on other NPUs as on CUDA and the CPU, the fused PyTorch equivalents run (F.rms_norm,
 scaled_dot_product_attention, index_put_); see `soc_support`. Every function here is branch-free on
 tensor values, so it traces into one graph.
