@@ -291,8 +291,12 @@ def test_ir_is_cached_once_per_model_and_options(tiny, tmp_path, monkeypatch):
     assert gen["eos_token_id"] == 2
     monkeypatch.setattr(graph, "build_model", lambda *a, **k: pytest.fail("the cached IR was rebuilt"))
     b = BACKEND.load(cfg, w, LoadOptions("bf16", "int8", 64, cache_dir=tmp_path)).prefill([1, 2, 3])
-    # precision is a compile-time choice: same IR, bf16 rounding apart
-    assert _within(_metrics(b[None], a[None]), TOLERANCES[("bf16", "int8")])
+    # precision is a compile-time choice: same IR, bf16 rounding apart. On a CPU with AVX512-BF16 or AMX
+    # bf16 really computes in bf16 (max|d| 0.127 here): the difference answers to the bf16 row of THE
+    # tolerance table, never to a figure measured on one machine
+    from glmcore_conformance.metrics import compare, out_of_bounds
+    from glmcore_conformance.tolerances import TOLERANCES as TABLE
+    assert out_of_bounds(compare(a[None], b[None]), TABLE["bf16"].bounds()) == []
     monkeypatch.undo()
     BACKEND.load(cfg, w, LoadOptions("f32", "int4", 64, cache_dir=tmp_path))
     assert len(list((tmp_path / "openvino_amx").glob("*/openvino_model.xml"))) == 2
