@@ -22,6 +22,8 @@ from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from .backend import BatchSession
 from .errors import ContextOverflow, GlmcoreError
 from .sampling import Sampler, SamplingParams, sample_batch
@@ -86,6 +88,8 @@ class Request:
     window: WindowPolicy = field(default_factory=WindowPolicy)
     turn_starts: Sequence[int] = ()      # chat turn starts in prompt: the window discards whole turns
     pinned: int | None = None            # prompt tokens the window never discards (prefix + system turn)
+    # constrained decoding: the ids the next token may be, given the ids generated so far (None: any)
+    allowed: Callable[[list[int]], Sequence[int] | None] | None = None
 
 
 class Slot:
@@ -358,8 +362,14 @@ class Scheduler:
         rows = {slot: i for i, (slot, _) in enumerate(entries)}
         now = time.perf_counter()
         picks = [h for h in sampled if h.slot is not None]
-        tokens = sample_batch([h.sampler for h in picks], logits[[rows[h.slot.index] for h in picks]],
-                              [h._history for h in picks])
+        rows_ = logits[[rows[h.slot.index] for h in picks]]      # a copy: masking it is safe
+        for i, h in enumerate(picks):
+            ids = h.request.allowed(h.tokens) if h.request.allowed is not None else None
+            if ids is not None:
+                keep = rows_[i, list(ids)]
+                rows_[i] = -np.inf
+                rows_[i, list(ids)] = keep
+        tokens = sample_batch([h.sampler for h in picks], rows_, [h._history for h in picks])
         for h, token in zip(picks, tokens):
             if isinstance(token, GlmcoreError):      # this request's logits were broken; the others go on
                 h.error = token

@@ -415,6 +415,16 @@ def test_tool_choice_none_named_required(scripted, family):
     with pytest.raises(openai.BadRequestError, match="tool_choice"):
         c.chat.completions.create(model="tiny", messages=msgs, tools=TOOLS,
                                   tool_choice={"type": "function", "function": {"name": "nope"}})
+    # required with several tools: the name line is decoded under a constraint (one of the names), and
+    # the model writes the name itself; a script that names neither tool first still has to pick one
+    script(m, ({"glm4": "get_time\n{}", "chatglm3": "get_time\n```python\ntool_call()\n```"}[family], "<|observation|>"))
+    r = c.chat.completions.create(model="tiny", messages=msgs, tools=TOOLS, tool_choice="required")
+    assert [t.function.name for t in r.choices[0].message.tool_calls] == ["get_time"]
+    script(m, ("no tool for you", "<|user|>"))
+    assert c.chat.completions.create(model="tiny", messages=msgs, tools=TOOLS).choices[0].message.tool_calls is None
+    r = c.chat.completions.create(model="tiny", messages=msgs, tools=TOOLS, tool_choice="required", max_tokens=12)
+    msg = r.choices[0].message
+    assert msg.tool_calls or msg.content.startswith(("get_weather", "get_time")), msg
 
 
 def test_parallel_tool_calls_false_keeps_the_first_call(scripted):

@@ -289,33 +289,40 @@ def to_messages(state: State, req: ChatRequest) -> list[Message]:
     return out
 
 
-def tool_setup(fmt, req: ChatRequest) -> tuple[list | None, bool, str | None]:
-    """(tools for the prompt, whether replies are parsed for calls, the function a reply must call)."""
+def tool_setup(fmt, req: ChatRequest) -> tuple[list | None, bool, list[str]]:
+    """(tools for the prompt, whether replies are parsed for calls, the functions a reply must call: one is
+    forced by writing its name, several are chosen among by constrained decoding of the name line)."""
     choice = req.tool_choice
     if not req.tools:
         if choice not in (None, "none", "auto"):
-            raise ApiError(400, "'tool_choice' names a tool but 'tools' is empty; send the tools", "tool_choice")
-        return None, False, None
+            raise ApiError(400, "'tool_choice' asks for a tool call but 'tools' is empty; send the tools",
+                           "tool_choice")
+        return None, False, []
     try:
         names = [f["name"] for f in fmt.check_tools(req.tools)]
     except GlmcoreError as e:
         raise ApiError(400, str(e), "tools") from None
     if choice in (None, "auto"):
-        return req.tools, True, None
+        return req.tools, True, []
     if choice == "none":
-        return req.tools, False, None
+        return req.tools, False, []
     if choice == "required":
-        if len(names) != 1:
-            raise ApiError(400, f"tool_choice 'required' with {len(names)} tools is not supported: this server forces "
-                           "a call by naming its function (it has no constrained decoding to choose among several); "
-                           "name one with {\"type\": \"function\", \"function\": {\"name\": ...}} or send one tool",
-                           "tool_choice", "unsupported_value")
-        return req.tools, True, names[0]
+        return req.tools, True, names
     name = choice.get("function", {}).get("name") if isinstance(choice, dict) else None
     if choice.get("type") != "function" or name not in names:
         raise ApiError(400, f"tool_choice {json.dumps(choice)[:80]} names no function of 'tools' "
                        f"({', '.join(names)})", "tool_choice", "invalid_value")
-    return req.tools, True, name
+    return req.tools, True, [name]
+
+
+def one_of(openings: list[list[int]]):
+    """Request.allowed for a reply that must open with one of `openings` (each tool's "name\n" ids)."""
+    def allowed(generated: list[int]) -> list[int] | None:
+        n = len(generated)
+        if any(len(o) <= n and generated[:len(o)] == o for o in openings):
+            return None                      # a name line is complete: the arguments are the model's
+        return sorted({o[n] for o in openings if len(o) > n and o[:n] == generated})
+    return allowed
 
 
 def check_model(state: State, name: str) -> None:
@@ -453,14 +460,17 @@ def create_app(model, name: str, api_key: str | None = None, max_body: int = MAX
             check_model(state, req.model)
             fmt = state.model.chat_format
             messages = to_messages(state, req)
-            tools, calls, forced = tool_setup(fmt, req)
+            tools, calls, must_call = tool_setup(fmt, req)
             params, stops = sampling(req), req.stops()
             try:
                 sreq = chat_request(fmt, messages, tools, params)
             except GlmcoreError as e:
                 raise ApiError(400, str(e), "messages") from None
-            opening = fmt.call_prefix(forced) if forced else []
+            # one function: its name line goes into the prompt; several: the model picks one, constrained
+            opening = fmt.call_prefix(must_call[0]) if len(must_call) == 1 else []
             sreq.prompt = list(sreq.prompt) + opening
+            if len(must_call) > 1:
+                sreq.allowed = one_of([fmt.call_prefix(n) for n in must_call])
             sreq.max_new_tokens = max_new(state, req, len(sreq.prompt))
             gen = Generation(state, sreq, "messages")
         except ApiError as e:
