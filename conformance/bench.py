@@ -124,23 +124,24 @@ def bytes_per_token(backend: Backend, config: ModelConfig, options: LoadOptions,
 
 # ---------------------------------------------------------------- the worker (one per backend)
 
-def _reset_peak() -> bool:
+def _reset_peak(pid="self") -> bool:
     try:
-        with open("/proc/self/clear_refs", "w") as f:
+        with open(f"/proc/{pid}/clear_refs", "w") as f:
             f.write("5")
         return True
     except OSError:
         return False
 
 
-def _peak_rss() -> int:
+def _peak_rss(pid="self") -> int:
     try:
-        with open("/proc/self/status") as f:
+        with open(f"/proc/{pid}/status") as f:
             for line in f:
                 if line.startswith("VmHWM:"):
                     return int(line.split()[1]) * 1024
     except OSError:
-        pass
+        if pid != "self":
+            return 0
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return rss if sys.platform == "darwin" else rss * 1024
 
@@ -152,7 +153,8 @@ def _worker(conn, name: str, model_dir: str, options: dict) -> None:
         from glmcore.cache import cache_root
         from glmcore.sampling import SamplingParams
         from glmcore.weights import load_weights
-        backend = registry().get(name)
+        from glmcore.parallel import follower_pids, tensor_parallel
+        backend = tensor_parallel(registry().get(name), options.get("tp", 1))
         config = ModelConfig.from_dir(model_dir)
         opts = backend.resolve(LoadOptions(**options))
         if opts.cache_dir is None:
@@ -161,7 +163,9 @@ def _worker(conn, name: str, model_dir: str, options: dict) -> None:
         session = backend.load(config, load_weights(model_dir, config), opts)
         load_s = time.perf_counter() - t0
         engine = Engine(session, can_shift=backend.capabilities().can_shift)
-        conn.send(("ready", {"load_s": load_s, "precision": opts.precision, "weights": opts.weights,
+        ranks = ["self", *follower_pids()]      # tensor parallel: every rank's memory counts
+        conn.send(("ready", {"backend": backend.name, "load_s": load_s, "precision": opts.precision,
+                             "weights": opts.weights,
                              "capacity": session.capacity, "rss_after_load": _peak_rss()}))
     except Exception as e:
         conn.send(("error", f"{type(e).__name__}: {e}" if not isinstance(e, GlmcoreError) else str(e),
@@ -177,11 +181,12 @@ def _worker(conn, name: str, model_dir: str, options: dict) -> None:
         _, prompt, gen = msg
         try:
             engine.reset()
-            per_run = _reset_peak()
+            per_run = all([_reset_peak(p) for p in ranks])
             t = Timings()
             n = sum(1 for _ in engine.generate(prompt, greedy, gen, stop_ids=(), n_vocab=config.vocab_size, timings=t))
             conn.send(("result", {"ttft_s": t.ttft_s, "prefill_tps": t.prefill_tps, "decode_tps": t.decode_tps,
-                                  "new_tokens": n, "peak_rss": _peak_rss(), "rss_per_run": per_run}))
+                                  "new_tokens": n, "peak_rss": max(_peak_rss(p) for p in ranks),
+                                  "peak_rss_ranks": [_peak_rss(p) for p in ranks], "rss_per_run": per_run}))
         except Exception as e:
             conn.send(("error", f"{type(e).__name__}: {e}", isinstance(e, GlmcoreError)))
 
@@ -301,7 +306,7 @@ def bench(backends: list[tuple[str, LoadOptions]], model_dir: Path, prompt_len: 
         resolved = LoadOptions(info["precision"], info["weights"], opts.capacity, threads, extra=opts.extra)
         nbytes, source = bytes_per_token(registry().get(w.name), config, resolved, kv_len)
         ceiling = bandwidth / nbytes
-        out.append(Result(w.name, info["precision"], info["weights"], info["load_s"], med("ttft_s") * 1000,
+        out.append(Result(info["backend"], info["precision"], info["weights"], info["load_s"], med("ttft_s") * 1000,
                           med("prefill_tps"), med("decode_tps"), med("peak_rss") / 2**20,
                           all(x["rss_per_run"] for x in rs), nbytes, source, ceiling,
                           med("decode_tps") / ceiling, rs))
@@ -329,6 +334,11 @@ def format_bench(data: dict) -> str:
                      f"read per decode token ({r['bytes_source']}, KV at {data['kv_len']} tokens) at "
                      f"{data['bandwidth'] / 1e9:.1f} GB/s -> ceiling {r['ceiling_tps']:.1f} tok/s; "
                      f"reached {100 * r['reached']:.0f}%")
+    for r in data["results"]:
+        ranks = [statistics.median(x) for x in zip(*(run["peak_rss_ranks"] for run in r["runs"]))]
+        if len(ranks) > 1:
+            lines.append(f"peak RSS per rank {r['backend']}: {', '.join(f'{x / 2**20:.0f}' for x in ranks)} MiB "
+                         "(the table shows the largest)")
     if any(not r["rss_per_run"] for r in data["results"]):
         lines.append("* peak RSS since the worker started (the per-run reset is not available here)")
     res = data["results"]
@@ -359,6 +369,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--vs", metavar="BACKEND", help="a second backend (at its defaults), run alternately")
     ap.add_argument("--threads", type=int)
+    ap.add_argument("--tp", type=int, default=1, metavar="N", help="split --backend over N tensor-parallel ranks "
+                    "(--vs stays one); peak RSS is then the largest rank's")
     ap.add_argument("--json", action="store_true", help="print the figures as JSON")
     ap.add_argument("--batch", metavar="B1,B2,...", help="many sequences at once: per batch size, the prefill time "
                     "of the whole batch, ms per decode step and aggregate decode tok/s (e.g. 1,4,8,16,32,48)")
@@ -382,7 +394,9 @@ def main(argv: list[str] | None = None) -> int:
                            progress=lambda m: print(m, file=sys.stderr, flush=True))
         print(json.dumps(data, indent=2) if a.json else format_batch(data))
         return 0
-    pairs = [(a.backend, LoadOptions(a.precision, a.weights, extra=_parse_opts(a.opt)))]
+    if a.tp < 1:
+        raise GlmcoreError(f"invalid --tp {a.tp}: use a positive number of ranks")
+    pairs = [(a.backend, LoadOptions(a.precision, a.weights, extra=_parse_opts(a.opt), tp=a.tp))]
     if a.vs:
         pairs.append((a.vs, LoadOptions()))
     data = bench(pairs, model_dir, a.prompt_len, a.gen, a.runs, a.warmup, a.threads,

@@ -494,6 +494,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--cases", help=f"comma-separated subset of: {', '.join(C.CASES)}")
     ap.add_argument("--quick", action="store_true", help="one family (chatglm3) instead of three")
     ap.add_argument("--threads", type=int)
+    ap.add_argument("--tp", type=int, default=1, metavar="N",
+                    help="split each backend over N tensor-parallel ranks (torch, ascend_npu); the reference "
+                         "stays one rank")
     ap.add_argument("--seed", type=int, default=0, help="seed of the random ids where no tokenizer is found")
     ap.add_argument("--out", help="write conformance.json and conformance.md into this directory")
     return ap
@@ -516,6 +519,16 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"conformance: skipping {n}: not ready ({reg.probe(n).reason})", file=sys.stderr)
     if not backends:
         raise GlmcoreError('no backend is ready; run `glmcore backends`, e.g. pip install "glmcore[torch]"')
+    if a.tp != 1:       # each backend split over --tp ranks, held to the single-rank reference
+        from glmcore.parallel import TensorParallel
+        if a.tp < 1:
+            raise GlmcoreError(f"invalid --tp {a.tp}: use a positive number of ranks")
+        if not names:
+            for b in backends:
+                if not callable(getattr(b, "load_shard", None)):
+                    print(f"conformance: skipping {b.name}: no tensor-parallel path", file=sys.stderr)
+            backends = [b for b in backends if callable(getattr(b, "load_shard", None))]
+        backends = [TensorParallel(b, a.tp) for b in backends]     # a named one without it: error, exit 2
     if a.precision and not any(a.precision in b.capabilities().precisions for b in backends):
         raise GlmcoreError(f"no selected backend offers precision {a.precision!r}; see `glmcore backends`")
     if a.weights and not any(a.weights in b.capabilities().weight_formats for b in backends):

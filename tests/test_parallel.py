@@ -141,6 +141,23 @@ def test_scheduler_and_cli_drive_two_ranks(tmp_path, capsys):
     assert split.out == alone.out and "[torch tp=2] 3 prompts on 3 slots" in split.err
 
 
+def test_glmcore_conformance_tp2(capsys):
+    assert main(["conformance", "--backend", "torch", "--tp", "2", "--quick", "--cases", "prefill,decode,batch_mixed",
+                 "--threads", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "PASS: 3/3 cases passed on torch tp=2" in out
+
+
+def test_glmcore_bench_tp2_reports_every_ranks_memory(capsys):
+    assert main(["bench", "--backend", "torch", "--size", "tiny", "--tp", "2", "--runs", "1", "--warmup", "0",
+                 "--gen", "4", "--prompt-len", "8", "--threads", "1"]) == 0
+    out = capsys.readouterr().out
+    row = next(line for line in out.splitlines() if line.startswith("torch tp=2 "))
+    assert float(row.split()[-2]) > 0                        # decode tok/s
+    ranks = next(line for line in out.splitlines() if line.startswith("peak RSS per rank torch tp=2:"))
+    assert len(ranks.split(":")[1].split("MiB")[0].split(",")) == 2
+
+
 def test_four_ranks_on_kv_groups_that_do_not_divide_evenly(tmp_path, monkeypatch):
     monkeypatch.setitem(synth.SIZES, "uneven", UNEVEN)
     synth.make_model("chatglm3", "uneven", tmp_path)
