@@ -360,8 +360,7 @@ async def _respond(state: State, request: Request, endpoint: str, gen: Generatio
             async for token in gen.tokens():
                 reply.push(token)
                 if reply.cut:
-                    gen.cancel()
-                    break
+                    gen.cancel()     # the rest of the stream is drained, so usage counts what was made
             reply.close()
         except ApiError as e:
             metrics.requests.labels(endpoint, str(e.status)).inc()
@@ -384,8 +383,7 @@ async def _respond(state: State, request: Request, endpoint: str, gen: Generatio
                 for event in reply.push(token):
                     yield "".join(map(_sse, make_chunk(event, None)))
                 if reply.cut:
-                    gen.cancel()
-                    break
+                    gen.cancel()     # the tokens still in flight are drained, never sent
             for event in reply.close():
                 yield "".join(map(_sse, make_chunk(event, None)))
             yield "".join(map(_sse, make_chunk(None, gen.finish_reason(reply))))
