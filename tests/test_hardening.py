@@ -338,3 +338,40 @@ def test_packed_meta_is_validated_before_the_kernels_see_it(packed, make_tiny, t
     (d / "meta.json").write_text(json.dumps(meta))
     with pytest.raises(GlmcoreError, match="meta.json"):
         read_packed(d, ModelConfig.from_dir(make_tiny("chatglm3")))
+
+
+def test_ascend_first_compile_says_so(capsys):
+    """The first call of a shape compiles a graph (about a minute on 2 cores): the user is told."""
+    pytest.importorskip("torch")
+    import types
+    import torch
+    from glmcore_plugins.ascend_npu import session as asc
+    runner = types.SimpleNamespace(device="cpu", ops=types.SimpleNamespace(seq_lens=False), on_npu=False,
+                                   mode="graph", k_cache=None, v_cache=None, compiles=0, compile_seconds=0.0,
+                                   _step=lambda *a: "out")
+    ids = torch.zeros((1, 16), dtype=torch.long)
+    assert asc.StepRunner.call(runner, ids, [0], [0], [15]) == "out"
+    assert "ascend_npu: compiling the graph for 1x16 tokens" in capsys.readouterr().err
+    asc.StepRunner.call(runner, ids, [0], [0], [15])
+    assert capsys.readouterr().err == ""                       # once per shape
+
+
+def test_interrupted_convert_leaves_no_part_file(make_tiny, tmp_path, monkeypatch, capsys):
+    from glmcore.cli import main
+    from glmcore_plugins.cpu_int4 import quant
+
+    def interrupted(cfg, weights, o, out, progress=None, fingerprint=""):
+        Path(out).mkdir(parents=True, exist_ok=True)
+        (Path(out) / "weights.bin.part").write_bytes(b"\0" * 4096)
+        raise KeyboardInterrupt
+    monkeypatch.setattr(quant, "write_packed", interrupted)
+    out = tmp_path / "int4"
+    assert main(["convert", "--backend", "cpu_int4", "--model", str(make_tiny("chatglm3")), "--out", str(out)]) == 130
+    assert not out.exists()
+
+
+def test_missing_ir_directory_is_named(make_tiny, tmp_path):
+    pytest.importorskip("openvino")
+    r = _cli("run", "--backend", "openvino_amx", "--model", str(make_tiny("chatglm3")), "--prompt", "hi",
+             "--opt", "ir=/nonexistent/ir", env_cache=tmp_path / "c")
+    assert r.returncode == 2 and "/nonexistent/ir: no such directory" in r.stderr, r.stderr

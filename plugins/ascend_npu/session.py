@@ -23,6 +23,7 @@ constants that would recompile every step (torchair docs, dynamic_static_graph/t
 """
 from __future__ import annotations
 
+import sys
 import time
 import types
 from collections.abc import Sequence
@@ -175,6 +176,11 @@ class StepRunner:
             for t in (ids, start_t, slots_t, last_t):     # static shapes; only the length list varies
                 torch._dynamo.mark_static(t)
         # A call that compiled (new shape) is timed and counted apart from the steady-state steps.
+        shapes = self.__dict__.setdefault("_shapes_seen", set())
+        if self.mode == "graph" and tuple(ids.shape) not in shapes:
+            shapes.add(tuple(ids.shape))     # the first call of a shape compiles: say so, it takes a while
+            print(f"ascend_npu: compiling the graph for {ids.shape[0]}x{ids.shape[1]} tokens (once per shape; "
+                  "about a minute on 2 cores, then cached on disk)", file=sys.stderr, flush=True)
         before = COMPILE_COUNT["graphs"]
         t0 = time.perf_counter()
         with torch.inference_mode():

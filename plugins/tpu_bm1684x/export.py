@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
-from glmcore.cache import build_once
+from glmcore.cache import build_once, intact
 from glmcore.config import ModelConfig
 
 from .spec import FORMAT_VERSION, TORCH_OPSET
@@ -37,7 +37,8 @@ def read_manifest(parts_dir: Path) -> dict | None:
 def is_current(parts_dir: Path, key: dict) -> bool:
     m = read_manifest(parts_dir)
     return m is not None and m.get("key") == key and all((Path(parts_dir) / f"{p['name']}.onnx").is_file()
-                                                          for p in m.get("parts", []))
+                                                          for p in m.get("parts", [])) \
+        and intact(parts_dir)          # a damaged part is rebuilt, never handed to onnxruntime
 
 
 def export_parts(cfg: ModelConfig, weights, seq_len: int, dtype: str, out: Path, progress=None) -> dict:
