@@ -3,6 +3,7 @@ bytes per token, fraction of the measured memory bandwidth, peak RSS against the
 
     python benchmarks/bench_cpu_int4.py --size tiny                  # CI smoke, seconds
     python benchmarks/bench_cpu_int4.py --size 1b --model /tmp/glm-1b --threads 2
+    python benchmarks/bench_cpu_int4.py --size 1b --batch 1,4,16 --group-size 32   # native batch steps
 
 Each backend runs in its own process, so one's threads, memory and page cache state do not leak into
 another's numbers (torch's OpenMP pool keeps spinning after its ops, for one). The int4 model is
@@ -122,11 +123,65 @@ def measure(args) -> dict:
     return res
 
 
+def measure_batch(args) -> dict:
+    """Per batch size B: one step with the B prompts (prefill of the whole batch), then decode steps of
+    one token per sequence; aggregate decode tok/s = B / median step time."""
+    from glmcore.backend import LoadOptions, registry
+    from glmcore.config import ModelConfig
+    from glmcore.weights import load_weights
+    cfg = ModelConfig.from_dir(args.model)
+    weights = load_weights(args.model, cfg)
+    backend = registry().get(args.worker)
+    extra = json.loads(args.extra or "{}")
+    opts = backend.resolve(LoadOptions(capacity=args.prefill + args.decode + 8, threads=args.threads,
+                                       cache_dir=Path(args.cache), extra=extra))
+    rng = np.random.default_rng(0)
+    rows = []
+    for B in sorted(int(b) for b in args.batch.split(",")):
+        session = backend.load_batch(cfg, weights, opts, B)
+        prompts = [[int(i) for i in rng.integers(0, cfg.vocab_size, args.prefill)] for _ in range(B)]
+        best = float("inf")
+        for _ in range(args.repeat):
+            for slot in range(B):
+                session.reset(slot)
+            t = time.perf_counter()
+            logits = session.step(list(enumerate(prompts)))
+            best = min(best, time.perf_counter() - t)
+        toks = np.argmax(logits, axis=1)
+        steps = []
+        for _ in range(args.decode):
+            t = time.perf_counter()
+            logits = session.step([(slot, [int(toks[slot])]) for slot in range(B)])
+            steps.append(time.perf_counter() - t)
+            toks = np.argmax(logits, axis=1)
+        step_s = statistics.median(steps)
+        rows.append({"batch": B, "prefill_ms": 1e3 * best, "prefill_tps": B * args.prefill / best,
+                     "step_ms": 1e3 * step_s, "decode_tps": B / step_s, "native": bool(session.native)})
+        info = session.info() if hasattr(session, "info") else None
+        session.close()
+    return {"backend": args.worker, "rows": rows, "info": info}
+
+
+def print_batch(label: str, res: dict, args) -> None:
+    rows = res["rows"]
+    one = next((r for r in rows if r["batch"] == 1), None)
+    print(f"\n{label} ({'native batch steps' if rows[0]['native'] else 'adapter over single sessions'}): "
+          f"prompt {args.prefill} tokens per sequence, {args.decode} decode steps")
+    print(f"{'batch':>6}{'prefill ms':>12}{'prefill tok/s':>15}{'ms/step':>10}{'decode tok/s':>14}"
+          f"{'x batch 1':>11}{'of prefill':>12}")
+    for r in rows:
+        vs1 = f"{r['decode_tps'] / one['decode_tps']:.2f}x" if one else "-"
+        print(f"{r['batch']:>6}{r['prefill_ms']:>12.0f}{r['prefill_tps']:>15.1f}{r['step_ms']:>10.1f}"
+              f"{r['decode_tps']:>14.1f}{vs1:>11}{r['decode_tps'] / r['prefill_tps']:>11.2f}x")
+
+
 def run_worker(args, worker: str, extra: dict | None = None, weights: str | None = None) -> dict | None:
     cmd = [sys.executable, __file__, "--worker", worker, "--model", str(args.model), "--cache", str(args.cache),
            "--prefill", str(args.prefill), "--decode", str(args.decode), "--repeat", str(args.repeat),
            "--rounds", str(args.rounds), "--bw-mib", str(args.bw_mib),
            "--threads", str(args.threads), "--extra", json.dumps(extra or {})]
+    if args.batch:
+        cmd += ["--batch", args.batch]
     if weights:
         cmd += ["--weights", weights]
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))
@@ -168,6 +223,8 @@ def main(argv=None) -> int:
     ap.add_argument("--kv-dtype", default=None)
     ap.add_argument("--no-torch", action="store_true", help="skip the torch fp32 reference")
     ap.add_argument("--no-openvino", action="store_true")
+    ap.add_argument("--batch", help="batch sizes, e.g. 1,4,16: prefill ms of the whole batch, ms per decode "
+                    "step and aggregate decode tok/s per size (cpu_int4 only)")
     ap.add_argument("--bw-mib", type=int, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--extra", help=argparse.SUPPRESS)
@@ -179,8 +236,15 @@ def main(argv=None) -> int:
         args.cache = str(cache_root() / "converted")
     if args.bw_mib is None:
         args.bw_mib = 128 if args.size == "tiny" else 512
+    if args.batch:
+        try:
+            sizes = [int(b) for b in args.batch.split(",")]
+        except ValueError:
+            sizes = []
+        if not sizes or min(sizes) < 1:
+            ap.error(f"--batch {args.batch!r}: give positive batch sizes separated by commas, e.g. 1,4,16")
     if args.worker:
-        print(json.dumps(measure(args)))
+        print(json.dumps(measure_batch(args) if args.batch else measure(args)))
         return 0
 
     from glmcore_conformance.bench import model_dir_for   # --model, or the synthetic size, made once
@@ -193,6 +257,16 @@ def main(argv=None) -> int:
     bw = bandwidth(args.threads, mib=args.bw_mib)
     print(f"memory bandwidth (numpy, {args.threads} threads) at start: read {bw['read_GBps']:.1f} GB/s, "
           f"copy {bw['copy_GBps']:.1f} GB/s; each decode round is paired with its own read probe")
+
+    if args.batch:
+        for g in args.group_size:
+            extra = {"group_size": g, "sym": not args.asym}
+            convert(args, extra)
+            r = run_worker(args, "cpu_int4", extra)
+            if r:
+                print_batch(f"cpu_int4 g{g} {'asym' if args.asym else 'sym'}, kernels {r['info']['isa']}, "
+                            f"{args.threads} threads", r, args)
+        return 0
 
     rows = []
     for g in args.group_size:

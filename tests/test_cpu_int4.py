@@ -287,18 +287,21 @@ def test_near_capacity_and_chunked_prefill(tiny, cache):
 
 def torch_shift(ref, n_keep, n_discard):
     """The reference semantics of a window shift: keep the cached K/V of the kept tokens and rotate their
-    keys to the new positions (undo the old rotation, apply the new one, with the reference's own rotary)."""
+    keys to the new positions (undo the old rotation, apply the new one, with the reference's own rotary;
+    independent of conformance.reference.shift_in_place, which rotates by the delta). ref: a torch
+    reference Session, a one-slot view of its batch (caches [slot, layer, position, kv head, dim])."""
     import torch
     from glmcore_plugins.torch_ref.model import apply_rotary, rotary_tables
-    n = ref.kv_len
+    b, n = ref.batch, ref.kv_len
     kept = list(range(n_keep)) + list(range(n_keep + n_discard, n))
-    cos_o, sin_o = rotary_tables(ref.cfg, torch.tensor(kept))
-    cos_n, sin_n = rotary_tables(ref.cfg, torch.arange(len(kept)))
-    for layer in range(ref.cfg.num_layers):
-        k = apply_rotary(ref.k_cache[layer, kept], cos_o, -sin_o)          # inverse rotation
-        ref.k_cache[layer, : len(kept)] = apply_rotary(k, cos_n, sin_n)
-        ref.v_cache[layer, : len(kept)] = ref.v_cache[layer, kept].clone()
-    ref._len = len(kept)
+    cos_o, sin_o = rotary_tables(b.cfg, torch.tensor(kept))
+    cos_n, sin_n = rotary_tables(b.cfg, torch.arange(len(kept)))
+    k_cache, v_cache = b.k_cache[0], b.v_cache[0]
+    for layer in range(b.cfg.num_layers):
+        k = apply_rotary(k_cache[layer, kept], cos_o, -sin_o)          # inverse rotation
+        k_cache[layer, : len(kept)] = apply_rotary(k, cos_n, sin_n)
+        v_cache[layer, : len(kept)] = v_cache[layer, kept].clone()
+    b.lens[0] = len(kept)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -491,6 +494,14 @@ def test_benchmark_smoke(tmp_path):
                        env={**os.environ, "GLMCORE_CACHE": str(tmp_path)})
     assert r.returncode == 0, r.stderr[-2000:]
     assert "decode" in r.stdout and "tok/s" in r.stdout and "peak RSS" in r.stdout
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_cpu_int4.py"), "--size", "tiny",
+                        "--prefill", "16", "--decode", "4", "--batch", "1,3", "--group-size", "32", "--repeat", "1"],
+                       capture_output=True, text=True, cwd=ROOT, timeout=300,
+                       env={**os.environ, "GLMCORE_CACHE": str(tmp_path)})
+    assert r.returncode == 0, r.stderr[-2000:]
+    rows = [line.split() for line in r.stdout.splitlines() if line.split()[:1] in (["1"], ["3"])]
+    assert "native batch steps" in r.stdout and [row[0] for row in rows] == ["1", "3"]
+    assert all(float(row[4]) > 0 for row in rows)          # aggregate decode tok/s per batch size
 
 
 def test_conformance_suite_all_variants(tmp_path, monkeypatch):
