@@ -235,3 +235,36 @@ def test_a_backend_without_a_tensor_parallel_path_is_refused():
         load_shard = None
     with pytest.raises(BackendError, match="no tensor-parallel path"):
         parallel.TensorParallel(NoShard(), 2)
+
+
+# ---------------------------------------------------------------- ascend_npu: the same sharding, eager and compiled
+
+def test_ascend_npu_eager_two_ranks_conform():
+    tp = parallel.TensorParallel(registry().get("ascend_npu"), 2)
+    report = run_suite([tp], families=["chatglm3", "glm4"], precision="f32", weights="f32", extra={"mode": "eager"},
+                       cases=("prefill", "decode", "window_shift", "batch_mixed"), threads=1)
+    assert report.passed, format_table(report)
+    assert {r.case for r in report.results} == {"prefill", "decode", "window_shift", "batch_mixed"}
+
+
+def test_ascend_npu_graph_mode_keeps_the_collectives_in_one_compiled_step(make_tiny):
+    """fullgraph=True: a collective that broke the graph would raise; the sharded compiled steps (a
+    prefill chunk per slot, then one decode step for both slots) equal the one-rank torch reference."""
+    from glmcore.errors import GlmcoreError
+    d = make_tiny("glm4")
+    cfg = ModelConfig.from_dir(d)
+    w = load_weights(d, cfg)
+    ref = registry().get("torch").load_batch(cfg, w, LoadOptions(capacity=64, threads=1), 2)
+    tp = parallel.TensorParallel(registry().get("ascend_npu"), 2)
+    opts = tp.resolve(LoadOptions("f32", "f32", 64, 1, extra={"mode": "graph", "buckets": "16", "batch_buckets": "2"}))
+    batch = tp.load_batch(cfg, w, opts, 2)
+    try:
+        steps = [[(0, list(range(5, 15))), (1, list(range(40, 47)))], [(0, [3]), (1, [9])], [(1, [11]), (0, [12])]]
+        for entries in steps:
+            np.testing.assert_allclose(batch.step(entries), ref.step(entries), rtol=0, atol=1e-3)
+        with pytest.raises(GlmcoreError):
+            batch.step([(5, [1])])           # refused on every rank alike, and the ranks stay in step
+        np.testing.assert_allclose(batch.step([(0, [4])]), ref.step([(0, [4])]), rtol=0, atol=1e-3)
+    finally:
+        batch.close()
+        ref.close()

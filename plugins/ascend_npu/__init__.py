@@ -195,6 +195,15 @@ class AscendNpuBackend(Backend):
         device = self._device(options)
         return AscendBatchSession(config, weights, options, self.capabilities(), device, n_slots, _soc())
 
+    def load_shard(self, shard, options: LoadOptions, n_slots: int):
+        """This rank's part of the model under tensor parallelism (glmcore/parallel.py), on its own device."""
+        from .session import AscendBatchSession
+        options = self.resolve(LoadOptions(options.precision, options.weights, options.capacity, options.threads,
+                                           options.cache_dir, dict(options.extra, device=shard.device)))
+        device = self._device(options)
+        return AscendBatchSession(shard.config, shard.weights, options, self.capabilities(), device, n_slots, _soc(),
+                                  tp=shard)
+
 
 @hookimpl
 def glmcore_backends():

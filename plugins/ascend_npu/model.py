@@ -19,6 +19,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from glmcore.config import ModelConfig
+from glmcore.parallel import LOCAL
 from glmcore.weights import BF16
 
 from .ops import Ops
@@ -71,11 +72,14 @@ class Layer(nn.Module):
 
 
 class GLMGraphModel(nn.Module):
-    """Weights on the device in the compute dtype (norm weights in fp32); `forward` is the captured step."""
+    """Weights on the device in the compute dtype (norm weights in fp32); `forward` is the captured step.
+    Under tensor parallelism cfg and weights are this rank's part and `tp` (glmcore.parallel.Shard) joins
+    the parts with collectives that trace into the graph; on one device it is LOCAL and does nothing."""
 
-    def __init__(self, cfg: ModelConfig, weights, device: torch.device, dtype: torch.dtype, ops: Ops, positions: int):
+    def __init__(self, cfg: ModelConfig, weights, device: torch.device, dtype: torch.dtype, ops: Ops, positions: int,
+                 tp=LOCAL):
         super().__init__()
-        self.cfg, self.ops, self.dtype = cfg, ops, dtype
+        self.cfg, self.ops, self.dtype, self.tp = cfg, ops, dtype, tp
         self.embed = to_device(weights["embed.weight"], device, dtype)
         self.layers = nn.ModuleList(Layer(cfg, weights, i, device, dtype) for i in range(cfg.num_layers))
         self.final_norm = to_device(weights["final_norm.weight"], device, torch.float32)
@@ -102,7 +106,7 @@ class GLMGraphModel(nn.Module):
         one_slot = k_cache[0].shape[0] == 1                            # a static fact of the cache, not data
         # The residual stream stays fp32 in every precision; matmuls and the cache run in self.dtype.
         dt = self.dtype
-        x = self.embed[ids].float()
+        x = self.tp.embed(self.embed, ids).float()
         for i, layer in enumerate(self.layers):
             h = ops.rms_norm(x, layer.input_norm, cfg.norm_eps).to(dt)
             qkv = F.linear(h, layer.qkv, layer.qkv_bias)
@@ -116,15 +120,15 @@ class GLMGraphModel(nn.Module):
             vc = v_cache[i] if one_slot else v_cache[i].index_select(0, slots)
             attn = ops.attention(q, kc, vc, allowed, seq_lens)                     # [B, H, T, D]
             attn = attn.transpose(1, 2).reshape(b, t, cfg.q_size)
-            x = x + F.linear(attn, layer.attn_out).float()
+            x = x + self.tp.reduce(F.linear(attn, layer.attn_out).float())
             h = ops.rms_norm(x, layer.post_attn_norm, cfg.norm_eps).to(dt)
             gate, up = F.linear(h, layer.ffn_up).chunk(2, dim=-1)
-            x = x + F.linear(F.silu(gate) * up, layer.ffn_down).float()
+            x = x + self.tp.reduce(F.linear(F.silu(gate) * up, layer.ffn_down).float())
         x = ops.rms_norm(x, self.final_norm, cfg.norm_eps).to(dt)
         rows = x.gather(1, last[:, None, None].expand(b, 1, x.shape[-1]))[:, 0]     # [B, hidden]
-        logits = F.linear(rows, self.lm_head).float()
+        logits = self.tp.gather(F.linear(rows, self.lm_head).float())
         return logits, x
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """float32 logits of final hidden rows (all-positions requests, outside the captured step)."""
-        return F.linear(hidden, self.lm_head).float()
+        return self.tp.gather(F.linear(hidden, self.lm_head).float())

@@ -34,6 +34,7 @@ import torch
 from glmcore.backend import BatchSession, Capabilities, LoadOptions, Session, default_capacity
 from glmcore.config import ModelConfig
 from glmcore.errors import BackendError
+from glmcore.parallel import LOCAL
 
 from .model import GLMGraphModel
 from .ops import select_ops
@@ -113,7 +114,7 @@ class StepRunner:
     """The model on the device, its static KV cache of `n_slots` slots and the (compiled) step."""
 
     def __init__(self, cfg: ModelConfig, weights, options: LoadOptions, caps: Capabilities, device: torch.device,
-                 n_slots: int, soc: str | None = None):
+                 n_slots: int, soc: str | None = None, tp=LOCAL):
         extra = options.extra
         self.mode = str(extra.get("mode", "graph")).lower()
         if self.mode not in MODES:
@@ -128,7 +129,7 @@ class StepRunner:
         # Spare positions past the capacity take the padded tokens of the last bucket (graph mode only).
         spare = self.buckets[-1] if self.mode == "graph" else 0
         self.ops = select_ops(device, self.dtype, soc)
-        self.model = GLMGraphModel(cfg, weights, device, self.dtype, self.ops, self.capacity + spare).eval()
+        self.model = GLMGraphModel(cfg, weights, device, self.dtype, self.ops, self.capacity + spare, tp).eval()
         # Static KV cache, BNSD per layer: [slots, kv_heads, positions, head_dim] (see ops.py for why).
         shape = (n_slots, cfg.num_kv_heads, self.capacity + spare, cfg.head_dim)
         self.k_cache = [torch.zeros(shape, dtype=self.dtype, device=device) for _ in range(cfg.num_layers)]
@@ -304,10 +305,10 @@ class AscendBatchSession(BatchSession):
     native = True
 
     def __init__(self, cfg: ModelConfig, weights, options: LoadOptions, caps: Capabilities, device: torch.device,
-                 n_slots: int, soc: str | None = None):
+                 n_slots: int, soc: str | None = None, tp=LOCAL):
         if n_slots < 1:
             raise BackendError(f"ascend_npu: a batch session needs at least one slot (got {n_slots})")
-        self.runner = StepRunner(cfg, weights, options, caps, device, n_slots + 1, soc)
+        self.runner = StepRunner(cfg, weights, options, caps, device, n_slots + 1, soc, tp)
         self.cfg, self.n_slots, self.capacity = cfg, n_slots, self.runner.capacity
         self.batch_buckets = parse_buckets(options.extra.get("batch_buckets"), default_batch_buckets(n_slots),
                                            "batch_buckets")
