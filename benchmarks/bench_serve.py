@@ -128,11 +128,11 @@ async def phase(url, model, clients, requests, n_words, new_tokens, timeout, api
             "itl50": np.percentile(itl, 50), "itl99": np.percentile(itl, 99)}
 
 
-def calibrate(url, model, prompt_len, api_key) -> int:
+def calibrate(url, model, prompt_len, api_key, timeout) -> int:
     """Words of content that make a chat prompt of about prompt_len tokens on this server's tokenizer."""
     n = max(1, prompt_len)
     for _ in range(3):
-        r = asyncio.run(phase(url, model, 1, 1, n, 1, 120, api_key))
+        r = asyncio.run(phase(url, model, 1, 1, n, 1, timeout, api_key))
         n = max(1, round(n * prompt_len / max(r["prompt"], 1)))
         if abs(r["prompt"] - prompt_len) <= max(2, prompt_len // 10):
             break
@@ -195,7 +195,7 @@ def main(argv=None) -> int:
                 model = httpx.get(f"{url}/models", headers=headers, timeout=30).json()["data"][0]["id"]
         else:
             proc, url, model = start_server(a)
-        n_words = calibrate(url, model, a.prompt_len, a.api_key)
+        n_words = calibrate(url, model, a.prompt_len, a.api_key, a.timeout)
         load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
         if a.conversation:
             turns = asyncio.run(conversation(url, model, n_words, a.new_tokens, a.timeout, a.api_key))
@@ -213,6 +213,9 @@ def main(argv=None) -> int:
             r = asyncio.run(phase(url, model, n, a.requests, n_words, a.new_tokens, a.timeout, a.api_key))
             print(f"| {n} | {r['requests']} | {r['prompt']:.0f} | {r['generated']} | {r['wall']:.2f} | {r['tps']:.1f} | "
                   f"{r['ttft50']:.0f} | {r['ttft99']:.0f} | {r['itl50']:.1f} | {r['itl99']:.1f} |", flush=True)
+    except (httpx.HTTPError, RuntimeError, TimeoutError, asyncio.TimeoutError) as e:
+        print(f"error: {type(e).__name__}: {e} (raise --timeout on a slow or busy machine)", file=sys.stderr)
+        return 1
     finally:
         if proc is not None:
             proc.send_signal(signal.SIGTERM)
