@@ -217,6 +217,9 @@ def test_precision_kv_cache_and_dynamic_quantization_are_explicit(tiny):
     assert s32.runtime_precision == "f32"
     sbf = _load(cfg, w, "bf16", "int8")
     assert str(sbf.compiled.get_property("KV_CACHE_PRECISION")) == "<Type: 'float16'>"
+    assert int(sbf.compiled.get_property("DYNAMIC_QUANTIZATION_GROUP_SIZE")) == ovs.DEFAULT_DYNAMIC_QUANT
+    off = _load(cfg, w, "bf16", "int8", dynamic_quant=0)
+    assert int(off.compiled.get_property("DYNAMIC_QUANTIZATION_GROUP_SIZE")) == 0
     # Honest about the hardware: without AVX512-BF16/AMX, OpenVINO runs a bf16 request in f32.
     assert sbf.requested_precision == "bf16"
     assert sbf.runtime_precision == ("bf16" if native_bf16() else "f32")

@@ -45,7 +45,8 @@ class OpenVINOBackend(Backend):
             "precision": precision,
             "weights": "int8 (default), int4 (group 128), f16, f32",
             "kv cache": "in the model (stateful); f32 with --precision f32, f16 with bf16",
-            "options": "--opt kv_cache=f32|f16|bf16|u8, dynamic_quant=0 (off)|N, group_size=128, ir=DIR",
+            "options": "--opt kv_cache=f32|f16|bf16|u8, dynamic_quant=0 (off)|N (default: 32 with bf16, 0 with f32), "
+                       "group_size=128, ir=DIR",
             "runs on": "this machine's CPU through OpenVINO's CPU plugin",
         }
         if importlib.util.find_spec("openvino_genai") is not None:
@@ -80,7 +81,7 @@ class OpenVINOBackend(Backend):
             try:
                 return ov.Core().read_model(xml), xml.with_suffix(".bin")
             except RuntimeError as e:
-                raise BackendError(f"{xml}: OpenVINO cannot read this IR ({str(e).strip().splitlines()[0][:120]}); "
+                raise BackendError(f"{xml}: OpenVINO cannot read this IR ({_last_line(e)}); "
                                    "convert the model again") from None
         opts = session.ir_options(options)       # no cache directory: built in memory, resident twice
         return graph.build_model(config, weights, opts["weights"], opts.get("group_size", 128)), None
@@ -91,7 +92,13 @@ class OpenVINOBackend(Backend):
         options = self.resolve(options)
         capacity = default_capacity(config, self.capabilities(), options.capacity)
         model, weights_file = self._model(config, weights, options)
-        sess = session.OpenVINOSession(config, model, options, capacity, weights_file)
+        try:
+            sess = session.OpenVINOSession(config, model, options, capacity, weights_file)
+        except RuntimeError as e:
+            if weights_file is None:     # our own graph, built in memory: a bug, not bad input
+                raise
+            raise BackendError(f"{weights_file.parent}: OpenVINO cannot compile or run this IR "
+                               f"({_last_line(e)}); convert the model again") from None
         if sess.runtime_precision != options.precision:
             _stderr(f"note: {options.precision} requested, but this CPU has neither AMX nor AVX512-BF16: "
                     f"OpenVINO computes in {sess.runtime_precision}")
@@ -133,6 +140,12 @@ def _runtime_problem() -> str:
         import openvino as ov
         return f"openvino {ov.get_version().split('-')[0]} is too old: this backend needs 2025.0 or newer"
     return ""
+
+
+def _last_line(e: Exception) -> str:
+    """OpenVINO's messages end with the cause, after lines of source locations."""
+    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+    return (lines[-1] if lines else type(e).__name__)[:160]
 
 
 def _stderr(msg: str) -> None:
