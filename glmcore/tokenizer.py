@@ -323,7 +323,7 @@ def load_tokenizer(model_dir, family: str) -> Tokenizer:
                              "copy the file from the original checkpoint or delete it")
     for id_str, entry in added.items():
         name = entry.get("content") if isinstance(entry, dict) else None
-        if name in tok.special_ids and str(tok.special_ids[name]) != id_str:
+        if isinstance(name, str) and name in tok.special_ids and str(tok.special_ids[name]) != id_str:
             raise TokenizerError(f"{model_dir / 'tokenizer_config.json'} puts {name} at id {id_str} but "
                                  f"{path} implies {tok.special_ids[name]}; the two files are from different "
                                  "checkpoints, copy both from the same one")
