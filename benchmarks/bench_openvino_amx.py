@@ -12,6 +12,9 @@ so peak RSS is that of serving, not of converting. Every measurement does one un
 (the loop `glmcore run` uses), LLMPipeline through its generate() on token ids, both greedy with stop tokens
 ignored and with identical plugin settings (precision, KV-cache precision, no dynamic quantization, SDPA attention).
 Timings on a shared machine are noisy; the numbers come from one run of this script.
+Where $GLMCORE_LLAMACPP names a built llama.cpp (see conformance/llamacpp.py), llama.cpp runs the same
+checkpoint as GGUF of the matching type (int8 -> Q8_0, int4 -> Q4_0, f16 -> F16, f32 -> F32), one llama-bench
+repetition in each round of the turns, and gets a row of its own.
 """
 from __future__ import annotations
 
@@ -155,15 +158,22 @@ class Worker:
                 "decode_tps": median(r["decode_tps"] for r in self.runs), "tokens": self.runs[-1]["tokens"]}
 
 
-def measure(specs: list[dict], runs: int, together: bool) -> list[dict]:
-    """Each spec in its own process; with `together`, all loaded at once and run in turns."""
+def measure(specs: list[dict], runs: int, together: bool, beside=None) -> list[dict]:
+    """Each spec in its own process; with `together`, all loaded at once and run in turns. `beside` (a
+    callable giving one run's figures: llama.cpp) runs after each round; its medians come last."""
     if not together:
-        return [measure([s], runs, True)[0] for s in specs]
+        return [measure([s], runs, True)[0] for s in specs] + ([measure([], runs, True, beside)[0]] if beside else [])
     workers = [Worker(s) for s in specs]
+    extra = []
     for _ in range(runs):
         for w in workers:
             w.run()
-    return [w.finish() for w in workers]
+        if beside:
+            extra.append(beside())
+    out = [w.finish() for w in workers]
+    if beside:
+        out.append({k: median(r[k] for r in extra) for k in extra[0]})
+    return out
 
 
 # ---------------------------------------------------------------- the table
@@ -207,6 +217,8 @@ def main(argv=None) -> int:
     base = dict(model=str(d), prompt_len=a.prompt_len, new_tokens=a.new_tokens, threads=a.threads, cache=cache,
                 precision=precision, runs=a.runs)
     genai = not a.no_genai and importlib.util.find_spec("openvino_genai") is not None
+    from glmcore_conformance.llamacpp import GGUF_TYPES, find
+    llama = find()
     torch = not a.no_torch and registry().probe("torch").ready
     rows: list[tuple[str, dict]] = []
     if torch:
@@ -218,11 +230,15 @@ def main(argv=None) -> int:
         Worker({**spec, "kind": "prepare"})
         say(f"bench: openvino_amx {precision}/{w}: our generation loop" + (" and LLMPipeline on the same IR, "
             "in turns" if genai else ""))
+        gguf = llama.gguf(d, w, say) if llama and w in GGUF_TYPES and cfg.family != "glm4" else None
+        beside = (lambda: llama.bench(gguf, a.prompt_len, a.new_tokens, a.threads)) if gguf else None
         results = measure([{**spec, "kind": "ours"}] + ([{**spec, "kind": "genai"}] if genai else []), a.runs,
-                          not a.sequential)
+                          not a.sequential, beside)
         rows.append((f"openvino_amx {precision}/{w}", {**results[0], "weights": w}))
         if genai:
             rows.append(("  LLMPipeline, same IR", {**results[1], "weights": w, "genai": True}))
+        if gguf:
+            rows.append((f"  llama.cpp {GGUF_TYPES[w]}, same model", {**results[-1], "weights": w, "llamacpp": True}))
 
     ref = rows[0][1]["decode_tps"] if torch else None
     ours_by_w = {r["weights"]: r for label, r in rows if label.startswith("openvino_amx")}
@@ -236,15 +252,15 @@ def main(argv=None) -> int:
         print(f"Note: precision {precision} requested; OpenVINO runs {runtime} on this CPU.")
     print()
     print(f"| {'configuration':<26} | prefill tok/s | decode tok/s | peak RSS MiB | decode vs torch fp32 | "
-          "ours vs LLMPipeline |")
+          "ours vs this row   |")
     print(f"|{'-' * 28}|--------------:|-------------:|-------------:|---------------------:|--------------------:|")
     for label, r in rows:
         vs_torch = f"{r['decode_tps'] / ref:.2f}x" if ref else "-"
         vs_genai = "-"
-        if r.get("genai"):
+        if r.get("genai") or r.get("llamacpp"):
             mine = ours_by_w[r["weights"]]
-            same = "same tokens" if mine["tokens"] == r["tokens"] else "TOKENS DIFFER"
-            vs_genai = f"{mine['decode_tps'] / r['decode_tps']:.2f}x ({same})"
+            same = "" if r.get("llamacpp") else " (same tokens)" if mine["tokens"] == r["tokens"] else " (TOKENS DIFFER)"
+            vs_genai = f"{mine['decode_tps'] / r['decode_tps']:.2f}x{same}"
         print(f"| {label:<26} | {r['prefill_tps']:13.1f} | {r['decode_tps']:12.2f} | {r['peak_rss_mib']:12.0f} | "
               f"{vs_torch:>20} | {vs_genai:>19} |")
     if a.json:

@@ -22,6 +22,10 @@ How it measures, and why:
   last-level cache) divided by those bytes; "reached" is measured decode tok/s over that ceiling.
   A backend may state its own bytes with an optional `bytes_per_token(config, options, kv_len)`.
   At tiny sizes the weights sit in cache and the ceiling means little; it is meant for 1b/6b.
+- llama.cpp, optional: where $GLMCORE_LLAMACPP names a built llama.cpp tree (conformance/llamacpp.py says
+  how to build one), the same checkpoint is converted to the GGUF type matching each weight format (int8 ->
+  Q8_0, int4 -> Q4_0) and one llama-bench repetition runs after each round of the backends' runs; the
+  table gains a "vs llama.cpp" column (decode speed over llama.cpp's). `--no-llamacpp` leaves it out.
 """
 from __future__ import annotations
 
@@ -268,8 +272,9 @@ def model_dir_for(model: str | None, size: str | None, family: str = "chatglm3")
 
 def bench(backends: list[tuple[str, LoadOptions]], model_dir: Path, prompt_len: int = 128, gen: int = 64,
           runs: int = 3, warmup: int = 1, threads: int | None = None, bandwidth: float | None = None,
-          progress=lambda msg: None) -> dict:
-    """Run each (backend name, options) in its own worker, alternating, and return the figures."""
+          progress=lambda msg: None, llamacpp=None) -> dict:
+    """Run each (backend name, options) in its own worker, alternating, and return the figures; with
+    `llamacpp` (glmcore_conformance.llamacpp.LlamaCpp), llama.cpp on the same checkpoint in the same rounds."""
     from .models import open_model, TokenSource
     if prompt_len < 1 or gen < 2 or runs < 1 or warmup < 0:
         raise GlmcoreError("--prompt-len must be >= 1, --gen >= 2, --runs >= 1, --warmup >= 0")
@@ -288,14 +293,19 @@ def bench(backends: list[tuple[str, LoadOptions]], model_dir: Path, prompt_len: 
             progress(f"bench: loading {name}")
             workers.append((Worker(name, model_dir, opts), opts))
         infos = [w.ready() for w, _ in workers]
+        ggufs = _llamacpp_models(llamacpp, model_dir, {i["weights"] for i in infos}, progress)
+        lc_runs: dict = {w: [] for w in ggufs}
         results = [[] for _ in workers]
         for r in range(warmup + runs):
+            label = "warm-up" if r < warmup else f"run {r - warmup + 1}/{runs}"
             for i, (w, _) in enumerate(workers):
-                label = "warm-up" if r < warmup else f"run {r - warmup + 1}/{runs}"
                 progress(f"bench: {w.name} {label}")
                 out = w.run(prompt, gen)
                 if r >= warmup:
                     results[i].append(out)
+            for weights, path in ggufs.items() if r >= warmup else ():
+                progress(f"bench: llama.cpp {path.parent.name} {label}")
+                lc_runs[weights].append(llamacpp.bench(path, prompt_len, gen, threads))
     finally:
         for w, _ in workers:
             w.stop()
@@ -313,7 +323,23 @@ def bench(backends: list[tuple[str, LoadOptions]], model_dir: Path, prompt_len: 
     return {"model": str(model_dir), "family": config.family, "params": config.num_params(),
             "prompt_len": prompt_len, "gen": gen, "runs": runs, "warmup": warmup, "threads": threads,
             "bandwidth": bandwidth, "machine": machine(), "kv_len": kv_len,
-            "date": time.strftime("%Y-%m-%d"), "results": [asdict(r) for r in out]}
+            "date": time.strftime("%Y-%m-%d"), "results": [asdict(r) for r in out],
+            "llamacpp": {w: {"type": ggufs[w].parent.name, "runs": rs,
+                             **{k: statistics.median(x[k] for x in rs) for k in rs[0]}}
+                         for w, rs in lc_runs.items()}}
+
+
+def _llamacpp_models(llamacpp, model_dir: Path, formats: set, progress) -> dict:
+    """weight format -> its GGUF, for the formats llama.cpp has; a failed conversion skips the comparison
+    (it is optional) and says why."""
+    if llamacpp is None:
+        return {}
+    from .llamacpp import GGUF_TYPES
+    try:
+        return {w: llamacpp.gguf(model_dir, w, progress) for w in sorted(formats) if w in GGUF_TYPES}
+    except GlmcoreError as e:
+        progress(f"bench: no llama.cpp comparison: {e}")
+        return {}
 
 
 def format_bench(data: dict) -> str:
@@ -326,6 +352,12 @@ def format_bench(data: dict) -> str:
     rows = [[r["backend"], f"{r['precision']}/{r['weights']}", f"{r['load_s']:.1f}", f"{r['ttft_ms']:.1f}",
              f"{r['prefill_tps']:.1f}", f"{r['decode_tps']:.1f}",
              f"{r['peak_rss_mib']:.0f}" + ("" if r["rss_per_run"] else "*")] for r in data["results"]]
+    lc = data.get("llamacpp") or {}
+    if lc:
+        header.append("decode vs llama.cpp")
+        for row, r in zip(rows, data["results"]):
+            ref = lc.get(r["weights"])
+            row.append(f"{r['decode_tps'] / ref['decode_tps']:.2f}x {ref['type']}" if ref else "-")
     widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(header)]
     lines += ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in [header] + rows]
     lines.append("")
@@ -334,6 +366,10 @@ def format_bench(data: dict) -> str:
                      f"read per decode token ({r['bytes_source']}, KV at {data['kv_len']} tokens) at "
                      f"{data['bandwidth'] / 1e9:.1f} GB/s -> ceiling {r['ceiling_tps']:.1f} tok/s; "
                      f"reached {100 * r['reached']:.0f}%")
+    for ref in lc.values():
+        lines.append(f"llama.cpp {ref['type']} (same checkpoint, llama-bench, median of {len(ref['runs'])}): prefill "
+                     f"{ref['prefill_tps']:.1f} tok/s, decode {ref['decode_tps']:.1f} tok/s, peak RSS "
+                     f"{ref['peak_rss_mib']:.0f} MiB")
     for r in data["results"]:
         ranks = [statistics.median(x) for x in zip(*(run["peak_rss_ranks"] for run in r["runs"]))]
         if len(ranks) > 1:
@@ -374,6 +410,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--json", action="store_true", help="print the figures as JSON")
     ap.add_argument("--batch", metavar="B1,B2,...", help="many sequences at once: per batch size, the prefill time "
                     "of the whole batch, ms per decode step and aggregate decode tok/s (e.g. 1,4,8,16,32,48)")
+    ap.add_argument("--no-llamacpp", action="store_true", help="leave out the llama.cpp comparison even where "
+                    "$GLMCORE_LLAMACPP names a build")
     return ap
 
 
@@ -399,8 +437,10 @@ def main(argv: list[str] | None = None) -> int:
     pairs = [(a.backend, LoadOptions(a.precision, a.weights, extra=_parse_opts(a.opt), tp=a.tp))]
     if a.vs:
         pairs.append((a.vs, LoadOptions()))
+    from .llamacpp import find
     data = bench(pairs, model_dir, a.prompt_len, a.gen, a.runs, a.warmup, a.threads,
-                 progress=lambda m: print(m, file=sys.stderr, flush=True))
+                 progress=lambda m: print(m, file=sys.stderr, flush=True),
+                 llamacpp=None if a.no_llamacpp else find())
     print(json.dumps(data, indent=2) if a.json else format_bench(data))
     return 0
 

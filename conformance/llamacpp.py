@@ -1,0 +1,207 @@
+"""llama.cpp beside glmcore on the same checkpoint: an optional comparison for the benchmarks.
+
+Never a requirement of the tests or CI: `glmcore bench` and benchmarks/bench_openvino_amx.py add a llama.cpp
+column only when $GLMCORE_LLAMACPP names a built llama.cpp source tree. To get one (the llama.cpp that the
+llama-cpp-python wheel vendors, built for this CPU; several minutes on 2 cores):
+
+    pip download --no-binary :all: --no-deps llama-cpp-python==0.3.36 -d /tmp/llamacpp
+    python -m glmcore_conformance.llamacpp build /tmp/llamacpp/llama_cpp_python-0.3.36.tar.gz --dir /tmp/llamacpp
+    export GLMCORE_LLAMACPP=/tmp/llamacpp/llama_cpp_python-0.3.36/vendor/llama.cpp     (the path it prints)
+
+The checkpoint is converted once by llama.cpp's own convert_hf_to_gguf.py (it reads the ChatGLM layout) to an
+f16 GGUF, with the vocabulary given from tokenizer.model by sentencepiece (its converter would run the
+checkpoint's remote tokenizer code instead), then llama-quantize makes the type that matches a weight format:
+int8 -> Q8_0, int4 -> Q4_0 (llama.cpp's defaults: Q4_0 keeps the output layer in Q6_K). The files are cached
+under $GLMCORE_CACHE/converted/llamacpp. Timing is llama-bench's: prompt processing of the prompt length, then
+generation of the new tokens (from an empty context; at these context lengths the KV cache is <1% of a
+token's reads), one repetition per call so a caller can alternate it with its own runs. Peak RSS is the
+llama-bench process's (mapped model pages it touched included).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tarfile
+import tempfile
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+from glmcore.errors import GlmcoreError
+
+ENV = "GLMCORE_LLAMACPP"
+GGUF_TYPES = {"int8": "Q8_0", "int4": "Q4_0", "f16": "F16", "bf16": "BF16", "f32": "F32"}
+TARGETS = ("llama-bench", "llama-quantize")
+
+
+@dataclass
+class LlamaCpp:
+    root: Path      # llama.cpp source tree: convert_hf_to_gguf.py, gguf-py/, build/bin/
+
+    def tool(self, name: str) -> Path:
+        return self.root / "build" / "bin" / name
+
+    def version(self) -> str:
+        out = subprocess.run([str(self.tool("llama-bench")), "--version"], capture_output=True, text=True,
+                             timeout=60)
+        text = (out.stdout + out.stderr).strip().splitlines()
+        return text[0] if text else "unknown"
+
+    def gguf(self, model_dir: Path, weights: str, progress=lambda m: None) -> Path:
+        """The checkpoint as a GGUF of the type matching `weights`, converted once into the cache."""
+        from glmcore.cache import build_once, cache_root
+        from glmcore.config import ModelConfig
+        from glmcore.weights import load_weights
+        qtype = GGUF_TYPES.get(weights)
+        if qtype is None:
+            raise GlmcoreError(f"llama.cpp has no counterpart of weight format {weights!r}")
+        cfg = ModelConfig.from_dir(model_dir)
+        if cfg.family not in ("chatglm2", "chatglm3"):
+            raise GlmcoreError(f"llama.cpp comparison: only the SentencePiece families (chatglm2/3), not {cfg.family}")
+        key = load_weights(model_dir, cfg).fingerprint()
+        root = cache_root() / "converted" / "llamacpp" / f"{Path(model_dir).name}-{key}"
+        f16 = build_once(root / "f16", lambda tmp: self._convert(model_dir, tmp / "model.gguf", progress),
+                         complete=lambda p: (p / "model.gguf").is_file()) / "model.gguf"
+        if qtype == "F16":
+            return f16
+        out = build_once(root / qtype, lambda tmp: self._quantize(f16, tmp / "model.gguf", qtype, progress),
+                         complete=lambda p: (p / "model.gguf").is_file())
+        return out / "model.gguf"
+
+    def _convert(self, model_dir: Path, out: Path, progress) -> None:
+        progress(f"llama.cpp: converting {model_dir} to GGUF (convert_hf_to_gguf.py, once)")
+        _run([sys.executable, "-m", "glmcore_conformance.llamacpp", "convert", str(self.root), str(model_dir),
+              str(out)], "convert_hf_to_gguf.py")
+
+    def _quantize(self, f16: Path, out: Path, qtype: str, progress) -> None:
+        progress(f"llama.cpp: llama-quantize to {qtype} (once)")
+        _run([str(self.tool("llama-quantize")), str(f16), str(out), qtype], "llama-quantize")
+
+    def bench(self, gguf: Path, prompt_len: int, gen: int, threads: int | None) -> dict:
+        """One llama-bench repetition: prefill and decode tok/s, and the process's peak RSS."""
+        cmd = [str(self.tool("llama-bench")), "-m", str(gguf), "-p", str(prompt_len), "-n", str(gen), "-r", "1",
+               "-t", str(threads or os.cpu_count() or 1), "-o", "json"]
+        with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+            proc = subprocess.Popen(cmd, stdout=out, stderr=err, text=True)
+            watchdog = threading.Timer(1800, proc.kill)
+            watchdog.start()
+            _, status, usage = os.wait4(proc.pid, 0)       # reaped here: its own rusage, peak RSS included
+            watchdog.cancel()
+            out.seek(0)
+            err.seek(0)
+            code = proc.returncode = os.waitstatus_to_exitcode(status)
+            if code:
+                raise GlmcoreError(f"llama-bench failed (exit {code}): {err.read().strip()[-300:]}")
+            out = out.read()
+        rows = json.loads(out)
+        tps = {("prefill" if r["n_prompt"] else "decode"): r["avg_ts"] for r in rows}
+        return {"prefill_tps": tps["prefill"], "decode_tps": tps["decode"], "peak_rss_mib": usage.ru_maxrss / 1024}
+
+
+def find() -> LlamaCpp | None:
+    """The llama.cpp build named by $GLMCORE_LLAMACPP, or None when unset. A set but unusable path is an error
+    (the user asked for the comparison)."""
+    root = os.environ.get(ENV)
+    if not root:
+        return None
+    lc = LlamaCpp(Path(root))
+    missing = [str(p) for p in [lc.root / "convert_hf_to_gguf.py", *(lc.tool(t) for t in TARGETS)] if not p.exists()]
+    if missing:
+        raise GlmcoreError(f"${ENV}={root} is not a built llama.cpp tree (missing {missing[0]}); build it with "
+                           "`python -m glmcore_conformance.llamacpp build SDIST --dir DIR` or unset it")
+    return lc
+
+
+def _run(cmd: list[str], what: str) -> None:
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
+    if r.returncode:
+        raise GlmcoreError(f"llama.cpp {what} failed (exit {r.returncode}): {(r.stderr or r.stdout).strip()[-500:]}")
+
+
+# ---------------------------------------------------------------- building llama.cpp from the sdist
+
+def build(sdist: Path, dest: Path, jobs: int = 2) -> Path:
+    """Extract llama-cpp-python's source distribution into dest and build llama-bench and llama-quantize of
+    the llama.cpp it vendors, for this CPU (GGML_NATIVE), at the lowest CPU priority. Returns the tree."""
+    with tarfile.open(sdist) as tar:
+        top = tar.getnames()[0].split("/")[0]
+        tar.extractall(dest, filter="data")
+    root = Path(dest) / top / "vendor" / "llama.cpp"
+    if not (root / "CMakeLists.txt").is_file():
+        raise GlmcoreError(f"{sdist}: no vendor/llama.cpp inside; pass llama-cpp-python's source distribution")
+    nice = ["nice", "-n", "19"] if sys.platform != "win32" else []
+    subprocess.run([*nice, "cmake", "-S", str(root), "-B", str(root / "build"), "-DCMAKE_BUILD_TYPE=Release",
+                    "-DGGML_NATIVE=ON", "-DLLAMA_CURL=OFF", "-DLLAMA_OPENSSL=OFF", "-DLLAMA_BUILD_TESTS=OFF",
+                    "-DLLAMA_BUILD_SERVER=OFF"], check=True)
+    subprocess.run([*nice, "cmake", "--build", str(root / "build"), "--target", *TARGETS, "-j", str(jobs)],
+                   check=True)
+    return root
+
+
+# ---------------------------------------------------------------- the converter, with our vocabulary
+
+def convert(root: Path, model_dir: Path, out: Path) -> None:
+    """Run llama.cpp's convert_hf_to_gguf.py on a ChatGLM2/3 checkpoint, its SentencePiece vocabulary read from
+    tokenizer.model (the special tokens numbered after it, as glmcore's tokenizer does)."""
+    sys.path[:0] = [str(root), str(root / "gguf-py")]
+    import convert_hf_to_gguf
+    import gguf
+    import sentencepiece as spm
+    from conversion.base import SentencePieceTokenTypes as Kind
+    from conversion.chatglm import ChatGLMModel
+
+    from glmcore.config import ModelConfig
+    from glmcore.tokenizer import SP_SPECIALS
+
+    def set_vocab(self) -> None:
+        sp = spm.SentencePieceProcessor(model_file=str(Path(self.dir_model) / "tokenizer.model"))
+        specials = SP_SPECIALS[ModelConfig.from_dir(self.dir_model).family]
+        tokens, scores, kinds = [], [], []
+        for i in range(self.hparams["padded_vocab_size"]):
+            if i < sp.vocab_size():
+                piece, score = {0: "<unk>", 1: "<bos>", 2: "<eos>"}.get(i, sp.id_to_piece(i)), sp.get_score(i)
+                kind = (Kind.UNKNOWN if sp.is_unknown(i) else Kind.CONTROL if sp.is_control(i) else
+                        Kind.UNUSED if sp.is_unused(i) else Kind.BYTE if sp.is_byte(i) else Kind.NORMAL)
+            elif i - sp.vocab_size() < len(specials):
+                piece, score, kind = specials[i - sp.vocab_size()], 0.0, Kind.CONTROL
+            else:
+                piece, score, kind = f"[PAD{i}]", 0.0, Kind.UNUSED
+            tokens.append(piece.encode())
+            scores.append(score)
+            kinds.append(kind)
+        self.gguf_writer.add_tokenizer_model("llama")
+        self.gguf_writer.add_tokenizer_pre("chatglm-spm")
+        self.gguf_writer.add_token_list(tokens)
+        self.gguf_writer.add_token_scores(scores)
+        self.gguf_writer.add_token_types(kinds)
+        gguf.SpecialVocab(self.dir_model, n_vocab=len(tokens)).add_to_gguf(self.gguf_writer)
+
+    ChatGLMModel.set_vocab = set_vocab
+    sys.argv = ["convert_hf_to_gguf.py", str(model_dir), "--outtype", "f16", "--outfile", str(out)]
+    convert_hf_to_gguf.main()
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m glmcore_conformance.llamacpp", description=__doc__.split("\n\n")[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    b = sub.add_parser("build", help="build llama-bench and llama-quantize from llama-cpp-python's sdist")
+    b.add_argument("sdist", type=Path)
+    b.add_argument("--dir", type=Path, required=True)
+    b.add_argument("-j", "--jobs", type=int, default=2)
+    c = sub.add_parser("convert", help=argparse.SUPPRESS)
+    c.add_argument("root", type=Path)
+    c.add_argument("model", type=Path)
+    c.add_argument("out", type=Path)
+    a = ap.parse_args(argv)
+    if a.cmd == "build":
+        print(f"export {ENV}={build(a.sdist, a.dir, a.jobs)}")
+    else:
+        convert(a.root, a.model, a.out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,111 @@
+"""The optional llama.cpp comparison (conformance/llamacpp.py): found only where $GLMCORE_LLAMACPP names a build,
+llama-bench's figures and peak RSS read right, one llama.cpp run per timed round beside the backends in
+`glmcore bench`, and the column it adds. llama.cpp itself is never needed: a stand-in llama-bench is used,
+and the real converter runs only where a llama.cpp tree is given."""
+from __future__ import annotations
+
+import json
+import os
+import stat
+import sys
+from pathlib import Path
+
+import pytest
+
+from glmcore.backend import LoadOptions
+from glmcore.errors import GlmcoreError
+from glmcore_conformance import llamacpp
+from glmcore_conformance.bench import bench, format_bench
+
+FAKE_BENCH = """#!{python}
+import json, sys
+args = dict(zip(sys.argv[1::2], sys.argv[2::2]))
+hold = bytearray(64 << 20)          # 64 MiB touched: the peak RSS the caller must see
+for i in range(0, len(hold), 4096):
+    hold[i] = 1
+rows = [{{"n_prompt": int(args["-p"]), "n_gen": 0, "avg_ts": 100.0 + int(args["-t"])}},
+        {{"n_prompt": 0, "n_gen": int(args["-n"]), "avg_ts": 20.0}}]
+print(json.dumps(rows))
+"""
+
+
+def _fake_tree(root: Path) -> Path:
+    (root / "build" / "bin").mkdir(parents=True)
+    (root / "convert_hf_to_gguf.py").write_text("")
+    for name in llamacpp.TARGETS:
+        tool = root / "build" / "bin" / name
+        tool.write_text(FAKE_BENCH.format(python=sys.executable))
+        tool.chmod(tool.stat().st_mode | stat.S_IEXEC)
+    return root
+
+
+def test_found_only_where_named(tmp_path, monkeypatch):
+    monkeypatch.delenv(llamacpp.ENV, raising=False)
+    assert llamacpp.find() is None
+    monkeypatch.setenv(llamacpp.ENV, str(tmp_path))
+    with pytest.raises(GlmcoreError, match="GLMCORE_LLAMACPP.*not a built llama.cpp tree"):
+        llamacpp.find()
+    monkeypatch.setenv(llamacpp.ENV, str(_fake_tree(tmp_path / "lc")))
+    assert llamacpp.find().root == tmp_path / "lc"
+
+
+@pytest.mark.skipif(not hasattr(os, "wait4"), reason="the child's peak RSS comes from os.wait4 (POSIX)")
+def test_llama_bench_figures_and_peak_rss(tmp_path):
+    lc = llamacpp.LlamaCpp(_fake_tree(tmp_path))
+    r = lc.bench(tmp_path / "m.gguf", 128, 64, threads=2)
+    assert r["prefill_tps"] == 102.0 and r["decode_tps"] == 20.0
+    assert 64 <= r["peak_rss_mib"] < 1024
+
+
+class StubLlamaCpp:
+    def __init__(self, root: Path):
+        self.root, self.calls = root, []
+
+    def gguf(self, model_dir, weights, progress):
+        if weights not in llamacpp.GGUF_TYPES:
+            raise GlmcoreError(f"no counterpart of {weights}")
+        return self.root / llamacpp.GGUF_TYPES[weights] / "model.gguf"
+
+    def bench(self, path, prompt_len, gen, threads):
+        self.calls.append((path.parent.name, prompt_len, gen, threads))
+        return {"prefill_tps": 50.0, "decode_tps": 10.0 + len(self.calls), "peak_rss_mib": 99.0}
+
+
+def test_bench_runs_llamacpp_in_the_timed_rounds_and_adds_the_column(tmp_path, monkeypatch):
+    from glmcore_conformance.models import synthetic_dir
+    monkeypatch.setenv("GLMCORE_CACHE", str(tmp_path / "cache"))
+    model = synthetic_dir("chatglm3", "tiny", purpose="test", seed=0)
+    stub = StubLlamaCpp(tmp_path)
+    data = bench([("torch", LoadOptions())], model, prompt_len=8, gen=4, runs=3, warmup=1, threads=1,
+                 bandwidth=1e10, llamacpp=stub)
+    assert stub.calls == [("F32", 8, 4, 1)] * 3          # the timed rounds only, same prompt, gen and threads
+    ref = data["llamacpp"]["f32"]
+    assert ref["type"] == "F32" and ref["decode_tps"] == 12.0 and len(ref["runs"]) == 3   # the median
+    text = format_bench(data)
+    ours = data["results"][0]["decode_tps"]
+    assert "decode vs llama.cpp" in text and f"{ours / 12.0:.2f}x F32" in text
+    assert "llama.cpp F32 (same checkpoint" in text and "decode 12.0 tok/s" in text
+    assert "llama.cpp" not in format_bench({**data, "llamacpp": {}})
+
+
+@pytest.mark.skipif(not os.environ.get(llamacpp.ENV), reason="no llama.cpp tree named by $GLMCORE_LLAMACPP")
+def test_converter_gives_our_sentencepiece_vocabulary(tmp_path):
+    pytest.importorskip("torch")          # convert_hf_to_gguf.py imports it
+    from glmcore_conformance.models import synthetic_dir
+    from glmcore.config import ModelConfig
+    from glmcore.tokenizer import SP_SPECIALS, load_tokenizer
+    lc = llamacpp.find()
+    model = synthetic_dir("chatglm3", "tiny", purpose="test", seed=0)
+    out = tmp_path / "m.gguf"
+    lc._convert(model, out, lambda m: None)
+    sys.path.insert(0, str(lc.root / "gguf-py"))
+    import gguf
+    reader = gguf.GGUFReader(out)
+    field = reader.fields["tokenizer.ggml.tokens"]
+    tokens = [bytes(field.parts[i]).decode() for i in field.data]
+    cfg = ModelConfig.from_dir(model)
+    tok = load_tokenizer(model, cfg.family)
+    assert len(tokens) == cfg.vocab_size
+    for name in SP_SPECIALS["chatglm3"]:
+        assert tokens[tok.special_ids[name]] == name
+    assert json.loads(json.dumps(reader.fields["general.architecture"].parts[-1].tobytes().decode())) == "chatglm"
