@@ -443,6 +443,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(fn=None, delegate="glmcore_conformance.suite")
     p = sub.add_parser("bench", help="measure prefill/decode speed and memory", add_help=False)
     p.set_defaults(fn=None, delegate="glmcore_conformance.bench")
+    p = sub.add_parser("eval", help="perplexity (one backend or a table across backends) and lm-evaluation-harness "
+                       "tasks", add_help=False)
+    p.set_defaults(fn=None, delegate="glmcore.evaluate.cli")
     for p in sub.choices.values():
         p.formatter_class = _HelpFormatter
     return ap
@@ -462,6 +465,9 @@ def main(argv: list[str] | None = None) -> int:
             import importlib
             module = importlib.import_module(f"glmcore_conformance.{'suite' if argv[0] == 'conformance' else 'bench'}")
             return module.main(argv[1:])
+        if argv and argv[0] == "eval":
+            from .evaluate.cli import main as eval_main
+            return eval_main(argv[1:])
         a = ap.parse_args(argv)
         return a.fn(a)
     except GlmcoreError as e:
