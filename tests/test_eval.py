@@ -153,6 +153,8 @@ def test_cli_perplexity_and_table(tiny, tmp_path, capsys):
     (["--backends", "cpu_int4:int9"], "unknown variant"),
     (["--backend", "torch", "--ctx", "4096"], "needs at least 8192"),
     (["--backend", "torch", "--stride", "40"], "--stride 40"),
+    (["--backend", "torch", "--tp", "2"], "drop --tp"),
+    (["--backend", "torch", "--slots", "0"], "invalid --slots 0"),
 ])
 def test_cli_errors(tiny, tmp_path, capsys, extra, message):
     text = tmp_path / "text.txt"

@@ -44,6 +44,8 @@ def main(argv: list[str]) -> int:
     a, rest = p.parse_known_args(argv)
     if a.slots < 1:
         raise GlmcoreError(f"invalid --slots {a.slots}: use a positive number")
+    if getattr(a, "tp", 1) != 1:
+        raise GlmcoreError("glmcore eval runs the model on one rank; drop --tp")
     if a.tasks is not None:
         return run_tasks(a, rest)
     if rest:
