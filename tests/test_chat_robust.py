@@ -117,6 +117,8 @@ def test_ctrl_c_ends_the_reply_not_the_session(make_tiny):
 class _FakePipe:
     """Replies with one tool call; records resets."""
 
+    context_full = False
+
     def __init__(self):
         from glmcore.chat import Message, ToolCall
         self.resets, self.cached, self.calls = 0, [], 0
