@@ -20,7 +20,7 @@ from glmcore.weights import Weights, load_weights                       # noqa: 
 from glmcore_plugins.openvino_amx import OpenVINOBackend                # noqa: E402
 from glmcore_plugins.openvino_amx import graph, session as ovs          # noqa: E402
 from glmcore_plugins.openvino_amx.cpu import native_bf16                # noqa: E402
-from glmcore_plugins.openvino_amx.quant import dequantize, quantize_asym  # noqa: E402
+from glmcore_plugins.openvino_amx.quant import dequantize, dequantize_sym, quantize_asym, quantize_sym  # noqa: E402
 
 FAMILIES = ("chatglm2", "chatglm3", "glm4")
 BACKEND = OpenVINOBackend()
@@ -134,10 +134,12 @@ def test_quantized_graph_is_exact(tiny, weights):
     deq = {}
     for name in w:
         a = w.f32(name)
-        if a.ndim == 2:
-            eight = weights == "int8" or name in ("embed.weight", "lm_head.weight")
-            group = None if eight else graph.group_for(a.shape[1], 128)
-            a = dequantize(*quantize_asym(a, 8 if eight else 4, group))
+        if name == "embed.weight":            # asymmetric u8 rows
+            a = dequantize(*quantize_asym(a, 8))
+        elif a.ndim == 2:                      # symmetric, f16 scales
+            eight = weights == "int8" or name == "lm_head.weight"
+            a = dequantize_sym(*quantize_sym(a, 8)) if eight else \
+                dequantize_sym(*quantize_sym(a, 4, graph.group_for(a.shape[1], 128)))
         deq[name] = a
     script = _script(cfg)
     ref = _run(torch_backend.load(cfg, Weights(deq, []), LoadOptions(capacity=128)), script)
@@ -156,6 +158,13 @@ def test_quantizer():
     assert np.abs(dequantize(q, scale, zero) - w).max() <= scale.max() / 2 + 1e-6
     z = np.zeros((2, 64), np.float32)      # zero is exactly representable, even for an all-zero row
     assert np.array_equal(dequantize(*quantize_asym(z, 4, 32)), z)
+    for bits, group in ((8, None), (4, 128), (4, 32)):
+        q, scale = quantize_sym(w, bits, group)
+        top = (1 << (bits - 1)) - 1
+        assert q.dtype == np.int8 and np.abs(q).max() == top and scale.dtype == np.float16
+        assert q.shape == ((48, 256) if group is None else (48, 256 // group, group))
+        assert np.abs(dequantize_sym(q, scale) - w).max() <= scale.astype(np.float32).max() / 2 + 1e-6
+    assert np.array_equal(dequantize_sym(*quantize_sym(z, 4, 32)), z)
     assert graph.group_for(4096, 128) == 128 and graph.group_for(13696, 128) == 128
     assert graph.group_for(64, 128) == 32 and graph.group_for(160, 128) == 32 and graph.group_for(24, 128) is None
 
@@ -198,9 +207,9 @@ def test_cpu_plugin_fuses_attention_rotary_norm_and_dequantization(tiny, weights
     if weights in ("int8", "int4"):
         fc = [op for op, k in ops if k == "FullyConnected"]
         wtypes = [str(op.get_input_element_type(1)) for op in fc]
-        body = "<Type: 'uint8_t'>" if weights == "int8" else "<Type: 'uint4_t'>"
+        body = "<Type: 'int8_t'>" if weights == "int8" else "<Type: 'int4_t'>"
         head = [op for op in fc if op.get_friendly_name() == graph.LM_HEAD]
-        assert len(head) == 1 and str(head[0].get_input_element_type(1)) == "<Type: 'uint8_t'>"
+        assert len(head) == 1 and str(head[0].get_input_element_type(1)) == "<Type: 'int8_t'>"
         assert wtypes.count(body) >= 4 * L, f"compressed weights are not run by the fused kernels: {wtypes}"
         gathers = [op for op, k in ops if k == "Gather" and str(op.get_input_element_type(0)) == "<Type: 'uint8_t'>"]
         assert gathers, "the int8 embedding table is not gathered compressed"

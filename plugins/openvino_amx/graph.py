@@ -12,8 +12,9 @@ The subgraphs are laid out exactly as OpenVINO's CPU plugin recognises them, so 
   - rotary: VariadicSplit of the fused QKV -> Reshape -> Transpose -> split rotary half -> pairs (2i, 2i+1)
     -> cos/sin from a [B, T, rot/2, 2] table (RoPEFusionChatGLM, 2-D variant of GLM-4 in the batch-first layout);
   - RMSNorm: gamma * (x * 1/Sqrt(ReduceMean(x^2) + eps)) (RMSFusion);
-  - compressed weights: u8/u4 Constant -> Convert -> Subtract(zero point) -> Multiply(scale) [-> Reshape for
-    groups] -> MatMul (the CPU plugin's FullyConnected with decompression), f16 Constant -> Convert -> MatMul.
+  - compressed weights: i8/i4 Constant -> Convert -> Multiply(Convert(f16 scale)) [-> Reshape for groups]
+    -> MatMul (the CPU plugin's FullyConnected with decompression), f16 Constant -> Convert -> MatMul; the
+    embedding table u8 -> Convert -> Subtract(zero point) -> Multiply(scale), gathered compressed.
 tests/test_openvino_amx.py checks on the compiled runtime model that every one of these fusions happened.
 """
 from __future__ import annotations
@@ -27,7 +28,7 @@ from openvino.op.util import Variable, VariableInfo
 
 from glmcore.config import ModelConfig
 
-from .quant import dequantize, quantize_asym
+from .quant import dequantize, dequantize_sym, quantize_asym, quantize_sym
 
 I32, I64, F32 = ov.Type.i32, ov.Type.i64, ov.Type.f32
 WEIGHT_FORMATS = ("f32", "f16", "int8", "int4")
@@ -53,27 +54,30 @@ class WeightNodes:
             array = array.copy()
         return ov.op.Constant(array, shared_memory=True)
 
-    def _int(self, name: str, bits: int, group: int | None) -> ov.Output:
+    def _int(self, name: str, bits: int, group: int | None, sym: bool) -> ov.Output:
         w = self.w.f32(name)
-        q, scale, zero = quantize_asym(w, bits, group)
-        if bits == 8:
-            wq, zq = self._const(q), self._const(zero)
-        else:    # u4: two values a byte, low nibble first
-            wq, zq = _u4_const(q), _u4_const(zero)
-        deq = ops.multiply(ops.subtract(ops.convert(wq, F32), ops.convert(zq, F32)), self._const(scale))
+        if sym:     # i8 / i4 (two values a byte, low nibble first) times an f16 scale
+            q, scale = quantize_sym(w, bits, group)
+            wq = self._const(q) if bits == 8 else _4bit_const(q, ov.Type.i4)
+            deq = ops.multiply(ops.convert(wq, F32), ops.convert(self._const(scale), F32))
+        else:       # u8 / u4 minus a zero point, times an f32 scale
+            q, scale, zero = quantize_asym(w, bits, group)
+            wq, zq = (self._const(q), self._const(zero)) if bits == 8 else (_4bit_const(q), _4bit_const(zero))
+            deq = ops.multiply(ops.subtract(ops.convert(wq, F32), ops.convert(zq, F32)), self._const(scale))
         if q.ndim == 3:   # [out, groups, group] -> [out, in]
             deq = ops.reshape(deq, _c(w.shape), special_zero=False)
         return deq.output(0)
 
-    def scheme(self, name: str) -> tuple[int, int | None] | str:
-        """How the weight `name` is stored: "f32", "f16", or (bits, group) for asymmetric int."""
+    def scheme(self, name: str) -> tuple[int, int | None, bool] | str:
+        """How the weight `name` is stored: "f32", "f16", or (bits, group, symmetric)."""
         if self.fmt in ("f32", "f16"):
             return self.fmt
-        # int4 keeps the embedding and the output layer in int8 (as NNCF does by default): they are the most
-        # sensitive layers, and the embedding is a row lookup, not a matmul.
-        if self.fmt == "int8" or name in ("embed.weight", "lm_head.weight"):
-            return 8, None
-        return 4, group_for(self.w[name].shape[1], self.group_size)
+        if name == "embed.weight":      # a row lookup: u8 per row, gathered compressed
+            return 8, None, False
+        # int4 keeps the output layer in int8 (as NNCF does by default): the most sensitive layer
+        if self.fmt == "int8" or name == "lm_head.weight":
+            return 8, None, True
+        return 4, group_for(self.w[name].shape[1], self.group_size), True
 
     def matrix(self, name: str) -> ov.Output:
         """The weight [out, in] (or the embedding table [vocab, hidden]) as f32 output of its decompression."""
@@ -91,7 +95,9 @@ class WeightNodes:
             return self.w.f32(name)
         if scheme == "f16":
             return self.w.f32(name).astype(np.float16).astype(np.float32)
-        return dequantize(*quantize_asym(self.w.f32(name), *scheme))
+        bits, group, sym = scheme
+        w = self.w.f32(name)
+        return dequantize_sym(*quantize_sym(w, bits, group)) if sym else dequantize(*quantize_asym(w, bits, group))
 
     def vector(self, name: str) -> ov.Node:
         return self._const(self.w.f32(name))
@@ -111,13 +117,13 @@ def group_for(in_features: int, group_size: int) -> int | None:
     return None
 
 
-def _u4_const(q: np.ndarray) -> ov.Node:
+def _4bit_const(q: np.ndarray, kind: ov.Type = ov.Type.u4) -> ov.Node:
     # copied: a Constant sharing an ov.Tensor's memory does not keep the numpy buffer alive
-    return ov.op.Constant(ov.Tensor(_pack_u4(q), ov.Shape(list(q.shape)), ov.Type.u4), shared_memory=False)
+    return ov.op.Constant(ov.Tensor(_pack_4bit(q), ov.Shape(list(q.shape)), kind), shared_memory=False)
 
 
-def _pack_u4(q: np.ndarray) -> np.ndarray:
-    flat = q.reshape(-1).astype(np.uint8)
+def _pack_4bit(q: np.ndarray) -> np.ndarray:
+    flat = q.reshape(-1).astype(np.uint8)      # i4: two's complement, so the low nibble is the value
     if flat.size % 2:
         flat = np.concatenate([flat, np.zeros(1, np.uint8)])
     return (flat[0::2] & 0xF) | (flat[1::2] << 4)

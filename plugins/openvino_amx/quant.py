@@ -1,8 +1,10 @@
-"""Weight-only asymmetric quantization, round to nearest: no calibration data, no extra step.
+"""Weight-only quantization, round to nearest: no calibration data, no extra step.
 
-int8: one scale and zero point per output channel. int4: one per group of `group` input columns (NNCF's
-INT4_ASYM layout). The graph dequantizes as (q - zero) * scale, the pattern OpenVINO's CPU plugin runs with
-its fused dequantizing matmul kernels.
+Symmetric (the matmuls): signed q, one f16 scale per output channel (int8) or per group of `group` input
+columns (int4), NNCF's INT8_SYM/INT4_SYM layout; dequantized as q * scale. OpenVINO's CPU plugin runs it with
+its fused dequantizing matmul kernels, with less work per weight than the asymmetric form (no zero point;
+issue 15: 8% less CPU per decode step at int8, 18% at int4 without dynamic quantization). Asymmetric (the
+embedding table, a row lookup): unsigned q, scale and zero point per row, dequantized as (q - zero) * scale.
 """
 from __future__ import annotations
 
@@ -25,4 +27,21 @@ def quantize_asym(w: np.ndarray, bits: int, group: int | None = None) -> tuple[n
 
 def dequantize(q: np.ndarray, scale: np.ndarray, zero: np.ndarray) -> np.ndarray:
     x = (q.astype(np.float32) - zero.astype(np.float32)) * scale
+    return x.reshape(x.shape[0], -1)
+
+
+def quantize_sym(w: np.ndarray, bits: int, group: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """w [out, in] f32 -> (q, scale): q int8 in -(2^(bits-1)-1)..2^(bits-1)-1, [out, in] (group None) or
+    [out, in/group, group]; scale f16 [out, 1] or [out, in/group, 1]. Dequantized: q * scale."""
+    top = (1 << (bits - 1)) - 1
+    x = w if group is None else w.reshape(w.shape[0], w.shape[1] // group, group)
+    amax = np.abs(x).max(axis=-1, keepdims=True)
+    scale = np.where(amax > 0, amax / top, 1.0).astype(np.float16)
+    scale = np.where(scale > 0, scale, np.float16(2 ** -24))      # a tiny row must not round to a zero scale
+    q = np.clip(np.round(x / scale.astype(np.float32)), -top, top).astype(np.int8)
+    return q, scale
+
+
+def dequantize_sym(q: np.ndarray, scale: np.ndarray) -> np.ndarray:
+    x = q.astype(np.float32) * scale.astype(np.float32)
     return x.reshape(x.shape[0], -1)
