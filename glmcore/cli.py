@@ -369,6 +369,12 @@ def cmd_convert(a) -> int:
 
 
 def cmd_serve(a) -> int:
+    if a.replicas != 1 or a.ray_address:         # replicas of the engine behind Ray Serve's proxy
+        from .server.replicas import serve_replicas
+        return serve_replicas(a.model, a.backend, load_options(a), a.replicas, a.ray_address, a.host, a.port,
+                              a.slots, a.token_budget, a.max_queue,
+                              a.api_key or os.environ.get("GLMCORE_API_KEY") or None, a.served_name,
+                              a.max_body_mb << 20, a.log_level)
     from .server import serve    # lazily: the web stack is the optional extra glmcore[server]
     return serve(a.model, a.backend, load_options(a), a.host, a.port, a.slots, a.token_budget, a.max_queue,
                  a.api_key or os.environ.get("GLMCORE_API_KEY") or None, a.served_name, a.max_body_mb << 20,
@@ -437,6 +443,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-body-mb", type=int, default=4, help="largest request body, MiB (413 above)")
     p.add_argument("--grace", type=float, default=10.0, help="seconds running requests get to finish on SIGTERM")
     p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
+    p.add_argument("--replicas", type=int, default=1, metavar="N",
+                   help="N copies of the engine behind Ray Serve's HTTP proxy, one process each (glmcore[ray])")
+    p.add_argument("--ray-address", help="with --replicas: join this Ray cluster (default: a local instance "
+                   "started and stopped with the command)")
     p.set_defaults(fn=cmd_serve)
 
     p = sub.add_parser("conformance", help="check backends against the torch reference", add_help=False)
