@@ -46,6 +46,8 @@
 #define TILE 16        /* output rows per packed tile */
 #define PREFETCH 4096   /* decode streams weights: prefetch this far ahead (measured: +40% on one core) */
 #define NTMAX 4        /* tokens sharing one unpacked weight block in the fast kernels */
+#define ATT_BLK 32     /* cached positions converted to f32 at a time by the AVX2 attention */
+#define ROWBUF(hd, grp) ((size_t)(hd) * (2 + (grp) + ATT_BLK))
 
 enum { ISA_REF = 0, ISA_AVX2 = 1, ISA_VNNI = 2, ISA_COUNT = 3 };
 static const char *ISA_NAMES[ISA_COUNT] = {"plain", "avx2", "avx512vnni"};
@@ -1121,7 +1123,7 @@ struct model {
     float *adx, *axs;
     int ldq;                   /* activation row stride: the largest k_pad */
     float *scores;             /* per thread: [group heads][capacity] */
-    float *rowbuf;             /* per thread: 2 * head_dim converted K/V rows + head_dim * group outputs */
+    float *rowbuf;             /* per thread: ROWBUF(head_dim, group) floats: K/V rows, outputs, a block of rows */
 };
 
 /* element offset of position p (physical) of a kv head in a slot's region */
@@ -1184,7 +1186,7 @@ static void attn_item_ref(model *m, attn_job *a, int item, int tid) {
     const int h0 = kvh * grp + part * per, slot = m->tslot[t], n = m->tpos[t] + 1;
     const float scale = 1.f / sqrtf((float)hd);
     float *sc = m->scores + (size_t)tid * grp * s->capacity;
-    float *row = m->rowbuf + (size_t)tid * (hd * (2 + grp));
+    float *row = m->rowbuf + (size_t)tid * ROWBUF(hd, grp);
     float *acc = row + hd;
     const float *q = m->qkv + (size_t)t * ldq + (size_t)h0 * hd;
     for (int i = 0; i < n; i++) {
@@ -1213,6 +1215,16 @@ static void attn_item_ref(model *m, attn_job *a, int item, int tid) {
 }
 
 #if GLMI4_X86
+/* 8 sums of 8 lanes each -> one vector [sum(a0) .. sum(a7)] */
+T_AVX2 INLINE __m256 reduce8(const __m256 a[8]) {
+    const __m256 t0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+    const __m256 t1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
+    return _mm256_add_ps(_mm256_permute2f128_ps(t0, t1, 0x20), _mm256_permute2f128_ps(t0, t1, 0x31));
+}
+
+/* One (token, kv head, part of its query heads) item: the cached rows are converted to f32 ATT_BLK at a
+ * time and shared by the item's query heads; scores 8 positions at a time (one horizontal reduction per
+ * 8 dot products), and the weighted sum of V with a head's 64 outputs held in registers over a block. */
 T_AVX2 static void attn_item_avx2(model *m, attn_job *a, int item, int tid) {
     const glmi4_spec *s = &m->s;
     const int hd = s->head_dim, grp = s->n_heads / s->n_kv, per = grp / a->hsplit, ldq = s->n_heads * hd + 2 * s->n_kv * hd;
@@ -1220,22 +1232,29 @@ T_AVX2 static void attn_item_avx2(model *m, attn_job *a, int item, int tid) {
     const int h0 = kvh * grp + part * per, slot = m->tslot[t], n = m->tpos[t] + 1;
     const float scale = 1.f / sqrtf((float)hd);
     float *sc = m->scores + (size_t)tid * grp * s->capacity;
-    float *row = m->rowbuf + (size_t)tid * (hd * (2 + grp));
-    float *acc = row + hd;
+    float *acc = m->rowbuf + (size_t)tid * ROWBUF(hd, grp), *blk = acc + (size_t)hd * (2 + grp);
     const float *q = m->qkv + (size_t)t * ldq + (size_t)h0 * hd;
-    for (int i = 0; i < n; i++) {
-        const size_t off = kv_off(m, slot, a->layer, kvh, phys(m, slot, i));
-        const float *k = row;
-        if (s->kv_f16) kv_get_avx2(m, m->kc, off, row, hd); else k = (const float *)m->kc + off;
+    for (int i0 = 0; i0 < n; i0 += ATT_BLK) {
+        const int nb = imin(ATT_BLK, n - i0);
+        for (int r = 0; r < nb; r++) kv_get_avx2(m, m->kc, kv_off(m, slot, a->layer, kvh, phys(m, slot, i0 + r)), blk + r * hd, hd);
         for (int h = 0; h < per; h++) {
-            __m256 d = _mm256_setzero_ps(), d1 = _mm256_setzero_ps();   /* two chains: FMA latency */
-            int e = 0;
-            for (; e + 16 <= hd; e += 16) {
-                d = _mm256_fmadd_ps(_mm256_loadu_ps(q + h * hd + e), _mm256_loadu_ps(k + e), d);
-                d1 = _mm256_fmadd_ps(_mm256_loadu_ps(q + h * hd + e + 8), _mm256_loadu_ps(k + e + 8), d1);
+            const float *qh = q + h * hd;
+            float *out = sc + (size_t)h * n + i0;
+            int r = 0;
+            for (; r + 8 <= nb; r += 8) {
+                __m256 d[8];
+                for (int k = 0; k < 8; k++) d[k] = _mm256_setzero_ps();
+                for (int e = 0; e < hd; e += 8) {
+                    const __m256 qv = _mm256_loadu_ps(qh + e);
+                    for (int k = 0; k < 8; k++) d[k] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(blk + (r + k) * hd + e), d[k]);
+                }
+                _mm256_storeu_ps(out + r, _mm256_mul_ps(reduce8(d), _mm256_set1_ps(scale)));
             }
-            if (e < hd) d = _mm256_fmadd_ps(_mm256_loadu_ps(q + h * hd + e), _mm256_loadu_ps(k + e), d);
-            sc[(size_t)h * n + i] = hsum8(_mm256_add_ps(d, d1)) * scale;
+            for (; r < nb; r++) {
+                __m256 d = _mm256_setzero_ps();
+                for (int e = 0; e < hd; e += 8) d = _mm256_fmadd_ps(_mm256_loadu_ps(qh + e), _mm256_loadu_ps(blk + r * hd + e), d);
+                out[r] = hsum8(d) * scale;
+            }
         }
     }
     for (int h = 0; h < per; h++) {
@@ -1264,15 +1283,27 @@ T_AVX2 static void attn_item_avx2(model *m, attn_job *a, int item, int tid) {
         for (; i < n; i++) r[i] *= 1.f / sum;
     }
     memset(acc, 0, sizeof(float) * (size_t)per * hd);
-    for (int i = 0; i < n; i++) {
-        const size_t off = kv_off(m, slot, a->layer, kvh, phys(m, slot, i));
-        const float *v = row;
-        if (s->kv_f16) kv_get_avx2(m, m->vc, off, row, hd); else v = (const float *)m->vc + off;
+    for (int i0 = 0; i0 < n; i0 += ATT_BLK) {
+        const int nb = imin(ATT_BLK, n - i0);
+        for (int r = 0; r < nb; r++) kv_get_avx2(m, m->vc, kv_off(m, slot, a->layer, kvh, phys(m, slot, i0 + r)), blk + r * hd, hd);
         for (int h = 0; h < per; h++) {
-            const __m256 p = _mm256_set1_ps(sc[(size_t)h * n + i]);
-            float *o = acc + h * hd;
-            for (int e = 0; e < hd; e += 8)
-                _mm256_storeu_ps(o + e, _mm256_fmadd_ps(p, _mm256_loadu_ps(v + e), _mm256_loadu_ps(o + e)));
+            const float *p = sc + (size_t)h * n + i0;
+            int e0 = 0;
+            for (; e0 + 64 <= hd; e0 += 64) {           /* 64 outputs in 8 registers over the block */
+                float *o = acc + h * hd + e0;
+                __m256 v[8];
+                for (int k = 0; k < 8; k++) v[k] = _mm256_loadu_ps(o + 8 * k);
+                for (int r = 0; r < nb; r++) {
+                    const __m256 pr = _mm256_broadcast_ss(p + r);
+                    for (int k = 0; k < 8; k++) v[k] = _mm256_fmadd_ps(pr, _mm256_loadu_ps(blk + r * hd + e0 + 8 * k), v[k]);
+                }
+                for (int k = 0; k < 8; k++) _mm256_storeu_ps(o + 8 * k, v[k]);
+            }
+            for (; e0 < hd; e0 += 8) {                  /* head_dim not a multiple of 64: the rest, 8 at a time */
+                __m256 v = _mm256_loadu_ps(acc + h * hd + e0);
+                for (int r = 0; r < nb; r++) v = _mm256_fmadd_ps(_mm256_broadcast_ss(p + r), _mm256_loadu_ps(blk + r * hd + e0), v);
+                _mm256_storeu_ps(acc + h * hd + e0, v);
+            }
         }
     }
     memcpy(m->att + (size_t)t * s->n_heads * hd + (size_t)h0 * hd, acc, sizeof(float) * (size_t)per * hd);
@@ -1524,7 +1555,7 @@ void *glmi4_create(const glmi4_spec *spec, char *err, int errlen) {
     m->adx = xalloc(T * (kmax / QK) * 4);
     m->axs = xalloc(T * (kmax / QK) * 4);
     m->scores = xalloc(nth * grp * s->capacity * 4);
-    m->rowbuf = xalloc(nth * s->head_dim * (2 + grp) * 4);
+    m->rowbuf = xalloc(nth * ROWBUF(s->head_dim, grp) * 4);
     if (!m->kc || !m->vc || !m->x || !m->h || !m->qkv || !m->att || !m->ff || !m->aq || !m->adx || !m->axs ||
         !m->scores || !m->rowbuf)
         FAIL("out of memory for the KV cache (%zu MiB) and work buffers; lower the context or the number of "
