@@ -47,6 +47,7 @@ class OpenVINOBackend(Backend):
             "kv cache": "in the model (stateful); f32 with --precision f32, f16 with bf16",
             "options": "--opt kv_cache=f32|f16|bf16|u8, dynamic_quant=0 (off)|N (default: 32 with bf16, 0 with f32), "
                        "group_size=128, ir=DIR",
+            "batch": "native: OpenVINO's paged-attention form of the same graph, many sequences per call",
             "runs on": "this machine's CPU through OpenVINO's CPU plugin",
         }
         if importlib.util.find_spec("openvino_genai") is not None:
