@@ -249,10 +249,9 @@ def _cpus() -> int:
 
 
 def torchrun_world() -> int:
-    """WORLD_SIZE when this process is one rank of a torchrun job, else 1."""
+    """WORLD_SIZE when this process is one rank of a torchrun job (torchrun sets TORCHELASTIC_RUN_ID), else 1."""
     try:
-        return int(os.environ.get("WORLD_SIZE", "1")) if "TORCHELASTIC_RUN_ID" in os.environ or \
-            "MASTER_ADDR" in os.environ else 1
+        return int(os.environ.get("WORLD_SIZE", "1")) if "TORCHELASTIC_RUN_ID" in os.environ else 1
     except ValueError:
         return 1
 

@@ -229,6 +229,22 @@ def test_tp_errors_are_one_line(argv, match, tmp_path, capsys):
     assert err[-1].startswith("error:") and match in err[-1]
 
 
+def test_under_torchrun_rank_0_runs_the_command_and_the_others_follow(monkeypatch, capsys):
+    calls = []
+    monkeypatch.setattr(parallel, "follower_main", lambda: calls.append("follow") or 0)
+    monkeypatch.setattr(parallel, "group", lambda world: calls.append(("group", world)))
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job")
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("RANK", "3")
+    assert main(["backends"]) == 0 and calls == ["follow"]
+    assert capsys.readouterr().out == ""             # a follower never runs the command itself
+    monkeypatch.setenv("RANK", "0")
+    assert main(["backends"]) == 0 and calls == ["follow", ("group", 4)]
+    assert "torch" in capsys.readouterr().out
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID")
+    assert parallel.torchrun_world() == 1
+
+
 def test_a_backend_without_a_tensor_parallel_path_is_refused():
     class NoShard(type(registry().get("torch"))):
         name = "noshard"
