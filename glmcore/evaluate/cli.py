@@ -55,7 +55,7 @@ def main(argv: list[str]) -> int:
 
 def run_perplexity(a) -> int:
     from ..cli import load_options
-    from .perplexity import Spec, final_line, measure, parse_specs, read_text, table
+    from .perplexity import Spec, final_line, measure, parse_specs, read_text, table_header, table_row
     text = read_text(a.perplexity)
     ctx = a.ctx or 512
     if a.chunks is not None and a.chunks < 1:
@@ -79,11 +79,15 @@ def run_perplexity(a) -> int:
     print(f"perplexity of {a.perplexity}: {how}; reference {a.reference}", file=sys.stderr)
     ref, store = measure(a.model, ref_spec, text, keep=True, **common)
     print(final_line(ref, ctx), file=sys.stderr)
-    results, failed = [], []
+    # the table is printed row by row as each backend finishes: a run cut short keeps the rows it has
+    print(f"\nPerplexity of {a.perplexity} ({len(ref.nll)} tokens scored; {how}); KL divergence and top-1 "
+          f"agreement per scored token against {ref.label} {ref.fmt}\n")
+    print(table_header(ref), flush=True)
+    failed = []
     try:
         for spec in specs:
             if spec == ref_spec:
-                results.append(ref)
+                print(table_row(ref, ref), flush=True)
                 continue
             try:
                 r, _ = measure(a.model, spec, text, reference=store, **common)
@@ -94,12 +98,9 @@ def run_perplexity(a) -> int:
                 print(f"error: {failed[-1]}", file=sys.stderr)
                 continue
             print(final_line(r, ctx), file=sys.stderr)
-            results.append(r)
+            print(table_row(r, ref), flush=True)
     finally:
         store.close()
-    print(f"\nPerplexity of {a.perplexity} ({len(ref.nll)} tokens scored; {how}); KL divergence and top-1 "
-          f"agreement per scored token against {ref.label} {ref.fmt}\n")
-    print(table(results, ref))
     for f in failed:
         print(f"\nnot measured: {f}")
     return 1 if failed else 0

@@ -221,20 +221,26 @@ def final_line(r: Result, ctx: int) -> str:
             f"({r.label} {r.fmt}, ctx {ctx}; {r.tokens_fed / max(r.seconds, 1e-9):.1f} tok/s evaluated)")
 
 
-def table(results: list[Result], reference: Result) -> str:
-    """The Markdown table: backend, format, perplexity +- error, delta vs the reference, KL mean/p99, top-1."""
+def table_header(reference: Result) -> str:
+    return (f"| backend | format | perplexity | Δ vs {reference.label} | KL mean | KL p99 | top-1 agreement |\n"
+            "|---|---|---:|---:|---:|---:|---:|")
+
+
+def table_row(r: Result, reference: Result) -> str:
+    """One row: backend, format, perplexity +- error, delta vs the reference, KL mean/p99, top-1 agreement."""
+    ppl, err = r.ppl
     ref_ppl = reference.ppl[0]
-    lines = [f"| backend | format | perplexity | Δ vs {reference.label} | KL mean | KL p99 | top-1 agreement |",
-             "|---|---|---:|---:|---:|---:|---:|"]
-    for r in results:
-        ppl, err = r.ppl
-        delta = ppl - ref_ppl
-        kl_mean = float(r.kl.mean()) if r.kl is not None else float("nan")
-        kl_p99 = float(np.percentile(r.kl, 99)) if r.kl is not None else float("nan")
-        top1 = float(r.top1.mean()) if r.top1 is not None else float("nan")
-        lines.append(f"| {r.label} | {r.fmt} | {ppl:.4f} ± {err:.4f} | {delta:+.4f} ({delta / ref_ppl:+.2%}) | "
-                     f"{kl_mean:.6f} | {kl_p99:.6f} | {top1:.2%} |")
-    return "\n".join(lines)
+    delta = ppl - ref_ppl
+    kl_mean = float(r.kl.mean()) if r.kl is not None else float("nan")
+    kl_p99 = float(np.percentile(r.kl, 99)) if r.kl is not None else float("nan")
+    top1 = float(r.top1.mean()) if r.top1 is not None else float("nan")
+    return (f"| {r.label} | {r.fmt} | {ppl:.4f} ± {err:.4f} | {delta:+.4f} ({delta / ref_ppl:+.2%}) | "
+            f"{kl_mean:.6f} | {kl_p99:.6f} | {top1:.2%} |")
+
+
+def table(results: list[Result], reference: Result) -> str:
+    """The Markdown table of `results` against `reference`."""
+    return "\n".join([table_header(reference)] + [table_row(r, reference) for r in results])
 
 
 def read_text(path: str | Path) -> str:
