@@ -8,8 +8,9 @@ Sharding (Megatron-style, on the canonical weights):
   - FFN: gate/up column-parallel (my rows of the gate half and of the up half), down row-parallel,
     all-reduce;
   - embedding and output layer split over the vocabulary: an id's row lives on one rank (the others
-    contribute zeros to an all-reduce), the logits are all-gathered. Measured against replicating them:
-    see the README's TP section; the split halves their memory at the cost of one small collective;
+    contribute zeros to an all-reduce), the logits are all-gathered. Measured against replicating them
+    (1b chatglm3, f32, 2 ranks, back to back): peak RSS per rank 2797 MiB split vs 3236 MiB replicated
+    (0.53x vs 0.61x one rank's 5309), decode 0.6 vs 0.5 tok/s: the split saves memory and costs nothing;
   - norms are replicated.
 Each rank reads only its slices of the memory-mapped checkpoint (`ShardWeights`).
 
