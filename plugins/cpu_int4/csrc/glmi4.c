@@ -925,6 +925,8 @@ T_VNNI INLINE void q4_tile_vnni(const gemm_job *j, const uint8_t *p, const uint8
         for (int s = 0; s < (S32 ? 1 : GB); s++) {
             const int b = g * GB + s;
             const uint8_t *q = p + hdr + s * 256, *u = unp + (size_t)b * 512;
+            if (NT == 1)   /* decode streams the weights: fetch ahead (measured +26% decode, g32 and g128) */
+                for (int l = 0; l < 256; l += 64) _mm_prefetch((const char *)q + PREFETCH + l, _MM_HINT_T0);
             __m512i isum[8];
             for (int t = 0; t < NT; t++) isum[t] = _mm512_setzero_si512();
             for (int c = 0; c < 8; c++) {
@@ -999,6 +1001,8 @@ T_VNNI INLINE void q8_tile_vnni(const gemm_job *j, const uint8_t *p, const uint8
         const uint8_t *q = p + 32;
         for (int s = 0; s < (S32 ? 1 : GB); s++, q += 512) {
             const int b = g * GB + s;
+            if (NT == 1)
+                for (int l = 0; l < 512; l += 64) _mm_prefetch((const char *)q + PREFETCH + l, _MM_HINT_T0);
             __m512i isum[8];
             for (int t = 0; t < NT; t++) isum[t] = _mm512_setzero_si512();
             for (int c = 0; c < 8; c++) {
