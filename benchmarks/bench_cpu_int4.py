@@ -221,6 +221,8 @@ def main(argv=None) -> int:
     ap.add_argument("--asym", action="store_true", help="asymmetric int4 (default symmetric, Q4_0)")
     ap.add_argument("--head-bits", type=int, default=None)
     ap.add_argument("--kv-dtype", default=None)
+    ap.add_argument("--isa", default=None, choices=["plain", "avx2", "avx512vnni"],
+                    help="kernel variant (default: the best this CPU has), e.g. avx2 on an AVX-512 machine")
     ap.add_argument("--no-torch", action="store_true", help="skip the torch fp32 reference")
     ap.add_argument("--no-openvino", action="store_true")
     ap.add_argument("--batch", help="batch sizes, e.g. 1,4,16: prefill ms of the whole batch, ms per decode "
@@ -262,6 +264,8 @@ def main(argv=None) -> int:
         for g in args.group_size:
             extra = {"group_size": g, "sym": not args.asym}
             convert(args, extra)
+            if args.isa:
+                extra["isa"] = args.isa
             r = run_worker(args, "cpu_int4", extra)
             if r:
                 print_batch(f"cpu_int4 g{g} {'asym' if args.asym else 'sym'}, kernels {r['info']['isa']}, "
@@ -275,7 +279,9 @@ def main(argv=None) -> int:
             extra["head_bits"] = args.head_bits
         if args.kv_dtype:
             extra["kv_dtype"] = args.kv_dtype
-        convert(args, {k: v for k, v in extra.items() if k != "kv_dtype"})
+        if args.isa:
+            extra["isa"] = args.isa
+        convert(args, {k: v for k, v in extra.items() if k not in ("kv_dtype", "isa")})
         r = run_worker(args, "cpu_int4", extra)
         if r:
             r["label"] = f"cpu_int4 g{g} {'asym' if args.asym else 'sym'}"
