@@ -119,6 +119,8 @@ class _FakePipe:
 
     context_full = False
 
+    context_full = False
+
     def __init__(self):
         from glmcore.chat import Message, ToolCall
         self.resets, self.cached, self.calls = 0, [], 0
