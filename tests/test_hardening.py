@@ -375,3 +375,24 @@ def test_missing_ir_directory_is_named(make_tiny, tmp_path):
     r = _cli("run", "--backend", "openvino_amx", "--model", str(make_tiny("chatglm3")), "--prompt", "hi",
              "--opt", "ir=/nonexistent/ir", env_cache=tmp_path / "c")
     assert r.returncode == 2 and "/nonexistent/ir: no such directory" in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize("text,match", [("[1, 2", "unreadable"), ("[]", "not a glmcore IR manifest"),
+                                        ("\udcff", "unreadable")])
+def test_a_damaged_ir_manifest_is_one_line_error(tmp_path, make_tiny, text, match):
+    pytest.importorskip("openvino")
+    from glmcore.config import ModelConfig
+    from glmcore.errors import BackendError
+    from glmcore_plugins.openvino_amx.session import IR_NAME, MANIFEST, checked_ir
+    (tmp_path / IR_NAME).write_text("<net/>")
+    (tmp_path / MANIFEST).write_bytes(text.encode("utf-8", "surrogateescape"))
+    cfg = ModelConfig.from_dir(make_tiny("chatglm3"))
+    with pytest.raises(BackendError, match=match):
+        checked_ir(tmp_path, cfg, "int8")
+
+
+@pytest.mark.parametrize("text", ["[]", '{"parts": 5}', "{", '"x"'])
+def test_a_damaged_onnx_manifest_means_rebuild(tmp_path, text):
+    from glmcore_plugins.tpu_bm1684x.export import MANIFEST, is_current, read_manifest
+    (tmp_path / MANIFEST).write_text(text)
+    assert read_manifest(tmp_path) is None and not is_current(tmp_path, {"k": 1})

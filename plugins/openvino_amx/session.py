@@ -130,7 +130,12 @@ def checked_ir(path: Path, cfg: ModelConfig, weights_format: str) -> Path:
     if not manifest.is_file() or not (d / IR_NAME).is_file():
         raise BackendError(f"{d}: not an IR directory written by `glmcore convert --backend openvino_amx` "
                            f"(no {MANIFEST} or {IR_NAME}); convert the model first")
-    m = json.loads(manifest.read_text())
+    try:
+        m = json.loads(manifest.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as e:
+        raise BackendError(f"{manifest}: unreadable ({type(e).__name__}); convert the model again") from None
+    if not isinstance(m, dict):
+        raise BackendError(f"{manifest}: not a glmcore IR manifest (a JSON object); convert the model again")
     if m.get("config") != cfg.to_dict():
         raise BackendError(f"{d}: the IR was converted from another model; convert this --model again")
     if m.get("weights") != weights_format:

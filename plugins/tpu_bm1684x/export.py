@@ -29,9 +29,10 @@ def manifest_key(cfg: ModelConfig, fingerprint: str, seq_len: int, dtype: str) -
 
 def read_manifest(parts_dir: Path) -> dict | None:
     try:
-        return json.loads((Path(parts_dir) / MANIFEST).read_text())
-    except (OSError, ValueError):
+        m = json.loads((Path(parts_dir) / MANIFEST).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError):
         return None
+    return m if isinstance(m, dict) and isinstance(m.get("parts", []), list) else None   # else: rebuilt
 
 
 def is_current(parts_dir: Path, key: dict) -> bool:
