@@ -223,7 +223,7 @@ class SlotSession(Session):
         return self.batch.step([(0, list(ids))], all_logits=all_logits)[0]
 
     def decode(self, token: int):
-        return self.batch.step([(0, [token])])[0]
+        return self.batch.step([(0, [int(token)])])[0]
 
     def shift(self, n_keep: int, n_discard: int) -> None:
         self.batch.shift(0, n_keep, n_discard)

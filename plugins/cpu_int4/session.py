@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
-from glmcore.backend import BatchSession, Capabilities, LoadOptions, Session, default_capacity
+from glmcore.backend import BatchSession, Capabilities, LoadOptions, SlotSession, default_capacity
 from glmcore.config import ModelConfig
 from glmcore.errors import BackendError, ContextOverflow, GlmcoreError
 
@@ -184,37 +184,14 @@ class Int4BatchSession(BatchSession):
                 "linear_bits_per_weight": round(s["linear_bits_per_weight"], 3), "packed": str(self.packed_dir)}
 
 
-class Int4Session(Session):
+class Int4Session(SlotSession):
     """One sequence: slot 0 of a one-slot Int4BatchSession."""
-
-    def __init__(self, batch: Int4BatchSession):
-        self.batch = batch
-        self.capacity = batch.capacity
 
     # what tests and the benchmark read about the loaded model
     meta = property(lambda self: self.batch.meta)
     _blob = property(lambda self: self.batch._blob)
     isa = property(lambda self: self.batch.isa)
     packed_dir = property(lambda self: self.batch.packed_dir)
-
-    @property
-    def kv_len(self) -> int:
-        return self.batch.kv_len(0)
-
-    def prefill(self, ids: Sequence[int], all_logits: bool = False) -> np.ndarray:
-        return self.batch.step([(0, ids)], all_logits)[0]
-
-    def decode(self, token: int) -> np.ndarray:
-        return self.batch.step([(0, (int(token),))])[0]
-
-    def shift(self, n_keep: int, n_discard: int) -> None:
-        self.batch.shift(0, n_keep, n_discard)
-
-    def reset(self) -> None:
-        self.batch.reset(0)
-
-    def close(self) -> None:
-        self.batch.close()
 
     def info(self) -> dict:
         return self.batch.info()
