@@ -85,20 +85,34 @@ class LlamaCpp:
         cmd = [str(self.tool("llama-bench")), "-m", str(gguf), "-p", str(prompt_len), "-n", str(gen), "-r", "1",
                "-t", str(threads or os.cpu_count() or 1), "-o", "json"]
         with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
-            proc = subprocess.Popen(cmd, stdout=out, stderr=err, text=True)
+            # Started through a small launcher: a child forked straight from this (large) process would
+            # report this process's resident size as its own peak (Linux carries the high-water mark of
+            # the address space it forked from into the child's rusage).
+            proc = subprocess.Popen([sys.executable, "-c", _REAPER, *cmd], stdout=out, stderr=err, text=True)
             watchdog = threading.Timer(1800, proc.kill)
             watchdog.start()
-            _, status, usage = os.wait4(proc.pid, 0)       # reaped here: its own rusage, peak RSS included
+            code = proc.wait()
             watchdog.cancel()
             out.seek(0)
             err.seek(0)
-            code = proc.returncode = os.waitstatus_to_exitcode(status)
+            errors = err.read()
             if code:
-                raise GlmcoreError(f"llama-bench failed (exit {code}): {err.read().strip()[-300:]}")
+                raise GlmcoreError(f"llama-bench failed (exit {code}): {errors.strip()[-300:]}")
             out = out.read()
+        peak_kb = [int(line.split("=", 1)[1]) for line in errors.splitlines() if line.startswith(_PEAK)]
         rows = json.loads(out)
         tps = {("prefill" if r["n_prompt"] else "decode"): r["avg_ts"] for r in rows}
-        return {"prefill_tps": tps["prefill"], "decode_tps": tps["decode"], "peak_rss_mib": usage.ru_maxrss / 1024}
+        return {"prefill_tps": tps["prefill"], "decode_tps": tps["decode"],
+                "peak_rss_mib": peak_kb[-1] / 1024 if peak_kb else float("nan")}
+
+
+_PEAK = "GLMCORE_CHILD_MAXRSS_KB="
+# Runs argv[1:], reaps it with its own rusage and reports its peak RSS on stderr; exits with its code.
+_REAPER = ("import os, subprocess, sys\n"
+           "p = subprocess.Popen(sys.argv[1:])\n"
+           "_, status, usage = os.wait4(p.pid, 0)\n"
+           f"sys.stderr.write('\\n{_PEAK}%d\\n' % usage.ru_maxrss)\n"
+           "sys.exit(os.waitstatus_to_exitcode(status))\n")
 
 
 def find() -> LlamaCpp | None:
