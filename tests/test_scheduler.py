@@ -224,10 +224,10 @@ def test_nan_logits_end_one_request_and_not_the_others():
 def test_background_thread_serves_consumers_on_other_threads():
     class SlowBatch(PureBatch):
         def step(self, entries, all_logits=False):
-            time.sleep(0.01)
+            time.sleep(0.02)
             return super().step(entries, all_logits)
 
-    sched = Scheduler(SlowBatch(n_slots=3)).start()
+    sched = Scheduler(SlowBatch(n_slots=3, capacity=256)).start()
     try:
         ps = prompts(6)
         results = {}
@@ -242,7 +242,7 @@ def test_background_thread_serves_consumers_on_other_threads():
             t.join(timeout=30)
         assert all(results[i] == alone(ps[i], max_new=7) for i in range(6))
         streamed = []
-        h = sched.submit(Request([1, 2, 3], GREEDY, 60), on_token=lambda h, t: streamed.append(t))
+        h = sched.submit(Request([1, 2, 3], GREEDY, 200), on_token=lambda h, t: streamed.append(t))
         next(iter(h))
         h.cancel()                  # the background thread is at most a few steps ahead of this thread
         h.wait(timeout=10)
