@@ -279,24 +279,24 @@ class Scheduler:
         """Put h in the free slot that already holds the longest prefix of its prompt (prefix reuse);
         with a native batch session, copy a longer prefix from any other slot (a shared system prompt)."""
         prompt = list(h.request.prompt)
-        limit = len(prompt) - 1        # the last prompt token is always fed: its logits are sampled
+        head = prompt[:-1]             # the last prompt token is always fed: its logits are sampled
 
-        def common(slot: Slot) -> int:
+        def common(tokens: list[int]) -> int:
             n = 0
-            for a, b in zip(slot.tokens, prompt[:limit]):
+            for a, b in zip(tokens, head):
                 if a != b:
                     break
                 n += 1
             return n
 
-        slot = max(free, key=lambda s: (common(s), -s.last_used))
-        n = common(slot)
+        held = {s.index: common(s.tokens) for s in self.slots}     # once per slot, not per comparison
+        slot = max(free, key=lambda s: (held[s.index], -s.last_used))
+        n = held[slot.index]
         if self.batch.native:
-            donor = max(self.slots, key=common)
-            if donor is not slot and common(donor) > n:
-                n = common(donor)
+            donor = max(self.slots, key=lambda s: held[s.index])
+            if held[donor.index] > n:
+                n = held[donor.index]
                 self.batch.copy_prefix(donor.index, slot.index, n)
-                slot.shifts = donor.shifts
                 slot.tokens = prompt[:n]
         if n < len(slot.tokens):
             if n == 0:
@@ -362,14 +362,15 @@ class Scheduler:
         rows = {slot: i for i, (slot, _) in enumerate(entries)}
         now = time.perf_counter()
         picks = [h for h in sampled if h.slot is not None]
-        rows_ = logits[[rows[h.slot.index] for h in picks]]      # a copy: masking it is safe
+        picked = [logits[rows[h.slot.index]] for h in picks]     # views: no copy of [B, vocab] per step
         for i, h in enumerate(picks):
             ids = h.request.allowed(h.tokens) if h.request.allowed is not None else None
-            if ids is not None:
-                keep = rows_[i, list(ids)]
-                rows_[i] = -np.inf
-                rows_[i, list(ids)] = keep
-        tokens = sample_batch([h.sampler for h in picks], rows_, [h._history for h in picks])
+            if ids is not None:                                  # constrained: a masked copy of this row
+                ids = list(ids)
+                row = np.full_like(picked[i], -np.inf)
+                row[ids] = picked[i][ids]
+                picked[i] = row
+        tokens = sample_batch([h.sampler for h in picks], picked, [h._history for h in picks])
         for h, token in zip(picks, tokens):
             if isinstance(token, GlmcoreError):      # this request's logits were broken; the others go on
                 h.error = token
