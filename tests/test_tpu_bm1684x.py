@@ -156,6 +156,29 @@ def test_decode_top1_is_argmax_of_decode(model, cache_dir):
         assert b.decode_top1(t) == int(np.argmax(a.decode(t)))
 
 
+def test_batch_slots_share_one_set_of_parts(model, cache_dir):
+    """Several sequences (the core's SessionAdapter) open the parts once: forked sessions share the
+    runner, keep their own KV, and the runner closes with the last of them. Loading the parts per slot
+    held 4x the model (a 1b eval with 4 slots went past 24 GB)."""
+    from glmcore.backend import SessionAdapter
+    _, cfg, w = model("chatglm3")
+    backend = tpu.TpuBm1684xBackend()
+    opts = backend.resolve(LoadOptions(capacity=S, cache_dir=cache_dir))
+    batch = SessionAdapter.load(backend, cfg, w, opts, 3)
+    runners = {id(s.runner) for s in batch.sessions}
+    assert len(runners) == 1
+    ids = np.random.default_rng(5).integers(0, cfg.vocab_size, 12).tolist()
+    got = batch.step([(0, ids[:7]), (1, ids[3:12]), (2, ids[:2])])
+    for (a, b), logits in zip([(0, 7), (3, 12), (0, 2)], got):
+        assert_close(logits, ref_session(cfg, w).prefill(ids[a:b]), "f32")
+    runner = batch.sessions[0].runner
+    batch.sessions[0].close(), batch.sessions[0].close()       # a second close of one session counts once
+    assert runner.sessions                                     # the others still run on it
+    assert_close(batch.step([(1, [ids[0]])])[0], ref_session(cfg, w).prefill(ids[3:12] + [ids[0]]), "f32")
+    batch.close()
+    assert not runner.sessions
+
+
 # ---------------------------------------------------------------- the graphs
 
 @pytest.mark.parametrize("dtype", ["f32", "f16"])

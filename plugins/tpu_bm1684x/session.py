@@ -22,8 +22,9 @@ from .spec import MASK_VALUE
 
 
 class StaticGraphSession(Session):
-    def __init__(self, runner, cfg: ModelConfig, seq_len: int):
+    def __init__(self, runner, cfg: ModelConfig, seq_len: int, _users: list[int] | None = None):
         self.runner, self.cfg = runner, cfg
+        self._users = _users or [1]     # sessions sharing the runner (fork); the last one closes it
         self.S = self.capacity = seq_len
         self.dtype = np.dtype(runner.float_dtype)
         shape = (1, seq_len, cfg.num_kv_heads, cfg.head_dim)
@@ -38,8 +39,18 @@ class StaticGraphSession(Session):
     def reset(self) -> None:
         self._len = 0        # stale rows are masked out and overwritten by the next prefill
 
+    def fork(self) -> "StaticGraphSession":
+        """Another sequence on the same loaded parts: the runner holds no per-sequence state (the KV
+        cache is this session's numpy arrays), so the core's SessionAdapter does not open every part
+        (or load the bmodel onto the device) once per slot."""
+        self._users[0] += 1
+        return StaticGraphSession(self.runner, self.cfg, self.S, self._users)
+
     def close(self) -> None:
-        self.runner.close()
+        if self.k or self.v:            # once per session
+            self._users[0] -= 1
+            if self._users[0] == 0:
+                self.runner.close()
         self.k = self.v = []
 
     # ------------------------------------------------------------ the contract
