@@ -18,8 +18,9 @@ How it measures, and why:
   the figure is the process's peak since start (ru_maxrss), and the output says so.
 - Roofline: a decode step must read every weight once (the embedding only one row) and the KV cache;
   bytes per token = weights in the backend's format + KV read at the mean context of the run. The
-  ceiling is the memory bandwidth measured at startup (a multi-threaded numpy read of a buffer 8x the
-  last-level cache) divided by those bytes; "reached" is measured decode tok/s over that ceiling.
+  ceiling is the memory bandwidth (a multi-threaded numpy read of a buffer 8x the last-level cache,
+  measured at startup and before each round of runs, the median: on a shared machine it swings by a
+  third from minute to minute) divided by those bytes; "reached" is measured decode tok/s over that.
   A backend may state its own bytes with an optional `bytes_per_token(config, options, kv_len)`.
   At tiny sizes the weights sit in cache and the ceiling means little; it is meant for 1b/6b.
 - llama.cpp, optional: where $GLMCORE_LLAMACPP names a built llama.cpp tree (conformance/llamacpp.py says
@@ -282,9 +283,10 @@ def bench(backends: list[tuple[str, LoadOptions]], model_dir: Path, prompt_len: 
     model = open_model(model_dir)
     config = model.config
     prompt = TokenSource(model).take(prompt_len)
+    probes = []              # memory bandwidth beside each round (unless given)
     if bandwidth is None:
         progress("bench: measuring memory bandwidth")
-        bandwidth = measure_bandwidth(threads)
+        probes.append(measure_bandwidth(threads))
     workers = []
     try:
         for name, opts in backends:
@@ -299,6 +301,8 @@ def bench(backends: list[tuple[str, LoadOptions]], model_dir: Path, prompt_len: 
         results = [[] for _ in workers]
         for r in range(warmup + runs):
             label = "warm-up" if r < warmup else f"run {r - warmup + 1}/{runs}"
+            if probes and r >= warmup:
+                probes.append(measure_bandwidth(threads))
             for i, (w, _) in enumerate(workers):
                 progress(f"bench: {w.name} {label}")
                 out = w.run(prompt, gen)
@@ -311,6 +315,8 @@ def bench(backends: list[tuple[str, LoadOptions]], model_dir: Path, prompt_len: 
         for w, _ in workers:
             w.stop()
     kv_len = prompt_len + gen // 2
+    if probes:
+        bandwidth = statistics.median(probes)
     out = []
     for (w, opts), info, rs in zip(workers, infos, results):
         med = lambda k: statistics.median(x[k] for x in rs)
@@ -323,7 +329,7 @@ def bench(backends: list[tuple[str, LoadOptions]], model_dir: Path, prompt_len: 
                           med("decode_tps") / ceiling, rs))
     return {"model": str(model_dir), "family": config.family, "params": config.num_params(),
             "prompt_len": prompt_len, "gen": gen, "runs": runs, "warmup": warmup, "threads": threads,
-            "bandwidth": bandwidth, "machine": machine(), "kv_len": kv_len,
+            "bandwidth": bandwidth, "bandwidth_probes": probes, "machine": machine(), "kv_len": kv_len,
             "date": time.strftime("%Y-%m-%d"), "results": [asdict(r) for r in out],
             "llamacpp": {w: {"type": ggufs[w].parent.name, "runs": rs,
                              **{k: statistics.median(x[k] for x in rs) for k in rs[0]}}
@@ -343,11 +349,19 @@ def _llamacpp_models(llamacpp, model_dir: Path, formats: set, progress) -> dict:
         return {}
 
 
+def _probed(data: dict) -> str:
+    probes = data.get("bandwidth_probes") or []
+    if not probes:
+        return "given"
+    return (f"median of {len(probes)} probes, at startup and before each round: "
+            f"{min(probes) / 1e9:.1f}-{max(probes) / 1e9:.1f}")
+
+
 def format_bench(data: dict) -> str:
     lines = [f"model {data['model']} ({data['family']}, {data['params'] / 1e6:.1f}M parameters); prompt "
              f"{data['prompt_len']} tokens, {data['gen']} generated; median of {data['runs']} runs "
              f"after {data['warmup']} warm-up; threads {data['threads'] or 'backend default'}",
-             f"machine: {data['machine']}; memory bandwidth {data['bandwidth'] / 1e9:.1f} GB/s (measured at startup)",
+             f"machine: {data['machine']}; memory bandwidth {data['bandwidth'] / 1e9:.1f} GB/s ({_probed(data)})",
              ""]
     header = ["backend", "precision/weights", "load s", "TTFT ms", "prefill tok/s", "decode tok/s", "peak RSS MiB"]
     rows = [[r["backend"], f"{r['precision']}/{r['weights']}", f"{r['load_s']:.1f}", f"{r['ttft_ms']:.1f}",

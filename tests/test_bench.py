@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -61,6 +62,8 @@ def test_bench_json_figures(capsys):
         assert r["rss_per_run"]
     cfg = ModelConfig.from_dir(data["model"])
     assert r["bytes_per_token"] == default_bytes_per_token(cfg, LoadOptions("f32", "f32"), data["kv_len"])
+    # the bandwidth: probed at startup and before each of the 2 measured rounds, the median used
+    assert len(data["bandwidth_probes"]) == 3 and data["bandwidth"] == statistics.median(data["bandwidth_probes"])
     assert r["ceiling_tps"] == pytest.approx(data["bandwidth"] / r["bytes_per_token"])
     assert r["reached"] == pytest.approx(r["decode_tps"] / r["ceiling_tps"])
     assert "reached" in format_bench(data)
