@@ -264,6 +264,30 @@ def test_session_append_reset_and_capacity(tiny):
         s.decode(1)
 
 
+def test_prefill_runs_in_chunks_with_the_same_logits(tiny, monkeypatch):
+    """A long prefill runs PREFILL_CHUNK tokens per inference (the plugin's scratch grows with the longest
+    call) and gives the logits of one call; a prefill that does not fit is refused before any chunk runs."""
+    cfg, w, _ = tiny["chatglm3"]
+    ids = list(range(3, 33))
+    whole = _load(cfg, w, capacity=40).prefill(ids, all_logits=True)
+    monkeypatch.setattr(ovs, "PREFILL_CHUNK", 7)
+    s = _load(cfg, w, capacity=40)
+    calls = []
+    run = s._run
+    monkeypatch.setattr(s, "_run", lambda c, start: calls.append(c.shape[1]) or run(c, start))
+    np.testing.assert_allclose(s.prefill(ids, all_logits=True), whole, rtol=0, atol=1e-4)
+    assert calls == [7, 7, 7, 7, 2] and s.kv_len == 30
+    s.reset(), calls.clear()
+    np.testing.assert_allclose(s.prefill(ids), whole[-1], rtol=0, atol=1e-4)
+    assert calls == [7, 7, 7, 7, 2]
+    with pytest.raises(BackendError, match="overflow"):
+        s.prefill(ids[:11])
+    with pytest.raises(BackendError, match="out of range"):
+        s.prefill([1] * 8 + [cfg.vocab_size])
+    assert s.kv_len == 30
+    np.testing.assert_allclose(s.decode(5), _load(cfg, w).prefill(ids + [5]), rtol=0, atol=1e-4)
+
+
 def test_chat_keeps_state_and_prefills_only_the_new_turn(tiny):
     from glmcore.model import LoadedModel
     from glmcore.pipeline import Pipeline
