@@ -46,8 +46,9 @@
 #define TILE 16        /* output rows per packed tile */
 #define PREFETCH 4096   /* decode streams weights: prefetch this far ahead (measured: +40% on one core) */
 #define NTMAX 4        /* tokens sharing one unpacked weight block in the fast kernels */
-#define ATT_BLK 32     /* cached positions converted to f32 at a time by the AVX2 attention */
-#define ROWBUF(hd, grp) ((size_t)(hd) * (2 + (grp) + ATT_BLK))
+#define ATT_BLK 32     /* cached positions converted to f32 at a time by the AVX2/AVX-512 attention */
+#define SC_HEADS(grp) (((grp) + 7) & ~7)   /* per-thread score rows: the AVX-512 attention pads heads to 8 */
+#define ROWBUF(hd, grp) ((size_t)(hd) * (2 + SC_HEADS(grp) + ATT_BLK))
 
 enum { ISA_REF = 0, ISA_AVX2 = 1, ISA_VNNI = 2, ISA_COUNT = 3 };
 static const char *ISA_NAMES[ISA_COUNT] = {"plain", "avx2", "avx512vnni"};
@@ -1312,6 +1313,189 @@ T_AVX2 static void attn_item_avx2(model *m, attn_job *a, int item, int tid) {
     }
     memcpy(m->att + (size_t)t * s->n_heads * hd + (size_t)h0 * hd, acc, sizeof(float) * (size_t)per * hd);
 }
+
+/* exp8 on 16 lanes: the same clamp, range reduction and polynomial, so each lane gives exp8's result */
+T_VNNI INLINE __m512 exp16(__m512 x) {
+    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.3f)), _mm512_set1_ps(88.3f));
+    __m512 fx = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    x = _mm512_fnmadd_ps(fx, _mm512_set1_ps(0.693359375f), x);
+    x = _mm512_fnmadd_ps(fx, _mm512_set1_ps(-2.12194440e-4f), x);
+    __m512 y = _mm512_set1_ps(1.9875691500e-4f);
+    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.3981999507e-3f));
+    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(8.3334519073e-3f));
+    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(4.1665795894e-2f));
+    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.6666665459e-1f));
+    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(5.0000001201e-1f));
+    y = _mm512_fmadd_ps(y, _mm512_mul_ps(x, x), _mm512_add_ps(x, _mm512_set1_ps(1.f)));
+    __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(fx), _mm512_set1_epi32(127)), 23);
+    return _mm512_mul_ps(y, _mm512_castsi512_ps(e));
+}
+
+/* L consecutive floats repeated over 16 lanes; a broadcast load, no shuffle */
+T_VNNI INLINE __m512 bcast_l(const float *p, const int L) {
+    if (L == 2) { double d; memcpy(&d, p, 8); return _mm512_castpd_ps(_mm512_set1_pd(d)); }
+    if (L == 4) return _mm512_broadcast_f32x4(_mm_loadu_ps(p));
+    if (L == 8) return _mm512_castpd_ps(_mm512_broadcast_f64x4(_mm256_loadu_pd((const double *)p)));
+    return _mm512_loadu_ps(p);
+}
+
+/* Scores of the 16/L heads packed in q2 against 16 rows. q2 holds, per L dims, lane s*L+l = q_s[e+l], and the
+ * row's L dims are broadcast, so one FMA does L dims of 16/L dot products (as many FMAs as 16-wide dots) and
+ * a dot product ends as L lanes, not 16: log2(L) rounds of (even lanes + odd lanes) of row pairs leave
+ * [row][head] scores, 16 per vector, with 3 to 4 shuffles per 16 scores instead of a full reduction each.
+ * A head's lanes and their sum order do not depend on the other heads in q2. */
+T_VNNI INLINE void att_scores16(const float *q2, const float *const *kr, int hd, const int L, float scale, float *out,
+                                int nrow) {
+    const int HV = 16 / L;
+    __m512 acc[16];
+    for (int k = 0; k < 16; k++) acc[k] = _mm512_setzero_ps();
+    for (int j = 0; j < hd; j += L) {
+        const __m512 qv = _mm512_loadu_ps(q2 + (size_t)j * HV);
+        for (int k = 0; k < 16; k++) acc[k] = _mm512_fmadd_ps(qv, bcast_l(kr[k] + j, L), acc[k]);
+    }
+    const __m512i ev = _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
+    const __m512i od = _mm512_add_epi32(ev, _mm512_set1_epi32(1));
+    int nv = 16;
+    for (int w = L; w > 1; w /= 2, nv /= 2)
+        for (int k = 0; k < nv / 2; k++)
+            acc[k] = _mm512_add_ps(_mm512_permutex2var_ps(acc[2 * k], ev, acc[2 * k + 1]),
+                                   _mm512_permutex2var_ps(acc[2 * k], od, acc[2 * k + 1]));
+    for (int k = 0; k < nv; k++) {          /* vector k: rows k*L .. k*L+L-1 */
+        const int valid = (nrow - k * L) * HV;
+        if (valid <= 0) break;
+        const __mmask16 mk = valid >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << valid) - 1);
+        _mm512_mask_storeu_ps(out + k * 16, mk, _mm512_mul_ps(acc[k], _mm512_set1_ps(scale)));
+    }
+}
+
+/* NH heads x NZ*16 outputs in registers, streaming a block's V rows (each loaded once for the NH heads) */
+T_VNNI INLINE void att_pv_tile(float *o, int hd, const float *p, int HV, const float *const *vr, int e0, int nb,
+                               const int NH, const int NZ) {
+    __m512 acc[4][4];
+    for (int h = 0; h < NH; h++)
+        for (int z = 0; z < NZ; z++) acc[h][z] = _mm512_loadu_ps(o + h * hd + e0 + 16 * z);
+    for (int r = 0; r < nb; r++) {
+        __m512 v[4];
+        for (int z = 0; z < NZ; z++) v[z] = _mm512_loadu_ps(vr[r] + e0 + 16 * z);
+        for (int h = 0; h < NH; h++) {
+            const __m512 pr = _mm512_set1_ps(p[(size_t)r * HV + h]);
+            for (int z = 0; z < NZ; z++) acc[h][z] = _mm512_fmadd_ps(pr, v[z], acc[h][z]);
+        }
+    }
+    for (int h = 0; h < NH; h++)
+        for (int z = 0; z < NZ; z++) _mm512_storeu_ps(o + h * hd + e0 + 16 * z, acc[h][z]);
+}
+
+T_VNNI static void att_pv(float *o, int hd, const float *p, int HV, const float *const *vr, int nb, int nh) {
+#define PV_TILE(NZ)                                                           \
+    switch (nh) {                                                             \
+    case 1: att_pv_tile(o, hd, p, HV, vr, e0, nb, 1, NZ); break;              \
+    case 2: att_pv_tile(o, hd, p, HV, vr, e0, nb, 2, NZ); break;              \
+    case 3: att_pv_tile(o, hd, p, HV, vr, e0, nb, 3, NZ); break;              \
+    default: att_pv_tile(o, hd, p, HV, vr, e0, nb, 4, NZ); break;             \
+    }
+    int e0 = 0;
+    for (; e0 + 64 <= hd; e0 += 64) PV_TILE(4)
+    for (; e0 < hd; e0 += 16) PV_TILE(1)
+#undef PV_TILE
+}
+
+/* A block of cached rows as f32 row pointers: into the cache when it is f32, else converted into blk.
+ * Unused pointers (past nb) repeat row 0 so the score kernel can always read 16 rows. */
+T_VNNI static void kv_rows512(const model *m, const void *c, int slot, int layer, int kvh, int i0, int nb, float *blk,
+                              const float **rp) {
+    const int hd = m->s.head_dim;
+    for (int r = 0; r < nb; r++) {
+        const size_t off = kv_off(m, slot, layer, kvh, phys(m, slot, i0 + r));
+        if (!m->s.kv_f16) { rp[r] = (const float *)c + off; continue; }
+        const uint16_t *h = (const uint16_t *)c + off;
+        float *d = blk + (size_t)r * hd;
+        for (int e = 0; e < hd; e += 16) _mm512_storeu_ps(d + e, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(h + e))));
+        rp[r] = d;
+    }
+    for (int r = nb; r < ATT_BLK; r++) rp[r] = rp[0];
+}
+
+/* One (token, kv head, part of its query heads) item with AVX-512 (head_dim % 16 == 0). Heads go in groups
+ * of HV (a power of two <= 8 set by the model's group size, never by the batch, so a head's arithmetic is the
+ * same whatever the batch or the split), padded with zero queries. Scores are kept [row][head] per group, so
+ * the softmax max and sum are vertical too; P.V holds 4 heads x 64 outputs in registers over a block.
+ * Measured (1b, 8 heads per kv head, 140 positions, f16 cache): 6.6 us per item in cache vs 12 us for the
+ * AVX2 one; from DRAM (16 sequences) it is bound by reading the cache: 7.8 -> 5.8 ms per decode step. */
+T_VNNI static void attn_item_avx512(model *m, attn_job *a, int item, int tid) {
+    const glmi4_spec *s = &m->s;
+    const int hd = s->head_dim, grp = s->n_heads / s->n_kv, per = grp / a->hsplit, ldq = s->n_heads * hd + 2 * s->n_kv * hd;
+    const int t = item / (s->n_kv * a->hsplit), kvh = (item / a->hsplit) % s->n_kv, part = item % a->hsplit;
+    const int h0 = kvh * grp + part * per, slot = m->tslot[t], n = m->tpos[t] + 1;
+    const int HV = grp > 4 ? 8 : grp > 2 ? 4 : grp, L = 16 / HV, ng = (per + HV - 1) / HV;
+    const float scale = 1.f / sqrtf((float)hd);
+    float *sc = m->scores + (size_t)tid * SC_HEADS(grp) * s->capacity;
+    float *q2 = m->rowbuf + (size_t)tid * ROWBUF(hd, grp), *blk = q2 + (size_t)hd * SC_HEADS(grp);
+    const float *q = m->qkv + (size_t)t * ldq + (size_t)h0 * hd;
+    float *out = m->att + (size_t)t * s->n_heads * hd + (size_t)h0 * hd;
+    const float *rp[ATT_BLK];
+    const __m512i iota = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+    {   /* group g, dims j..j+L-1: 16 floats, lane s*L+l = q_{g*HV+s}[j+l], gathered (0 for padding heads) */
+        const __m512i hs = _mm512_srli_epi32(iota, __builtin_ctz(L)), idx = _mm512_add_epi32(
+            _mm512_mullo_epi32(hs, _mm512_set1_epi32(hd)), _mm512_and_si512(iota, _mm512_set1_epi32(L - 1)));
+        for (int g = 0; g < ng; g++) {
+            const __mmask16 mk = _mm512_cmplt_epi32_mask(hs, _mm512_set1_epi32(per - g * HV));
+            for (int j = 0; j < hd; j += L)
+                _mm512_storeu_ps(q2 + (size_t)g * HV * hd + (size_t)j * HV,
+                                 _mm512_mask_i32gather_ps(_mm512_setzero_ps(), mk, idx, q + (size_t)g * HV * hd + j, 4));
+        }
+    }
+    for (int i0 = 0; i0 < n; i0 += ATT_BLK) {
+        const int nb = imin(ATT_BLK, n - i0);
+        kv_rows512(m, m->kc, slot, a->layer, kvh, i0, nb, blk, rp);
+        for (int g = 0; g < ng; g++) {
+            const float *qg = q2 + (size_t)g * HV * hd;
+            for (int r = 0; r < nb; r += 16) {
+                float *o = sc + (size_t)g * HV * n + (size_t)(i0 + r) * HV;
+                switch (L) {
+                case 2: att_scores16(qg, rp + r, hd, 2, scale, o, nb - r); break;
+                case 4: att_scores16(qg, rp + r, hd, 4, scale, o, nb - r); break;
+                case 8: att_scores16(qg, rp + r, hd, 8, scale, o, nb - r); break;
+                default: att_scores16(qg, rp + r, hd, 16, scale, o, nb - r); break;
+                }
+            }
+        }
+    }
+    for (int g = 0; g < ng; g++) {           /* softmax: lane x of every vector is head x % HV */
+        float *r = sc + (size_t)g * HV * n;
+        const int nf = n * HV;
+        __m512 vm = _mm512_set1_ps(-INFINITY), vs = _mm512_setzero_ps();
+        for (int i = 0; i < nf; i += 16) {
+            const __mmask16 mk = nf - i >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (nf - i)) - 1);
+            vm = _mm512_max_ps(vm, _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), mk, r + i));
+        }
+        for (int d = 8; d >= HV; d /= 2)     /* fold the lanes of a head (max is exact: order does not matter) */
+            vm = _mm512_max_ps(vm, _mm512_permutexvar_ps(_mm512_xor_si512(iota, _mm512_set1_epi32(d)), vm));
+        for (int i = 0; i < nf; i += 16) {
+            const __mmask16 mk = nf - i >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (nf - i)) - 1);
+            const __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(mk, r + i), vm));
+            _mm512_mask_storeu_ps(r + i, mk, e);
+            vs = _mm512_mask_add_ps(vs, mk, vs, e);
+        }
+        for (int d = 8; d >= HV; d /= 2)
+            vs = _mm512_add_ps(vs, _mm512_permutexvar_ps(_mm512_xor_si512(iota, _mm512_set1_epi32(d)), vs));
+        const __m512 inv = _mm512_div_ps(_mm512_set1_ps(1.f), vs);
+        for (int i = 0; i < nf; i += 16) {
+            const __mmask16 mk = nf - i >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (nf - i)) - 1);
+            _mm512_mask_storeu_ps(r + i, mk, _mm512_mul_ps(_mm512_maskz_loadu_ps(mk, r + i), inv));
+        }
+    }
+    memset(out, 0, sizeof(float) * (size_t)per * hd);
+    for (int i0 = 0; i0 < n; i0 += ATT_BLK) {
+        const int nb = imin(ATT_BLK, n - i0);
+        kv_rows512(m, m->vc, slot, a->layer, kvh, i0, nb, blk, rp);
+        for (int g = 0; g < ng; g++)
+            for (int hq = g * HV; hq < imin(per, g * HV + HV); hq += 4)
+                att_pv(out + (size_t)hq * hd, hd, sc + (size_t)g * HV * n + (size_t)i0 * HV + (hq - g * HV), HV, rp, nb,
+                       imin(4, imin(per, g * HV + HV) - hq));
+    }
+}
 #endif
 
 static void attn_task(void *arg, int tid, int nth) {
@@ -1321,6 +1505,7 @@ static void attn_task(void *arg, int tid, int nth) {
         int it = atomic_fetch_add(&a->next, 1);
         if (it >= a->nitems) break;
 #if GLMI4_X86
+        if (a->m->isa == ISA_VNNI && a->m->s.head_dim % 16 == 0) { attn_item_avx512(a->m, a, it, tid); continue; }
         if (a->m->isa != ISA_REF && a->m->s.head_dim % 8 == 0) { attn_item_avx2(a->m, a, it, tid); continue; }
 #endif
         attn_item_ref(a->m, a, it, tid);
@@ -1558,7 +1743,7 @@ void *glmi4_create(const glmi4_spec *spec, char *err, int errlen) {
     m->aq = xalloc(T * kmax);
     m->adx = xalloc(T * (kmax / QK) * 4);
     m->axs = xalloc(T * (kmax / QK) * 4);
-    m->scores = xalloc(nth * grp * s->capacity * 4);
+    m->scores = xalloc(nth * SC_HEADS(grp) * s->capacity * 4);
     m->rowbuf = xalloc(nth * ROWBUF(s->head_dim, grp) * 4);
     if (!m->kc || !m->vc || !m->x || !m->h || !m->qkv || !m->att || !m->ff || !m->aq || !m->adx || !m->axs ||
         !m->scores || !m->rowbuf)
