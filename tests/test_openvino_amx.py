@@ -270,8 +270,8 @@ def test_prefill_runs_in_chunks_with_the_same_logits(tiny, monkeypatch):
     cfg, w, _ = tiny["chatglm3"]
     ids = list(range(3, 33))
     whole = _load(cfg, w, capacity=40).prefill(ids, all_logits=True)
-    monkeypatch.setattr(ovs, "PREFILL_CHUNK", 7)
-    s = _load(cfg, w, capacity=40)
+    assert _load(cfg, w, capacity=40).prefill_chunk == ovs.PREFILL_CHUNK
+    s = _load(cfg, w, capacity=40, prefill_chunk=7)
     calls = []
     run = s._run
     monkeypatch.setattr(s, "_run", lambda c, start: calls.append(c.shape[1]) or run(c, start))
@@ -286,6 +286,9 @@ def test_prefill_runs_in_chunks_with_the_same_logits(tiny, monkeypatch):
         s.prefill([1] * 8 + [cfg.vocab_size])
     assert s.kv_len == 30
     np.testing.assert_allclose(s.decode(5), _load(cfg, w).prefill(ids + [5]), rtol=0, atol=1e-4)
+    for bad in (0, -1, "64", True):
+        with pytest.raises(BackendError, match="prefill_chunk"):
+            _load(cfg, w, prefill_chunk=bad)
 
 
 def test_chat_keeps_state_and_prefills_only_the_new_turn(tiny):

@@ -22,7 +22,7 @@ from .cpu import has_amx, has_avx512_bf16, native_bf16
 
 class OpenVINOBackend(Backend):
     name = "openvino_amx"
-    option_keys = ("ir", "group_size", "kv_cache", "dynamic_quant")
+    option_keys = ("ir", "group_size", "kv_cache", "dynamic_quant", "prefill_chunk")
     extra = "openvino"
     description = "OpenVINO stateful model on the CPU: fused attention/rotary/RMSNorm, bf16 on AMX, int8/int4 weights"
 

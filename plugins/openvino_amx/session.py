@@ -25,10 +25,10 @@ IR_NAME = "openvino_model.xml"          # the name openvino_genai.LLMPipeline lo
 MANIFEST = "glmcore_openvino.json"
 KV_PRECISIONS = ("f32", "f16", "bf16", "u8")
 DEFAULT_DYNAMIC_QUANT = 32      # activation group with bf16 compute
-# Tokens per inference of a prefill. The CPU plugin keeps each dynamic-shape node's output buffer at the
-# largest size it has run, so scratch grows with the longest call: measured on the 1b int4 IR (777 MiB),
-# resident memory after a 128-token prefill 993 MiB in one call, 926 in chunks of 64, 893 in chunks of 32,
-# with prefill tok/s unchanged at 64 (the matrix kernels are as efficient from 64 rows on).
+# Tokens per inference of a prefill (--opt prefill_chunk, like llama.cpp's --ubatch-size). The CPU plugin
+# keeps each dynamic-shape node's output buffer at the largest size it has run, so scratch grows with the
+# longest call: measured on the 1b int4 IR (777 MiB), resident memory after a 128-token prefill 993 MiB in
+# one call, 926 in chunks of 64, 893 in chunks of 32; prefill tok/s 176 / 160 / 150 (same process, 2 threads).
 PREFILL_CHUNK = 64
 
 
@@ -195,6 +195,10 @@ class OpenVINOSession(Session):
         # What the plugin really runs: a bf16 hint runs as f32 on a CPU without AVX512-BF16/AMX.
         self.runtime_precision = str(self.compiled.get_property("INFERENCE_PRECISION_HINT").to_string())
         self.kv_cache_precision = self.config["KV_CACHE_PRECISION"]
+        self.prefill_chunk = options.extra.get("prefill_chunk", PREFILL_CHUNK)
+        if not isinstance(self.prefill_chunk, int) or isinstance(self.prefill_chunk, bool) or self.prefill_chunk < 1:
+            raise BackendError(f"invalid prefill_chunk {self.prefill_chunk!r}: tokens per inference of a prefill, "
+                               "a positive number (e.g. --opt prefill_chunk=64)")
         self._beam = np.zeros(1, dtype=np.int32)
         self._mask = np.ones((1, capacity), dtype=np.int64)      # read-only: shared with forks
         self._new_request()
@@ -223,7 +227,8 @@ class OpenVINOSession(Session):
         if ids.shape[1] == 0:
             raise BackendError("prefill needs at least one token")
         self._check(ids)           # all of it before the first chunk runs: a refused prefill changes nothing
-        chunks = [ids[:, i:i + PREFILL_CHUNK] for i in range(0, ids.shape[1], PREFILL_CHUNK)]
+        n = self.prefill_chunk
+        chunks = [ids[:, i:i + n] for i in range(0, ids.shape[1], n)]
         out = [self._run(c, 0 if all_logits else c.shape[1] - 1) for c in chunks]
         return np.concatenate(out) if all_logits else out[-1][-1]
 
