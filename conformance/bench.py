@@ -444,7 +444,7 @@ def main(argv: list[str] | None = None) -> int:
         data = batch_bench(a.backend, model_dir, LoadOptions(a.precision, a.weights, threads=a.threads,
                                                              extra=_parse_opts(a.opt)),
                            parse_sizes(a.batch), a.prompt_len, a.gen,
-                           progress=lambda m: print(m, file=sys.stderr, flush=True))
+                           progress=lambda m: print(m, file=sys.stderr, flush=True), runs=a.runs, warmup=a.warmup)
         print(json.dumps(data, indent=2) if a.json else format_batch(data))
         return 0
     if a.tp < 1:

@@ -49,11 +49,26 @@ def test_a_full_context_ends_the_reply_with_a_notice_not_a_failure(capsys):
 
 def test_bench_batch_prints_the_table(capsys):
     assert main(["bench", "--backend", "torch", "--size", "tiny", "--batch", "1,4", "--prompt-len", "8", "--gen", "4",
-                 "--threads", "1"]) == 0
-    out = capsys.readouterr().out
-    assert "| batch | prefill ms (whole batch) | ms / decode step | aggregate decode tok/s |" in out
+                 "--threads", "1", "--runs", "2"]) == 0
+    out, err = capsys.readouterr()
+    assert "| batch | prefill ms (whole batch) | prefill tok/s | ms / decode step | aggregate decode tok/s |" in out
     rows = [line for line in out.splitlines() if line.startswith("| 1 |") or line.startswith("| 4 |")]
-    assert len(rows) == 2 and "native batched steps" in out
+    assert len(rows) == 2 and "native batched steps" in out and "median of 2 runs after 1 warm-up" in out
+    assert "warm-up (1)" in err and "4, run 2/2" in err
+
+
+def test_batch_bench_reports_medians_of_its_rounds():
+    from glmcore.backend import LoadOptions
+    from glmcore_conformance.batchbench import batch_bench, format_batch
+    from glmcore_conformance.models import synthetic_dir
+    d = synthetic_dir("chatglm3", "tiny", purpose="bench", seed=0)
+    data = batch_bench("torch", d, LoadOptions(threads=1), [2], 6, 3, runs=3, warmup=0)
+    (row,) = data["rows"]
+    assert len(row["runs"]) == 3 and data["warmup"] == 0
+    for k in ("prefill_ms", "step_ms", "decode_tps"):
+        assert row[k] == sorted(r[k] for r in row["runs"])[1]
+    assert row["prefill_tps"] == pytest.approx(2 * 6 / (row["prefill_ms"] / 1e3))
+    assert f"{row['decode_tps'] / row['prefill_tps']:.2f}x" in format_batch(data)
 
 
 def test_backends_say_how_each_batches(capsys):
