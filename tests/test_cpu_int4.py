@@ -165,12 +165,16 @@ def test_kernel_matches_exact_emulation(isa, bits, group, sym, scale_dtype):
         q, d = quant.quantize8(w, group, scale_dtype)
         buf, deq = quant.tile8(q, d, group), quant.dequantize(q, d, None, group, 8, k)
     mat = native.make_mat(buf, n, k, bits, group, bits == 4 and not sym, scale_dtype)
-    for M in (1, 3, 9):                                  # the fast kernels block tokens by 4
+    # the fast kernels block tokens by 16 (group 32, up to 32 tokens), 8, 4 and 1, and unpack tiles from 32
+    for M in (1, 3, 9, 16, 21, 40):
         x = (rng.standard_normal((M, k)) * rng.uniform(0.1, 10, (M, 1))).astype(np.float32)
         ref = emulate(x, deq, group)
+        alone = np.concatenate([native.matmul(mat, x[t:t + 1], i, 1) for t in range(M)])
         for threads in (1, 2):
             got = native.matmul(mat, x, i, threads)
             assert np.abs(got - ref).max() <= 1e-5 * np.abs(ref).max(), (M, threads)
+            # the same bits whatever else is in the batch: a sequence's output never depends on its neighbours
+            assert np.array_equal(got, alone), (M, threads)
 
 
 @pytest.mark.parametrize("isa", native.ISAS[1:])
