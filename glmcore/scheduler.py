@@ -280,16 +280,7 @@ class Scheduler:
         with a native batch session, copy a longer prefix from any other slot (a shared system prompt)."""
         prompt = list(h.request.prompt)
         head = prompt[:-1]             # the last prompt token is always fed: its logits are sampled
-
-        def common(tokens: list[int]) -> int:
-            n = 0
-            for a, b in zip(tokens, head):
-                if a != b:
-                    break
-                n += 1
-            return n
-
-        held = {s.index: common(s.tokens) for s in self.slots}     # once per slot, not per comparison
+        held = {s.index: common_prefix(s.tokens, head) for s in self.slots}     # once per slot, not per comparison
         slot = max(free, key=lambda s: (held[s.index], -s.last_used))
         n = held[slot.index]
         if self.batch.native:
@@ -486,6 +477,16 @@ class Scheduler:
             self._thread = None
         self.threaded = False
         self.step()
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading ids a and b share."""
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
 
 
 def make_room(slot: Slot, n_new: int, capacity: int, window: WindowPolicy) -> tuple[int, int] | None | bool:

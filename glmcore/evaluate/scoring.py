@@ -12,6 +12,7 @@ import numpy as np
 
 from ..backend import BatchSession
 from ..errors import GlmcoreError
+from ..scheduler import common_prefix
 
 
 def log_softmax(logits: np.ndarray) -> np.ndarray:
@@ -47,15 +48,6 @@ def run_slots(batch: BatchSession, jobs: Sequence[tuple[int, Sequence[int], int]
             else:
                 batch.step(entries)
     return [np.concatenate(o) if o else np.zeros((0, 0), np.float32) for o in outs]
-
-
-def _common(a: Sequence[int], b: Sequence[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 class Scorer:
@@ -120,7 +112,7 @@ class Scorer:
             self.held = []
             return [(0, shared + feeds[0], len(shared))]
         # slot 0 keeps the shared context; it extends or truncates what it held (few-shot prompts share a prefix)
-        n = _common(self.held, shared)
+        n = common_prefix(self.held, shared)
         if n < len(self.held):
             if n:
                 self.batch.copy_prefix(0, 0, n)
