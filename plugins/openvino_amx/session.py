@@ -178,6 +178,14 @@ def release_mapped_file(path: Path) -> int:
     return released
 
 
+def prefill_chunk(options: LoadOptions) -> int:
+    n = options.extra.get("prefill_chunk", PREFILL_CHUNK)
+    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+        raise BackendError(f"invalid prefill_chunk {n!r}: tokens per inference of a prefill, a positive number "
+                           "(e.g. --opt prefill_chunk=64)")
+    return n
+
+
 class OpenVINOSession(Session):
     """One sequence in the stateful model's variables. prefill appends to whatever the state holds (a chat
     continuation prefills only the new turn); reset() empties the state (reset_state). fork() gives another
@@ -188,6 +196,7 @@ class OpenVINOSession(Session):
         self.cfg = cfg
         self.capacity = capacity
         self.config = compile_config(options)
+        self.prefill_chunk = prefill_chunk(options)      # checked before the compilation it would waste
         core = ov.Core()
         self.compiled = core.compile_model(graph.add_logits_start(model), "CPU", self.config)
         del model
@@ -195,10 +204,6 @@ class OpenVINOSession(Session):
         # What the plugin really runs: a bf16 hint runs as f32 on a CPU without AVX512-BF16/AMX.
         self.runtime_precision = str(self.compiled.get_property("INFERENCE_PRECISION_HINT").to_string())
         self.kv_cache_precision = self.config["KV_CACHE_PRECISION"]
-        self.prefill_chunk = options.extra.get("prefill_chunk", PREFILL_CHUNK)
-        if not isinstance(self.prefill_chunk, int) or isinstance(self.prefill_chunk, bool) or self.prefill_chunk < 1:
-            raise BackendError(f"invalid prefill_chunk {self.prefill_chunk!r}: tokens per inference of a prefill, "
-                               "a positive number (e.g. --opt prefill_chunk=64)")
         self._beam = np.zeros(1, dtype=np.int32)
         self._mask = np.ones((1, capacity), dtype=np.int64)      # read-only: shared with forks
         self._new_request()
