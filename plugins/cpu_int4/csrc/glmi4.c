@@ -355,6 +355,12 @@ static void quant_act_ref(const float *x, int K, int Kp, int G, int8_t *q, float
 
 /* ------------------------------------------------------------------ matrix kernels */
 
+/* 16 tokens' activations laid out for one pass over a g32 tile (the 16-token AVX-512 kernels: decode of many
+ * sequences). x: per (block, chunk) the 4 bytes of each of the 16 tokens, so one pointer with constant offsets
+ * feeds every vpdpbusd (with 16 per-token pointers and 16 accumulators the 8-token kernels' layout spills);
+ * dx and c = off * xs per (block, token), off as in block_end. Built once per product, before the threads. */
+typedef struct { int8_t *x; float *dx, *c; } act16;
+
 typedef struct gemm_job {
     const glmi4_mat *W;
     int M;                    /* tokens */
@@ -368,7 +374,51 @@ typedef struct gemm_job {
     int ntiles, chunk;
     _Atomic int next;
     void (*fn)(const struct gemm_job *, int, int);
+    act16 *a16;               /* the first 16 * n16 tokens laid out for the 16-token kernels, or NULL */
+    int n16;
 } gemm_job;
+
+/* Unpacking a tile once pays off from about 32 tokens on; below, splitting the nibbles in registers for 8
+ * tokens at a time costs less (measured in cache, 1 thread: g32 153 vs 145 GMAC/s at 16 tokens, 176 vs
+ * 153 at 128). */
+#define UNPACK_M 32
+
+/* Which products go 16 tokens at a time (AVX-512 VNNI, group 32, symmetric): int4 below UNPACK_M tokens,
+ * int8 (the output layer) from 16 tokens on. */
+static int uses_act16(int isa, const glmi4_mat *W, int M) {
+    return isa == ISA_VNNI && W->group == QK && !W->asym && M >= 16 && (W->bits == 8 || M < UNPACK_M);
+}
+
+static void act16_free(gemm_job *j) {
+    for (int k = 0; j->a16 && k < j->n16; k++) { free(j->a16[k].x); free(j->a16[k].dx); free(j->a16[k].c); }
+    free(j->a16);
+    j->a16 = NULL;
+    j->n16 = 0;
+}
+
+/* Lay out the first 16 * (M / 16) tokens; on a failed allocation none, and the 8/4/1-token kernels take all
+ * (the same bits). */
+static void act16_build(gemm_job *j) {
+    const int nb = j->W->k_pad / QK, nbx = j->ldq / QK;
+    const float off = j->W->bits == 8 ? 128.f : 8.f;
+    j->n16 = j->M / 16;
+    j->a16 = calloc((size_t)j->n16, sizeof(act16));
+    for (int k = 0; j->a16 && k < j->n16; k++) {
+        act16 *a = &j->a16[k];
+        *a = (act16){xalloc((size_t)nb * 512), xalloc((size_t)nb * 64), xalloc((size_t)nb * 64)};
+        if (!a->x || !a->dx || !a->c) break;
+        for (int b = 0; b < nb; b++)
+            for (int t = 0; t < 16; t++) {
+                const int row = 16 * k + t;
+                const int8_t *src = j->xq + (size_t)row * j->ldq + (size_t)b * QK;
+                for (int c = 0; c < 8; c++) memcpy(a->x + ((size_t)(b * 8 + c) * 16 + t) * 4, src + 4 * c, 4);
+                a->dx[b * 16 + t] = j->dx[(size_t)row * nbx + b];
+                a->c[b * 16 + t] = off * j->xs[(size_t)row * nbx + b];
+            }
+        if (k + 1 == j->n16) return;
+    }
+    act16_free(j);
+}
 
 static inline void store_tile(const gemm_job *j, int tile, int m, int nt, const float *acc) {
     int n0 = tile * TILE, nr = imin(TILE, j->W->n - n0);
@@ -843,9 +893,8 @@ T_AVX2 static void quant_act_avx2(const float *x, int K, int Kp, int G, int8_t *
 }
 
 /* ---------------- AVX-512 VNNI: one zmm register holds the 16 rows of a tile.
- * Written for, but never run on, the development machine (AVX2 only). Before it is used, native.py
- * compares it with the plain C kernels on random matrices and falls back, with a warning, if they
- * differ; tests/test_cpu_int4.py runs the full kernel checks on any CPU that has it. */
+ * Before it is used, native.py compares it with the plain C kernels on random matrices and falls back, with a
+ * warning, if they differ; tests/test_cpu_int4.py runs the full kernel checks on any CPU that has it. */
 
 T_VNNI INLINE __m512 ld16_scales(const uint8_t *p, int bf16) {
     __m256i h = _mm256_loadu_si256((const __m256i *)p);
@@ -971,33 +1020,12 @@ static void tiles_run(const gemm_job *j, int t0, int t1, tile_fn const fn[3], ti
     }
 }
 
-/* Unpacking a tile once pays off from about 32 tokens on; below, splitting the nibbles in registers for 8
- * tokens at a time costs less (measured in cache, 1 thread: g32 153 vs 145 GMAC/s at 16 tokens, 176 vs
- * 153 at 128). */
-#define UNPACK_M 32
-
-/* 16 tokens' activations laid out for one pass over a tile (group 32, symmetric: decode of many sequences).
- * x: per (block, chunk) the 4 bytes of each of the 16 tokens, so a single pointer with constant offsets feeds
- * every vpdpbusd; dx and c8 = 8 * xs per (block, token). With 16 per-token pointers and 16 accumulators the
- * 8-token kernel's layout spills; this one does not need them. */
-typedef struct { int8_t *x; float *dx, *c8; } act16;
-
-static void act16_build(const gemm_job *j, int m, act16 *a) {
-    const int nb = j->W->k_pad / QK, nbx = j->ldq / QK;
-    for (int b = 0; b < nb; b++)
-        for (int t = 0; t < 16; t++) {
-            const int8_t *src = j->xq + (size_t)(m + t) * j->ldq + (size_t)b * QK;
-            for (int c = 0; c < 8; c++) memcpy(a->x + ((size_t)(b * 8 + c) * 16 + t) * 4, src + 4 * c, 4);
-            a->dx[b * 16 + t] = j->dx[(size_t)(m + t) * nbx + b];
-            a->c8[b * 16 + t] = 8.f * j->xs[(size_t)(m + t) * nbx + b];
-        }
-}
-
-/* 16 tokens against one g32 tile: per chunk the nibbles are split once for all 16 (the 8-token kernel splits
- * them twice), then each token's block ends exactly as in q4_tile_vnni (S32), so the results are the same
- * bits whatever the batch. acc: 16 x 16 floats, in L1. */
-T_VNNI __attribute__((noinline)) static void q4v16_s32(const gemm_job *j, const uint8_t *p, const uint8_t *pf,
-                                                        const act16 *a, float *acc) {
+/* 16 tokens against one g32 tile: per chunk the weights are loaded (and the nibbles split) once for all 16
+ * (the 8-token kernels do it twice, and their 8 dependency chains leave vpdpbusd's latency exposed), then each
+ * token's block ends exactly as in q4_tile_vnni / q8_tile_vnni (S32), so the results are the same bits
+ * whatever the batch. acc: 16 x 16 floats, in L1. */
+T_VNNI INLINE void v16_tile(const gemm_job *j, const uint8_t *p, const uint8_t *pf, const act16 *a, float *acc,
+                            const int BITS) {
     const glmi4_mat *W = j->W;
     const int ng = W->k_pad / W->group, bf = W->scale_bf16;
     const size_t gb = group_bytes(W);
@@ -1011,52 +1039,54 @@ T_VNNI __attribute__((noinline)) static void q4v16_s32(const gemm_job *j, const 
         for (int t = 0; t < 16; t++) isum[t] = _mm512_setzero_si512();
 #pragma GCC unroll 8
         for (int c = 0; c < 8; c++) {
-            const __m512i w = split_chunk(q + 32 * c);
+            const __m512i w = BITS == 4 ? split_chunk(q + 32 * c)
+                                        : _mm512_xor_si512(_mm512_loadu_si512((const void *)(q + 64 * c)),
+                                                           _mm512_set1_epi8((char)0x80));
             for (int t = 0; t < 16; t++)
                 isum[t] = _mm512_dpbusd_epi32(isum[t], w, _mm512_set1_epi32(ld32v(xb + c * 64 + 4 * t)));
         }
         for (int t = 0; t < 16; t++) {
             const __m512 v = _mm512_cvtepi32_ps(isum[t]);
             _mm512_storeu_ps(acc + 16 * t, _mm512_fmadd_ps(d, _mm512_fmsub_ps(v, _mm512_set1_ps(a->dx[g * 16 + t]),
-                                                                              _mm512_set1_ps(a->c8[g * 16 + t])),
+                                                                              _mm512_set1_ps(a->c[g * 16 + t])),
                                                            _mm512_loadu_ps(acc + 16 * t)));
         }
     }
 }
 
-/* From 16 to UNPACK_M tokens at group 32: 16 at a time through q4v16_s32 (measured on the 1b, 16 sequences
- * decoding: +8% aggregate decode, paired A/B), the rest through the 8/4/1-token kernels. */
-T_VNNI static void gemm4_vnni_16(const gemm_job *j, int t0, int t1, tile_fn const fn[3]) {
-    const int nb = j->W->k_pad / QK, n16 = j->M / 16;
+typedef void (*tile16_fn)(const gemm_job *, const uint8_t *, const uint8_t *, const act16 *, float *);
+T_VNNI __attribute__((noinline)) static void q4v16_s32(const gemm_job *j, const uint8_t *p, const uint8_t *pf,
+                                                        const act16 *a, float *acc) {
+    v16_tile(j, p, pf, a, acc, 4);
+}
+T_VNNI __attribute__((noinline)) static void q8v16_s32(const gemm_job *j, const uint8_t *p, const uint8_t *pf,
+                                                        const act16 *a, float *acc) {
+    v16_tile(j, p, pf, a, acc, 8);
+}
+
+/* The laid-out tokens 16 at a time through fn16 (measured on the 1b, 16 sequences decoding: int4 +8%
+ * aggregate decode, paired A/B), the rest through the 8/4/1-token kernels fn[0..2]. */
+T_VNNI static void tiles_run16(const gemm_job *j, int t0, int t1, tile16_fn fn16, tile_fn const fn[3]) {
     const size_t tb = tile_bytes(j->W);
-    act16 *acts = calloc((size_t)n16, sizeof(act16));
-    int ok = acts != NULL;
-    for (int k = 0; ok && k < n16; k++) {
-        acts[k] = (act16){xalloc((size_t)nb * 512), xalloc((size_t)nb * 64), xalloc((size_t)nb * 64)};
-        ok = acts[k].x && acts[k].dx && acts[k].c8;
-        if (ok) act16_build(j, 16 * k, &acts[k]);
-    }
     float buf[16 * TILE];
     for (int tile = t0; tile < t1; tile++) {
         const uint8_t *p = j->W->data + (size_t)tile * tb, *next = tile + 1 < t1 ? p + tb : NULL;
         int m = 0;
-        for (int k = 0; ok && k < n16; k++, m += 16) {
-            q4v16_s32(j, p, k ? NULL : next, &acts[k], buf);
+        for (int k = 0; k < j->n16; k++, m += 16) {
+            fn16(j, p, k ? NULL : next, &j->a16[k], buf);
             store_tile(j, tile, m, 16, buf);
         }
         for (; m + 8 <= j->M; m += 8) { fn[0](j, p, m ? NULL : next, NULL, m, buf); store_tile(j, tile, m, 8, buf); }
         for (; m + 4 <= j->M; m += 4) { fn[1](j, p, m ? NULL : next, NULL, m, buf); store_tile(j, tile, m, 4, buf); }
         for (; m < j->M; m++) { fn[2](j, p, NULL, NULL, m, buf); store_tile(j, tile, m, 1, buf); }
     }
-    for (int k = 0; acts && k < n16; k++) { free(acts[k].x); free(acts[k].dx); free(acts[k].c8); }
-    free(acts);
 }
 
 T_VNNI static void gemm4_vnni(const gemm_job *j, int t0, int t1) {
     static tile_fn const fns[2][3] = {{q4v_8_0_0, q4v_4_0_0, q4v_1_0_0}, {q4v_8_1_0, q4v_4_1_0, q4v_1_1_0}};
     const int s32 = j->W->group == QK && !j->W->asym;
-    if (s32 && j->M >= 16 && j->M < UNPACK_M) {
-        gemm4_vnni_16(j, t0, t1, fns[1]);
+    if (j->a16) {
+        tiles_run16(j, t0, t1, q4v16_s32, fns[1]);
         return;
     }
     uint8_t *unp = j->M >= UNPACK_M ? xalloc((size_t)(j->W->k_pad / QK) * 512) : NULL;
@@ -1108,7 +1138,8 @@ Q8V(1, 0) Q8V(4, 0) Q8V(8, 0) Q8V(1, 1) Q8V(4, 1) Q8V(8, 1)
 
 T_VNNI static void gemm8_vnni(const gemm_job *j, int t0, int t1) {
     static tile_fn const fns[2][3] = {{q8v_8_0, q8v_4_0, q8v_1_0}, {q8v_8_1, q8v_4_1, q8v_1_1}};
-    tiles_run(j, t0, t1, fns[j->W->group == QK], NULL, NULL, NULL);
+    if (j->a16) tiles_run16(j, t0, t1, q8v16_s32, fns[1]);
+    else tiles_run(j, t0, t1, fns[j->W->group == QK], NULL, NULL, NULL);
 }
 #endif /* GLMI4_X86 */
 
@@ -1159,8 +1190,10 @@ static void run_gemm(pool *p, int isa, const glmi4_mat *W, int M, const int8_t *
     j.fn = pick_gemm(isa, W->bits);
     atomic_store(&j.next, 0);
     atomic_fetch_add(&g_calls[isa], 1);
+    if (uses_act16(isa, W, M)) act16_build(&j);
     if ((size_t)W->n_pad * W->k_pad * M < SMALL_WORK) gemm_task(&j, 0, 1);   /* waking threads costs more */
     else pool_run(p, gemm_task, &j);
+    act16_free(&j);
 }
 
 /* ------------------------------------------------------------------ attention and element-wise ops */
