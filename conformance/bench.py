@@ -79,27 +79,44 @@ def _llc_bytes() -> int:
     return best or (32 << 20)
 
 
-def measure_bandwidth(threads: int | None = None, seconds: float = 0.5) -> float:
+class BandwidthProbe:
     """Memory read bandwidth in bytes/s: `threads` threads each max-reducing its part of a byte buffer 8x
     the last-level cache (numpy's SIMD max releases the GIL and outruns memory; an OR-reduce of uint64
-    did not, and read 18 GB/s where a decode kernel streamed 22). Best of the repetitions that fit in
-    `seconds`; the buffer is written first so its pages exist."""
-    from concurrent.futures import ThreadPoolExecutor
-    threads = threads or os.cpu_count() or 1
-    n = min(max(8 * _llc_bytes(), 256 << 20), 1 << 30)
-    buf = np.ones(n, dtype=np.uint8)
-    parts = np.array_split(buf, threads)
-    best = 0.0
-    with ThreadPoolExecutor(threads) as pool:
-        start = time.perf_counter()
-        for i in range(20):
-            t0 = time.perf_counter()
-            list(pool.map(np.maximum.reduce, parts))
-            best = max(best, buf.nbytes / (time.perf_counter() - t0))
-            if i >= 2 and time.perf_counter() - start > seconds:
-                break
-    del buf
-    return best
+    did not, and read 18 GB/s where a decode kernel streamed 22). The buffer is written once, so its
+    pages exist, and kept until close(): freeing a gigabyte between rounds slowed the round after it
+    (1b cpu_int4 decode 28.0 -> 29.5-31.3 ms/token; a burst of 35-47 ms tokens about 2 s after the
+    free, the kernel's free-page work taking the backend's cores)."""
+
+    def __init__(self, threads: int | None = None):
+        self.threads = threads or os.cpu_count() or 1
+        self.buf = np.ones(min(max(8 * _llc_bytes(), 256 << 20), 1 << 30), dtype=np.uint8)
+
+    def measure(self, seconds: float = 0.5) -> float:
+        """Best of the repetitions that fit in `seconds`."""
+        from concurrent.futures import ThreadPoolExecutor
+        parts = np.array_split(self.buf, self.threads)
+        best = 0.0
+        with ThreadPoolExecutor(self.threads) as pool:
+            start = time.perf_counter()
+            for i in range(20):
+                t0 = time.perf_counter()
+                list(pool.map(np.maximum.reduce, parts))
+                best = max(best, self.buf.nbytes / (time.perf_counter() - t0))
+                if i >= 2 and time.perf_counter() - start > seconds:
+                    break
+        return best
+
+    def close(self) -> None:
+        self.buf = None
+
+
+def measure_bandwidth(threads: int | None = None, seconds: float = 0.5) -> float:
+    """One probe (see BandwidthProbe)."""
+    probe = BandwidthProbe(threads)
+    try:
+        return probe.measure(seconds)
+    finally:
+        probe.close()
 
 
 # ---------------------------------------------------------------- roofline
@@ -284,11 +301,13 @@ def bench(backends: list[tuple[str, LoadOptions]], model_dir: Path, prompt_len: 
     config = model.config
     prompt = TokenSource(model).take(prompt_len)
     probes = []              # memory bandwidth beside each round (unless given)
-    if bandwidth is None:
-        progress("bench: measuring memory bandwidth")
-        probes.append(measure_bandwidth(threads))
+    probe = None
     workers = []
     try:
+        if bandwidth is None:
+            progress("bench: measuring memory bandwidth")
+            probe = BandwidthProbe(threads)
+            probes.append(probe.measure())
         for name, opts in backends:
             resolve_backend(name).resolve(opts)     # refuse a bad precision/format before spawning
             opts.capacity = opts.capacity or prompt_len + gen
@@ -301,8 +320,8 @@ def bench(backends: list[tuple[str, LoadOptions]], model_dir: Path, prompt_len: 
         results = [[] for _ in workers]
         for r in range(warmup + runs):
             label = "warm-up" if r < warmup else f"run {r - warmup + 1}/{runs}"
-            if probes and r >= warmup:
-                probes.append(measure_bandwidth(threads))
+            if probe is not None and r >= warmup:
+                probes.append(probe.measure())
             for i, (w, _) in enumerate(workers):
                 progress(f"bench: {w.name} {label}")
                 out = w.run(prompt, gen)
@@ -314,6 +333,8 @@ def bench(backends: list[tuple[str, LoadOptions]], model_dir: Path, prompt_len: 
     finally:
         for w, _ in workers:
             w.stop()
+        if probe is not None:
+            probe.close()
     kv_len = prompt_len + gen // 2
     if probes:
         bandwidth = statistics.median(probes)

@@ -13,8 +13,8 @@ import pytest
 from glmcore.backend import LoadOptions, registry
 from glmcore.cli import main as cli_main
 from glmcore.config import ModelConfig
-from glmcore_conformance.bench import (WEIGHT_BYTES, bytes_per_token, default_bytes_per_token, format_bench,
-                                       measure_bandwidth)
+from glmcore_conformance.bench import (WEIGHT_BYTES, BandwidthProbe, bytes_per_token, default_bytes_per_token,
+                                       format_bench, measure_bandwidth)
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ["--size", "tiny", "--prompt-len", "8", "--gen", "4", "--runs", "1", "--warmup", "0", "--threads", "1"]
@@ -101,6 +101,16 @@ def test_a_backend_can_state_its_bytes_per_token():
 def test_measure_bandwidth_is_plausible():
     bw = measure_bandwidth(threads=1, seconds=0.2)
     assert 5e8 < bw < 2e12     # between 0.5 GB/s and 2 TB/s
+
+
+def test_bandwidth_probe_keeps_its_buffer_between_rounds():
+    # a gigabyte freed between rounds slows the next round (the kernel's free-page work): allocate once
+    probe = BandwidthProbe(threads=1)
+    buf = probe.buf
+    first, second = probe.measure(0.05), probe.measure(0.05)
+    assert probe.buf is buf and all(5e8 < bw < 2e12 for bw in (first, second))
+    probe.close()
+    assert probe.buf is None
 
 
 @pytest.mark.parametrize("args, message", [
