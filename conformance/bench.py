@@ -51,6 +51,10 @@ from glmcore.errors import GlmcoreError
 from glmcore.model import resolve_backend
 
 SIZES = ("tiny", "small", "1b", "6b")
+# Seconds to wait after a llama.cpp run: its process frees ~1 GB when it exits, and on VMs with free page
+# reporting (the guest hands freed memory to the host ~2 s later) that work took the cores of the next
+# round measured (see BandwidthProbe).
+SETTLE_S = 3.0
 # Bytes per weight as stored; the int formats include one f16 scale per group (32 for int4) or row.
 WEIGHT_BYTES = {"f32": 4.0, "f16": 2.0, "bf16": 2.0, "int8": 1.0, "int4": 0.5 + 2 / 32}
 
@@ -85,7 +89,7 @@ class BandwidthProbe:
     did not, and read 18 GB/s where a decode kernel streamed 22). The buffer is written once, so its
     pages exist, and kept until close(): freeing a gigabyte between rounds slowed the round after it
     (1b cpu_int4 decode 28.0 -> 29.5-31.3 ms/token; a burst of 35-47 ms tokens about 2 s after the
-    free, the kernel's free-page work taking the backend's cores)."""
+    free: the guest kernel reporting the freed pages to the host took the backend's cores)."""
 
     def __init__(self, threads: int | None = None):
         self.threads = threads or os.cpu_count() or 1
@@ -330,6 +334,7 @@ def bench(backends: list[tuple[str, LoadOptions]], model_dir: Path, prompt_len: 
             for weights, path in ggufs.items() if r >= warmup else ():
                 progress(f"bench: llama.cpp {path.parent.name} {label}")
                 lc_runs[weights].append(llamacpp.bench(path, prompt_len, gen, threads))
+                time.sleep(SETTLE_S)
     finally:
         for w, _ in workers:
             w.stop()

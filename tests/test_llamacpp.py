@@ -8,13 +8,14 @@ import json
 import os
 import stat
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
 from glmcore.backend import LoadOptions
 from glmcore.errors import GlmcoreError
-from glmcore_conformance import llamacpp
+from glmcore_conformance import bench as bench_module, llamacpp
 from glmcore_conformance.bench import bench, format_bench
 
 FAKE_BENCH = """#!{python}
@@ -76,9 +77,13 @@ def test_bench_runs_llamacpp_in_the_timed_rounds_and_adds_the_column(tmp_path, m
     monkeypatch.setenv("GLMCORE_CACHE", str(tmp_path / "cache"))
     model = synthetic_dir("chatglm3", "tiny", purpose="test", seed=0)
     stub = StubLlamaCpp(tmp_path)
+    slept, sleep = [], time.sleep
+    monkeypatch.setattr(bench_module, "SETTLE_S", 0.001)
+    monkeypatch.setattr(bench_module.time, "sleep", lambda s: (slept.append(s), sleep(s)))
     data = bench([("torch", LoadOptions())], model, prompt_len=8, gen=4, runs=3, warmup=1, threads=1,
                  bandwidth=1e10, llamacpp=stub)
     assert stub.calls == [("F32", 8, 4, 1)] * 3          # the timed rounds only, same prompt, gen and threads
+    assert slept.count(0.001) == 3                       # the machine settles after each llama.cpp run
     ref = data["llamacpp"]["f32"]
     assert ref["type"] == "F32" and ref["decode_tps"] == 12.0 and len(ref["runs"]) == 3   # the median
     text = format_bench(data)
