@@ -1205,19 +1205,22 @@ static void run_gemm(pool *p, int isa, const glmi4_mat *W, int M, const int8_t *
 /* ------------------------------------------------------------------ attention and element-wise ops */
 
 #if GLMI4_X86
-/* exp(x) for x <= 88 (Cephes polynomial, ~1 ulp); used by softmax and SiLU in the AVX2 path */
+/* exp(x) for x <= 88 (Cephes polynomial, ~1 ulp): clamp, x = n ln2 + r (ln2 in two parts), exp(r) by a
+ * degree-6 polynomial, times 2^n. exp8 (AVX2) and exp16 (AVX-512) share these constants, so every lane gives
+ * the same bits on either ISA. Used by softmax and SiLU. */
+static const float EXP_CLAMP[2] = {-87.3f, 88.3f}, EXP_LN2[2] = {0.693359375f, -2.12194440e-4f};
+static const float EXP_POLY[6] = {1.9875691500e-4f, 1.3981999507e-3f, 8.3334519073e-3f,
+                                  4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f};
+#define EXP_LOG2E 1.44269504088896341f
+
 T_AVX2 INLINE __m256 exp8(__m256 x) {
-    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.3f));
-    __m256 fx = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(EXP_CLAMP[0])), _mm256_set1_ps(EXP_CLAMP[1]));
+    __m256 fx = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(EXP_LOG2E)),
                                 _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
-    x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), x);
-    __m256 y = _mm256_set1_ps(1.9875691500e-4f);
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
+    x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(EXP_LN2[0]), x);
+    x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(EXP_LN2[1]), x);
+    __m256 y = _mm256_set1_ps(EXP_POLY[0]);
+    for (int i = 1; i < 6; i++) y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(EXP_POLY[i]));
     y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.f)));
     __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(fx), _mm256_set1_epi32(127)), 23);
     return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
@@ -1433,19 +1436,15 @@ T_AVX2 static void attn_item_avx2(model *m, attn_job *a, int item, int tid) {
     memcpy(m->att + (size_t)t * s->n_heads * hd + (size_t)h0 * hd, acc, sizeof(float) * (size_t)per * hd);
 }
 
-/* exp8 on 16 lanes: the same clamp, range reduction and polynomial, so each lane gives exp8's result */
+/* exp8 on 16 lanes (the same constants and operations) */
 T_VNNI INLINE __m512 exp16(__m512 x) {
-    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.3f)), _mm512_set1_ps(88.3f));
-    __m512 fx = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(EXP_CLAMP[0])), _mm512_set1_ps(EXP_CLAMP[1]));
+    __m512 fx = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(EXP_LOG2E)),
                                      _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    x = _mm512_fnmadd_ps(fx, _mm512_set1_ps(0.693359375f), x);
-    x = _mm512_fnmadd_ps(fx, _mm512_set1_ps(-2.12194440e-4f), x);
-    __m512 y = _mm512_set1_ps(1.9875691500e-4f);
-    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.3981999507e-3f));
-    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(8.3334519073e-3f));
-    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(4.1665795894e-2f));
-    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.6666665459e-1f));
-    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(5.0000001201e-1f));
+    x = _mm512_fnmadd_ps(fx, _mm512_set1_ps(EXP_LN2[0]), x);
+    x = _mm512_fnmadd_ps(fx, _mm512_set1_ps(EXP_LN2[1]), x);
+    __m512 y = _mm512_set1_ps(EXP_POLY[0]);
+    for (int i = 1; i < 6; i++) y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(EXP_POLY[i]));
     y = _mm512_fmadd_ps(y, _mm512_mul_ps(x, x), _mm512_add_ps(x, _mm512_set1_ps(1.f)));
     __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(fx), _mm512_set1_epi32(127)), 23);
     return _mm512_mul_ps(y, _mm512_castsi512_ps(e));
