@@ -399,6 +399,9 @@ typedef struct gemm_job {
  * tokens at a time costs less (measured in cache, 1 thread: g32 153 vs 145 GMAC/s at 16 tokens, 176 vs
  * 153 at 128). */
 #define UNPACK_M 32
+/* The AVX2 kernels' 4-token blocks: below 16 tokens the nibbles split in registers (decode of 4 sequences
+ * 1.53x, of 8 1.09x the unpacked tile's speed; of 16 0.94x; paired A/Bs on the 1b). */
+#define UNPACK_M_AVX2 16
 
 /* Which products go 16 tokens at a time (AVX-512 VNNI, group 32, symmetric): int4 below UNPACK_M tokens,
  * int8 (the output layer) from 16 tokens on. */
@@ -532,9 +535,9 @@ T_AVX2 INLINE int32_t ld32(const int8_t *p) {
     return v;
 }
 
-/* One 16-row tile against NT tokens (NT = 4 for prefill, 1 for decode). acc[t][0]: rows 0-7 of token t,
- * acc[t][1]: rows 8-15. Per chunk: one load, three ops to split the nibbles (for NT = 4 done once per
- * tile by unpack_tile_avx2, into unp), then per token one broadcast and two vpmaddubsw. |q*x| <= 15*127, so eight pair sums stay below 32767 and the int16
+/* One 16-row tile against NT tokens (1, 2 or 4). acc[t][0]: rows 0-7 of token t, acc[t][1]: rows 8-15. Per
+ * chunk: one load, three ops to split the nibbles (from UNPACK_M_AVX2 tokens on done once per tile by
+ * unpack_tile_avx2, into unp), then per token one broadcast and two vpmaddubsw. |q*x| <= 15*127, so eight pair sums stay below 32767 and the int16
  * accumulation over a 32-block is exact. */
 /* i16[t][h] += vpmaddubsw(nibble-bytes half h of one 8-input chunk, 4 bytes of token t broadcast), for the
  * 4 tokens of a register block: the inner step of both 4-token AVX2 kernels. Written in asm so the eight
@@ -598,7 +601,7 @@ T_AVX2 INLINE void q4_tile_avx2(const gemm_job *j, const uint8_t *p, const uint8
             const int b = g * GB + s;
             __m256i i16[NTMAX][2];
             for (int t = 0; t < NT; t++) i16[t][0] = i16[t][1] = _mm256_setzero_si256();
-            if (NT == 4) {
+            if (NT == 4 && unp) {
                 /* The prefill hot loop, in assembly so that the 8 accumulators stay in registers: compilers
                  * hoist the broadcasts and spill two accumulators, and the store-to-load round trip on
                  * the loop-carried chain halves the speed. 13 ymm: 8 acc, 2 nibble halves, 3 temps. */
@@ -779,7 +782,7 @@ T_AVX2 static void gemm4_avx2(const gemm_job *j, int t0, int t1) {
     const size_t tb = tile_bytes(W);
     const int nb = W->k_pad / QK, nbx = j->ldq / QK, g32 = W->group == QK && !W->asym;
     float buf[NTMAX * TILE];
-    uint8_t *unp = j->M >= 4 ? xalloc((size_t)nb * 512) : NULL;
+    uint8_t *unp = j->M >= UNPACK_M_AVX2 ? xalloc((size_t)nb * 512) : NULL;
     float *fs = NULL, *c8 = NULL;    /* group 32 prefill: the tile's f32 scales, the tokens' -8*xs */
     if (unp && g32) {
         fs = xalloc((size_t)nb * TILE * sizeof(float));
@@ -801,8 +804,8 @@ T_AVX2 static void gemm4_avx2(const gemm_job *j, int t0, int t1) {
                 }
                 for (; m + 4 <= j->M; m += 4) { q4_tile4_g32_avx2(j, unp, fs, c8, m, buf); store_tile_avx2(j, tile, m, 4, buf); }
             }
-            for (; m + 4 <= j->M; m += 4) { q4_tile_avx2(j, p, unp, m, 4, buf); store_tile_avx2(j, tile, m, 4, buf); }
         }
+        for (; m + 4 <= j->M; m += 4) { q4_tile_avx2(j, p, unp, m, 4, buf); store_tile_avx2(j, tile, m, 4, buf); }
         for (; m + 2 <= j->M; m += 2) { q4_tile_avx2(j, p, NULL, m, 2, buf); store_tile(j, tile, m, 2, buf); }
         for (; m < j->M; m++) { q4_tile_avx2(j, p, NULL, m, 1, buf); store_tile(j, tile, m, 1, buf); }
     }
