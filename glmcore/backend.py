@@ -370,11 +370,14 @@ class Registry:
         return [n for n in self.names() if self.probe(n).ready]
 
     def best(self) -> str:
-        ready = self.ready()
-        if not ready:
-            raise BackendError("no backend is ready; run `glmcore backends` and install one, "
-                               'e.g. pip install "glmcore[torch]"')
-        return max(ready, key=lambda n: (self.get(n).capabilities().speed_rank, n))
+        """The ready backend with the highest speed_rank; only backends ranked above a ready one are probed."""
+        ranked = sorted((n for n in self.names() if self.entries[n].backend is not None),
+                        key=lambda n: (self.get(n).capabilities().speed_rank, n), reverse=True)
+        for name in ranked:
+            if self.probe(name).ready:
+                return name
+        raise BackendError("no backend is ready; run `glmcore backends` and install one, "
+                           'e.g. pip install "glmcore[torch]"')
 
 
 _REGISTRY: Registry | None = None

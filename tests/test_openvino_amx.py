@@ -19,7 +19,7 @@ from glmcore.errors import BackendError                                 # noqa: 
 from glmcore.weights import Weights, load_weights                       # noqa: E402
 from glmcore_plugins.openvino_amx import OpenVINOBackend                # noqa: E402
 from glmcore_plugins.openvino_amx import graph, session as ovs          # noqa: E402
-from glmcore_plugins.openvino_amx.cpu import native_bf16                # noqa: E402
+from glmcore_plugins.openvino_amx.cpu import compressed_matmul_kernel, integer_isa, native_bf16  # noqa: E402
 from glmcore_plugins.openvino_amx.quant import dequantize, dequantize_sym, quantize_asym, quantize_sym  # noqa: E402
 
 FAMILIES = ("chatglm2", "chatglm3", "glm4")
@@ -97,6 +97,23 @@ def _load(cfg, w, precision="f32", weights="f32", capacity=128, **extra):
 
 # ---------------------------------------------------------------- probe and capabilities
 
+@pytest.mark.parametrize("flags, isa, default", [
+    ({"avx2", "fma"}, None, "cpu_int4"),
+    ({"avx2", "fma", "avx_vnni"}, "AVX-VNNI", "openvino_amx"),
+    ({"avx2", "avx512f", "avx512_vnni"}, "AVX-512 VNNI", "openvino_amx"),
+    ({"avx512_vnni", "amx_tile", "amx_int8", "amx_bf16"}, "AMX-INT8", "openvino_amx"),
+])
+def test_default_backend_follows_the_cpus_integer_kernels(monkeypatch, flags, isa, default):
+    """openvino_amx outranks cpu_int4 only where OpenVINO has integer matmul kernels (VNNI/AMX)."""
+    from glmcore.backend import registry
+    from glmcore_plugins.openvino_amx import cpu
+    monkeypatch.setattr(cpu, "cpu_flags", lambda: frozenset(flags))
+    assert cpu.integer_isa() == isa
+    int4_rank = registry().get("cpu_int4").capabilities().speed_rank
+    ov_rank = BACKEND.capabilities().speed_rank
+    assert (ov_rank > int4_rank) == (default == "openvino_amx")
+
+
 def test_probe_names_version_cpu_isa_and_precision():
     pr = BACKEND.probe()
     assert pr.ready and pr.device == "cpu"
@@ -106,6 +123,11 @@ def test_probe_names_version_cpu_isa_and_precision():
     assert d["precision"].startswith("bf16" if native_bf16() else "f32")
     if not native_bf16():
         assert "runs it as f32" in d["precision"]
+    # the compressed-matmul kernel is read from a compiled model: without VNNI/AMX it expands weights to f32
+    kernel = compressed_matmul_kernel()
+    assert d["int8/int4 matmuls"].startswith(kernel)
+    if integer_isa() is None:
+        assert kernel.endswith("f32") and "cpu_int4 is the default" in d["int8/int4 matmuls"]
     caps = BACKEND.capabilities()
     assert caps.precisions == ("f32", "bf16") and caps.weight_formats == ("f32", "f16", "int8", "int4")
     assert caps.default_precision == ("bf16" if native_bf16() else "f32") and not caps.can_shift

@@ -68,6 +68,16 @@ def test_best_prefers_speed_and_skips_unready():
     assert reg.probe("fast").install == 'pip install "glmcore[fake]"'
 
 
+def test_best_probes_only_down_to_the_first_ready(monkeypatch):
+    """Choosing the default must not pay for probing backends ranked below a ready one."""
+    reg = Registry()
+    top, low = Fake(rank=9), Fake(rank=1)
+    top.name, low.name = "top", "low"
+    reg.register(plugin(top, low), "p")
+    monkeypatch.setattr(low, "probe", lambda: pytest.fail("a lower-ranked backend was probed"))
+    assert reg.best() == "top"
+
+
 def test_no_ready_backend_and_unknown_backend():
     reg = Registry()
     with pytest.raises(BackendError, match="no backend is ready"):

@@ -17,7 +17,7 @@ from glmcore.backend import Backend, Capabilities, LoadOptions, Probe, default_c
 from glmcore.cpuinfo import cpu_name
 from glmcore.errors import BackendError
 
-from .cpu import has_amx, has_avx512_bf16, native_bf16
+from .cpu import compressed_matmul_kernel, has_amx, has_avx512_bf16, integer_isa, native_bf16
 
 
 class OpenVINOBackend(Backend):
@@ -49,6 +49,7 @@ class OpenVINOBackend(Backend):
                        "group_size=128, ir=DIR",
             "batch": "native: OpenVINO's paged-attention form of the same graph, many sequences per call",
             "runs on": "this machine's CPU through OpenVINO's CPU plugin",
+            "int8/int4 matmuls": _kernel_line(),
         }
         if importlib.util.find_spec("openvino_genai") is not None:
             import openvino_genai
@@ -58,7 +59,9 @@ class OpenVINOBackend(Backend):
     def capabilities(self) -> Capabilities:
         return Capabilities(precisions=("f32", "bf16"), weight_formats=("f32", "f16", "int8", "int4"),
                             default_precision="bf16" if native_bf16() else "f32", default_weights="int8",
-                            max_context=None, can_shift=False, speed_rank=20, native_batch=True)
+                            max_context=None, can_shift=False, native_batch=True,
+                            # above cpu_int4 (5) only where OpenVINO has integer kernels for compressed weights
+                            speed_rank=20 if integer_isa() else 3)
 
     def _require(self) -> None:
         problem = _runtime_problem()
@@ -130,6 +133,19 @@ class OpenVINOBackend(Backend):
         session.write_ir(config, weights, session.ir_options(options), out, progress)
         progress(f"run it with: glmcore run --backend {self.name} --weights {options.weights} --opt ir={out} ...; "
                  "or with openvino_genai.LLMPipeline (token ids in, token ids out)")
+
+
+def _kernel_line() -> str:
+    """What runs the compressed matmuls, as compiled here, and what that means for the default backend."""
+    try:
+        kernel = compressed_matmul_kernel()
+    except RuntimeError as e:
+        return f"unknown (the probe model did not compile: {_last_line(e)})"
+    isa = integer_isa()
+    if isa:
+        return f"{kernel} (integer dot products on {isa}: the default backend here)"
+    return (f"{kernel} (no VNNI/AMX: OpenVINO expands int8/int4 weights to f32 in every matmul, so int4 decodes "
+            "no faster than int8; cpu_int4 is the default on this CPU, --backend openvino_amx still works)")
 
 
 def _runtime_problem() -> str:
