@@ -284,3 +284,28 @@ def test_ascend_npu_graph_mode_keeps_the_collectives_in_one_compiled_step(make_t
     finally:
         batch.close()
         ref.close()
+
+
+def test_compiled_gather_falls_back_to_all_gather_tensor_on_older_torch():
+    """torch_npu ships for torch versions whose functional collectives have all_gather_tensor but no
+    all_gather_single: the compiled step's logits gather must use the one that exists. Two ranks are
+    emulated by a stand-in collective (rank 1's part = rank 0's + 100), traced by torch.compile."""
+    import types
+
+    import torch
+    calls = []
+
+    def all_gather_tensor(t, gather_dim, group, tag=""):       # the old funcol's signature
+        calls.append((gather_dim, group))
+        return torch.cat([t, t + 100], dim=gather_dim)
+
+    old_funcol = types.SimpleNamespace(all_gather_tensor=all_gather_tensor)    # no all_gather_single
+    shard = object.__new__(parallel.Shard)
+    shard.plan = types.SimpleNamespace(vocab_chunk=4, world=2, rank=0)
+    shard.full_config = types.SimpleNamespace(vocab_size=7)
+    shard.mesh = "mesh"
+    shard._torch, shard._funcol = torch, old_funcol
+    logits = torch.arange(8, dtype=torch.float32).reshape(2, 4)
+    full = torch.compile(shard.gather, backend="eager", fullgraph=True)(logits)
+    assert calls == [(1, "mesh")]
+    assert torch.equal(full, torch.cat([logits, logits + 100], dim=1)[:, :7])
