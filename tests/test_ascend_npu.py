@@ -6,6 +6,7 @@ Graph-mode sessions compile with inductor (tens of seconds each on 2 cores), so 
 one compiled session with small prefill buckets (8, 32: three graphs with decode)."""
 from __future__ import annotations
 
+import importlib.machinery
 import math
 import sys
 import types
@@ -244,20 +245,73 @@ def test_graph_decode_updates_the_cache_in_place_and_never_grows(graph):
 
 # ---------------------------------------------------------------- the NPU path, on documented signatures
 
-def _fake_torch_npu():
-    """torch_npu's documented kernels, emulated on the CPU with the documented signatures (keyword
-    names, BNSD layout, atten_mask True = masked out, GQA through num_key_value_heads, actual_seq_lengths
-    a host list of per-batch KV lengths of which only the first keys are read), so the dispatch layer's
-    calls are checked without the hardware. Wrong keywords raise TypeError."""
-    calls = []
+# The kernels' schemas exactly as op-plugin registers them (op_plugin/config/op_plugin_functions.yaml):
+# what dynamo sees when it traces a torch_npu call. Note the length types: int[] for the prompt kernel,
+# SymInt[] for the incremental and the fused infer kernel (int[] there in op-plugin 6.0.rc1).
+SCHEMAS = {
+    "npu_rms_norm": "npu_rms_norm(Tensor self, Tensor gamma, float epsilon=1e-06) -> (Tensor, Tensor)",
+    "scatter_update_": "scatter_update_(Tensor(a!) self, Tensor indices, Tensor updates, int axis) -> Tensor(a!)",
+    "npu_prompt_flash_attention": (
+        "npu_prompt_flash_attention(Tensor query, Tensor key, Tensor value, *, Tensor? padding_mask=None, "
+        "Tensor? atten_mask=None, Tensor? pse_shift=None, int[]? actual_seq_lengths=None, Tensor? deq_scale1=None, "
+        "Tensor? quant_scale1=None, Tensor? deq_scale2=None, Tensor? quant_scale2=None, Tensor? quant_offset2=None, "
+        "int num_heads=1, float scale_value=1.0, int pre_tokens=2147483647, int next_tokens=0, str input_layout=\"BSH\", "
+        "int num_key_value_heads=0, int[]? actual_seq_lengths_kv=None, int sparse_mode=0) -> Tensor"),
+    "npu_incre_flash_attention": (
+        "npu_incre_flash_attention(Tensor query, Tensor key, Tensor value, *, Tensor? padding_mask=None, "
+        "Tensor? atten_mask=None, Tensor? pse_shift=None, SymInt[]? actual_seq_lengths=None, "
+        "Tensor? antiquant_scale=None, Tensor? antiquant_offset=None, Tensor? block_table=None, "
+        "Tensor? dequant_scale1=None, Tensor? quant_scale1=None, Tensor? dequant_scale2=None, "
+        "Tensor? quant_scale2=None, Tensor? quant_offset2=None, Tensor? kv_padding_size=None, int num_heads=1, "
+        "float scale_value=1.0, str input_layout=\"BSH\", int num_key_value_heads=0, int block_size=0, "
+        "int inner_precise=1) -> Tensor"),
+    "npu_fused_infer_attention_score": (
+        "npu_fused_infer_attention_score(Tensor query, Tensor key, Tensor value, *, Tensor? pse_shift=None, "
+        "Tensor? atten_mask=None, SymInt[]? actual_seq_lengths=None, SymInt[]? actual_seq_lengths_kv=None, "
+        "Tensor? dequant_scale1=None, Tensor? quant_scale1=None, Tensor? dequant_scale2=None, "
+        "Tensor? quant_scale2=None, Tensor? quant_offset2=None, Tensor? antiquant_scale=None, "
+        "Tensor? antiquant_offset=None, Tensor? key_antiquant_scale=None, Tensor? key_antiquant_offset=None, "
+        "Tensor? value_antiquant_scale=None, Tensor? value_antiquant_offset=None, Tensor? block_table=None, "
+        "Tensor? query_padding_size=None, Tensor? kv_padding_size=None, Tensor? key_shared_prefix=None, "
+        "Tensor? value_shared_prefix=None, SymInt[]? actual_shared_prefix_len=None, Tensor? query_rope=None, "
+        "Tensor? key_rope=None, Tensor? key_rope_antiquant_scale=None, int num_heads=1, float scale=1.0, "
+        "int pre_tokens=2147483647, int next_tokens=2147483647, str input_layout=\"BSH\", int num_key_value_heads=0, "
+        "int sparse_mode=0, int inner_precise=0, int block_size=0, int antiquant_mode=0, int key_antiquant_mode=0, "
+        "int value_antiquant_mode=0, bool softmax_lse_flag=False) -> (Tensor, Tensor)"),
+}
+_LIBRARIES: dict = {}      # namespace -> (torch.library.Library, calls): registered once per process
+_CALLS: list = []          # what the CPU kernels of the current fake were called with
 
-    def npu_rms_norm(self, gamma, epsilon=1e-06):
-        calls.append("rms_norm")
-        assert self.dtype == gamma.dtype
-        rstd = torch.rsqrt(self.float().pow(2).mean(-1, keepdim=True) + epsilon)
-        return (self.float() * rstd * gamma.float()).to(self.dtype), rstd
 
-    def _fa(query, key, value, atten_mask, num_heads, scale_value, input_layout, num_key_value_heads, kv_lens):
+def _npu_library(namespace: str, rc1: bool = False):
+    """Register the kernels under torch.ops.<namespace> with the vendor schemas, a Meta kernel each (what
+    dynamo traces with) and a CPU kernel that computes the documented result. rc1: the fused kernel with
+    the int[] lengths of op-plugin 6.0.rc1."""
+    if namespace in _LIBRARIES:
+        return getattr(torch.ops, namespace)
+    lib = torch.library.Library(namespace, "DEF")
+    for name, schema in SCHEMAS.items():
+        lib.define(schema.replace("SymInt[]? actual_seq_lengths_kv", "int[]? actual_seq_lengths_kv") if rc1 else schema)
+
+    def rms_norm(x, gamma, epsilon=1e-06):
+        _CALLS.append("rms_norm")
+        assert x.dtype == gamma.dtype
+        rstd = torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + epsilon)
+        return (x.float() * rstd * gamma.float()).to(x.dtype), rstd
+
+    def rms_norm_meta(x, gamma, epsilon=1e-06):
+        return torch.empty_like(x), x.new_empty(x.shape[:-1] + (1,), dtype=torch.float32)
+
+    def scatter_update_(data, indices, updates, axis):
+        _CALLS.append("scatter_update_")
+        assert axis == -2 and indices.dtype == torch.long and indices.dim() == 1
+        for b in range(data.shape[0]):
+            data[b].narrow(data.dim() - 3, int(indices[b]), updates.shape[-2]).copy_(updates[b])
+        return data
+
+    def fa(query, key, value, atten_mask, num_heads, scale, input_layout, num_key_value_heads, kv_lens):
+        """BNSD, atten_mask True = masked out, GQA through num_key_value_heads; a row reads only its
+        first kv_lens[b] keys."""
         assert input_layout == "BNSD" and query.is_contiguous() and query.dtype in (torch.float16, torch.bfloat16)
         assert query.shape[1] == num_heads and key.shape[1] == num_key_value_heads
         b = query.shape[0]
@@ -265,46 +319,62 @@ def _fake_torch_npu():
         g = num_heads // num_key_value_heads
         k = key.float().repeat_interleave(g, 1)
         v = value.float().repeat_interleave(g, 1)
-        s = query.float() @ k.transpose(-1, -2) * scale_value
+        s = query.float() @ k.transpose(-1, -2) * scale
         s = s.masked_fill(atten_mask, float("-inf"))
-        if kv_lens is not None:                        # keys past a batch row's length are never read
-            assert isinstance(kv_lens, list) and len(kv_lens) == b and all(isinstance(n, int) for n in kv_lens)
+        if kv_lens is not None:
+            assert len(kv_lens) == b and all(isinstance(n, int) for n in kv_lens)
             beyond = torch.arange(key.shape[2])[None, :] >= torch.tensor(kv_lens)[:, None]
             s = s.masked_fill(beyond[:, None, None, :], float("-inf"))
         return (s.softmax(-1) @ v).to(query.dtype)
 
-    def npu_prompt_flash_attention(query, key, value, *, pse_shift=None, padding_mask=None, atten_mask=None,
-                                   actual_seq_lengths=None, deq_scale1=None, quant_scale1=None, deq_scale2=None,
-                                   quant_scale2=None, quant_offset2=None, num_heads=1, scale_value=1.0,
-                                   pre_tokens=2147473647, next_tokens=0, input_layout="BSH",
-                                   num_key_value_heads=0, actual_seq_lengths_kv=None, sparse_mode=0):
-        calls.append(("prompt_fa", actual_seq_lengths_kv))
-        assert sparse_mode == 0 and next_tokens >= key.shape[2]     # the mask alone decides
-        return _fa(query, key, value, atten_mask, num_heads, scale_value, input_layout, num_key_value_heads,
-                   actual_seq_lengths_kv)
+    def prompt(query, key, value, **kw):
+        _CALLS.append(("prompt_fa", kw.get("actual_seq_lengths_kv")))
+        # keyword-only arguments arrive as passed (the schema's defaults are not filled in)
+        assert kw.get("sparse_mode", 0) == 0 and kw.get("next_tokens", 0) >= key.shape[2]   # the mask alone decides
+        return fa(query, key, value, kw["atten_mask"], kw["num_heads"], kw.get("scale_value", 1.0),
+                  kw["input_layout"], kw["num_key_value_heads"], kw.get("actual_seq_lengths_kv"))
 
-    def npu_incre_flash_attention(query, key, value, *, padding_mask=None, pse_shift=None, atten_mask=None,
-                                  actual_seq_lengths=None, dequant_scale1=None, quant_scale1=None,
-                                  dequant_scale2=None, quant_scale2=None, quant_offset2=None, antiquant_scale=None,
-                                  antiquant_offset=None, block_table=None, kv_padding_size=None, num_heads=1,
-                                  scale_value=1.0, input_layout="BSH", num_key_value_heads=0, block_size=0,
-                                  inner_precise=1):
-        calls.append(("incre_fa", actual_seq_lengths))
+    def incre(query, key, value, **kw):
+        _CALLS.append(("incre_fa", kw.get("actual_seq_lengths")))
         assert query.shape[2] == 1
-        return _fa(query, key, value, atten_mask, num_heads, scale_value, input_layout, num_key_value_heads,
-                   actual_seq_lengths)
+        return fa(query, key, value, kw["atten_mask"], kw["num_heads"], kw.get("scale_value", 1.0),
+                  kw["input_layout"], kw["num_key_value_heads"], kw.get("actual_seq_lengths"))
 
-    def scatter_update_(data, indices, updates, axis):
-        calls.append("scatter_update_")
-        assert axis == -2 and indices.dtype == torch.long and indices.dim() == 1
-        for b in range(data.shape[0]):
-            data[b].narrow(data.dim() - 3, int(indices[b]), updates.shape[-2]).copy_(updates[b])
-        return data
+    def fused(query, key, value, **kw):
+        _CALLS.append(("fused_fa", kw.get("actual_seq_lengths_kv")))
+        assert kw.get("sparse_mode", 0) == 0 and kw.get("next_tokens", 2147483647) >= key.shape[2]
+        out = fa(query, key, value, kw["atten_mask"], kw["num_heads"], kw.get("scale", 1.0), kw["input_layout"],
+                 kw["num_key_value_heads"], kw.get("actual_seq_lengths_kv"))
+        return out, torch.zeros(1)       # softmax_lse_flag=False: no lse is computed
 
+    def attention_meta(query, key, value, **kw):
+        return torch.empty_like(query)
+
+    def fused_meta(query, key, value, **kw):
+        return torch.empty_like(query), query.new_empty((1,), dtype=torch.float32)
+
+    for name, cpu, meta in (("npu_rms_norm", rms_norm, rms_norm_meta),
+                            ("scatter_update_", scatter_update_, lambda data, *a: data),
+                            ("npu_prompt_flash_attention", prompt, attention_meta),
+                            ("npu_incre_flash_attention", incre, attention_meta),
+                            ("npu_fused_infer_attention_score", fused, fused_meta)):
+        lib.impl(name, cpu, "CPU")
+        lib.impl(name, meta, "Meta")
+    _LIBRARIES[namespace] = lib
+    return getattr(torch.ops, namespace)
+
+
+def _fake_torch_npu(rc1: bool = False):
+    """A torch_npu module as the real one exposes its kernels (torch_npu.X is the torch.ops.npu.X packet),
+    backed by _npu_library: documented signatures, so a wrong keyword or type raises, and the kernels
+    compute the documented result on the CPU. rc1: op-plugin 6.0.rc1's fused kernel (int[] lengths)."""
+    ops = _npu_library("glmcore_test_npu_rc1" if rc1 else "glmcore_test_npu", rc1)
+    _CALLS.clear()
     mod = types.ModuleType("torch_npu")
-    mod.__dict__.update(npu_rms_norm=npu_rms_norm, npu_prompt_flash_attention=npu_prompt_flash_attention,
-                        npu_incre_flash_attention=npu_incre_flash_attention, scatter_update_=scatter_update_)
-    return mod, calls
+    mod.__spec__ = importlib.machinery.ModuleSpec("torch_npu", None)     # find_spec reads it, as for a real import
+    for name in SCHEMAS:
+        setattr(mod, name, getattr(ops, name))
+    return mod, _CALLS
 
 
 NPU = types.SimpleNamespace(type="npu")               # torch.device("npu") exists only with torch_npu
@@ -346,7 +416,7 @@ def test_npu_dispatch_uses_the_documented_kernels_with_per_row_lengths(make_tiny
             got.append(_run_steps(m, kc, vc, steps))
         outs.append(np.concatenate(got))
     assert {"rms_norm", "scatter_update_"} <= set(c for c in calls if isinstance(c, str))
-    assert ("prompt_fa", [10]) in calls and ("incre_fa", [11]) in calls      # per-row KV lengths, not capacity
+    assert ("fused_fa", [10]) in calls and ("incre_fa", [11]) in calls      # per-row KV lengths, not capacity
     assert ("incre_fa", [8, 4, 6]) in calls and ("incre_fa", [9, 5, 7]) in calls
     assert rel_l2(outs[0], outs[1]) < 0.02           # same math, two kernel sets, both in bf16
     assert (outs[0].argmax(-1) == outs[1].argmax(-1)).mean() >= 0.8
@@ -435,6 +505,100 @@ def test_recompile_limit_on_old_and_new_torch():
     assert raise_recompile_limit() in ("recompile_limit", "cache_size_limit")
 
 
+def _fake_torchair(get_npu_backend, tiling_option: bool = True):
+    """torchair's CompilerConfig as its configs/_option_base.py builds it: every option is declared when
+    the config object is made, assigning any other name raises ValueError("... has no option ..."),
+    and an option's value must be one it offers (here True/False). tiling_option=False is torchair
+    6.0.rc1, whose experimental_config has no tiling_schedule_optimize."""
+
+    class Options:
+        def __init__(self, **options):
+            object.__setattr__(self, "_fixed_attrs", tuple(options))
+            for k, v in options.items():
+                object.__setattr__(self, k, v)
+
+        def __setattr__(self, key, value):
+            if key not in self._fixed_attrs:
+                raise ValueError(f"{type(self).__name__} has no option {key}, all options {list(self._fixed_attrs)}")
+            if value not in (True, False):
+                raise ValueError(f"Value {value!r} not in optional list [True, False]")
+            object.__setattr__(self, key, value)
+
+    class CompilerConfig:
+        def __init__(self):
+            options = dict(frozen_parameter=False, memory_efficiency=False, enable_view_optimize=True)
+            if tiling_option:
+                options["tiling_schedule_optimize"] = False
+            self.experimental_config = Options(**options)
+
+    torchair = types.ModuleType("torchair")
+    torchair.CompilerConfig, torchair.get_npu_backend = CompilerConfig, get_npu_backend
+    return torchair
+
+
+def test_torchair_stand_in_refuses_what_torchair_refuses():
+    config = _fake_torchair(None).CompilerConfig()
+    with pytest.raises(ValueError, match="has no option tiling_schedule_optimise"):
+        config.experimental_config.tiling_schedule_optimise = True      # misspelled
+    with pytest.raises(ValueError, match="not in optional list"):
+        config.experimental_config.frozen_parameter = "yes"
+    with pytest.raises(ValueError, match="has no option tiling_schedule_optimize"):
+        _fake_torchair(None, tiling_option=False).CompilerConfig().experimental_config.tiling_schedule_optimize = True
+
+
+@pytest.mark.parametrize("tiling_option", [True, False])
+def test_npu_compiler_sets_tiling_schedule_optimize_only_where_torchair_has_it(tiling_option):
+    """torchair 6.0.rc1 has no tiling_schedule_optimize (its experimental_config.py); setting it there
+    raises ValueError, so the compiler sets it only where the config declares it, and says so."""
+    from glmcore_plugins.ascend_npu.session import npu_compiler
+    configs = []
+    torchair = _fake_torchair(lambda compiler_config: configs.append(compiler_config) or "npu-backend", tiling_option)
+    backend, options = npu_compiler(torchair, dynamic_lengths=True)
+    assert backend == "npu-backend" and configs[0].experimental_config.frozen_parameter is True
+    assert getattr(configs[0].experimental_config, "tiling_schedule_optimize", None) is (True if tiling_option else None)
+    assert ("tiling_schedule_optimize=True" in options) == tiling_option
+
+
+@pytest.mark.parametrize("rc1", [False, True])
+def test_prefill_at_a_new_start_reuses_the_compiled_graph(make_tiny, monkeypatch, rc1):
+    """The per-row KV lengths must stay graph inputs: a prefill chunk at start 0 and one of the same
+    bucket at start 8 (lengths 8 and 16) run one graph. The kernels are registered with torch.library
+    under op-plugin's schemas with Meta kernels, so dynamo treats them as it treats torch_npu's; the
+    step is compiled as on the NPU (dynamic=True, static tensor shapes) by a counting backend.
+    npu_prompt_flash_attention's int[] actual_seq_lengths_kv would specialize each length: two graphs.
+    rc1: op-plugin 6.0.rc1, whose fused kernel also has int[] lengths: the prompt kernel without lengths."""
+    from glmcore_plugins.ascend_npu import session as sess
+    fake, calls = _fake_torch_npu(rc1)
+    monkeypatch.setitem(sys.modules, "torch_npu", fake)
+    graphs = []
+
+    def eager_backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    monkeypatch.setitem(sys.modules, "torchair", _fake_torchair(lambda compiler_config: eager_backend))
+    monkeypatch.setattr(sess, "select_ops", lambda device, dtype, soc: select_ops(NPU, dtype, soc))
+    cfg, w = model(make_tiny, "chatglm3")
+    opts = AscendNpuBackend().resolve(LoadOptions(precision="bf16", capacity=32, extra={"buckets": "8"}))
+    runner = sess.StepRunner(cfg, w, opts, AscendNpuBackend().capabilities(), torch.device("cpu"), 1, "Ascend910B4")
+    runner.on_npu = True                                       # tensors on the CPU, the NPU's compile path
+    runner._step = runner._compile()
+    torch._dynamo.reset()
+    chunk = torch.tensor([ids(8, 81)])
+    first, _ = runner.call(chunk, [0], [0], [7])
+    second, _ = runner.call(chunk, [8], [0], [7])
+    prefill_calls = [c for c in calls if isinstance(c, tuple) and c[0] != "incre_fa"]   # one per layer and call
+    assert len(prefill_calls) == 2 * cfg.num_layers
+    if rc1:      # no lengths at all: the mask alone bounds each row
+        assert {c for c in prefill_calls} == {("prompt_fa", None)}
+        assert "npu_prompt_flash_attention without lengths" in runner.ops.kernels["attention"]
+    else:
+        assert {c[0] for c in prefill_calls} == {"fused_fa"}
+        assert [c[1] for c in prefill_calls] == [[8]] * cfg.num_layers + [[16]] * cfg.num_layers   # each row's KV length
+    assert len(graphs) == 1, f"{len(graphs)} graphs for two prefill chunks of one bucket"
+    assert torch.isfinite(first).all() and torch.isfinite(second).all()
+
+
 def test_npu_graph_mode_marks_caches_static_and_lengths_dynamic(make_tiny, monkeypatch):
     """On the NPU: frozen parameters, the KV caches' addresses marked static (frozen_parameter.md), and
     with per-row lengths dynamic=True + mark_static inputs + tiling_schedule_optimize (torchair's
@@ -443,14 +607,7 @@ def test_npu_graph_mode_marks_caches_static_and_lengths_dynamic(make_tiny, monke
     fake, _ = _fake_torch_npu()
     monkeypatch.setitem(sys.modules, "torch_npu", fake)
     configs, compiled, marked = [], [], {"address": [], "static": []}
-
-    class Config:
-        def __init__(self):
-            self.experimental_config = types.SimpleNamespace(frozen_parameter=False)
-
-    torchair = types.ModuleType("torchair")
-    torchair.CompilerConfig = Config
-    torchair.get_npu_backend = lambda compiler_config: configs.append(compiler_config) or "npu-backend"
+    torchair = _fake_torchair(lambda compiler_config: configs.append(compiler_config) or "npu-backend")
     monkeypatch.setitem(sys.modules, "torchair", torchair)
     monkeypatch.setattr(torch, "compile", lambda fn, **kw: compiled.append(kw) or fn)
     monkeypatch.setattr(torch._dynamo, "mark_static_address", lambda t: marked["address"].append(t))

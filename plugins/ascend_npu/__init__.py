@@ -113,8 +113,9 @@ class AscendNpuBackend(Backend):
         details["batch graphs"] = ("all decode tokens of a step in one call over a static [slots, kv_heads, "
                                    "positions, head_dim] cache, one graph per batch-size bucket (--opt batch_buckets=)")
         details["verified"] = ("the CPU/inductor path runs in the tests against the torch reference; the NPU path "
-                               "(torchair, torch_npu kernels per SoC) only against stand-ins with the documented "
-                               "signatures, never on an Ascend NPU")
+                               "(torchair, torch_npu kernels per SoC) only against stand-ins: the kernels registered "
+                               "with op-plugin's schemas and Meta kernels (a prefill at a new start compiles no new "
+                               "graph), a torchair config that refuses unknown options; never on an Ascend NPU")
         if kind == "npu":
             from .ops import soc_support
             fused, why = soc_support(_soc())
@@ -122,8 +123,9 @@ class AscendNpuBackend(Backend):
             ok, tair = torchair_status()
             details["torchair"] = tair
             details["compiler"] = "torchair npu backend, frozen parameters"
-            details["kernels"] = ("torch_npu npu_rms_norm, npu_prompt/incre_flash_attention with actual_seq_lengths, "
-                                  "scatter_update_" if fused else "F.rms_norm, scaled_dot_product_attention, index_put_")
+            details["kernels"] = ("torch_npu npu_rms_norm, npu_fused_infer_attention_score / npu_incre_flash_attention "
+                                  "with actual_seq_lengths (where the schema types them SymInt[]), scatter_update_"
+                                  if fused else "F.rms_norm, scaled_dot_product_attention, index_put_")
             details["runs on"] = f"Ascend NPU ({_soc() or 'SoC unknown'})"
             if not ok:
                 return Probe(False, device=device, reason=f"{tair}; graph mode (the default) needs it",

@@ -16,8 +16,9 @@ positions past the capacity so padding never writes out of bounds.
 
 Compilers: on an Ascend NPU torchair's NPU backend with frozen parameters and the caches' addresses
 marked static (torchair frozen_parameter.md); when the attention kernels take per-row KV lengths
-(actual_seq_lengths, a SymInt list) the step compiles with dynamic=True, every tensor input
-mark_static'd and tiling_schedule_optimize on, so the lengths become graph inputs instead of
+(SymInt[] in their schemas; ops.py passes none to a kernel whose lengths are int[]) the step compiles
+with dynamic=True, every tensor input mark_static'd and tiling_schedule_optimize on where this torchair
+has that option, so the lengths become graph inputs instead of
 constants that would recompile every step (torchair docs, dynamic_static_graph/typical_issues.md,
 "path 4"). Elsewhere inductor, dynamic=False. Eager mode runs the same module uncompiled, exact lengths.
 """
@@ -102,12 +103,16 @@ def parse_buckets(value, default=DEFAULT_BUCKETS, what="buckets") -> tuple[int, 
 
 def npu_compiler(torchair_mod, dynamic_lengths: bool):
     """torchair's NPU backend as this backend configures it: frozen parameters always; with per-row KV
-    lengths also tiling_schedule_optimize (the lengths stay graph inputs; see the module docstring)."""
+    lengths also tiling_schedule_optimize (the lengths stay graph inputs; see the module docstring)
+    where this torchair has it. Returns (backend, the options set). torchair's config objects raise
+    ValueError on an option they do not have, and tiling_schedule_optimize came after 6.0.rc1."""
     config = torchair_mod.CompilerConfig()
     config.experimental_config.frozen_parameter = True
-    if dynamic_lengths:
+    options = ["frozen_parameter=True"]
+    if dynamic_lengths and hasattr(config.experimental_config, "tiling_schedule_optimize"):
         config.experimental_config.tiling_schedule_optimize = True
-    return torchair_mod.get_npu_backend(compiler_config=config)
+        options.append("tiling_schedule_optimize=True")
+    return torchair_mod.get_npu_backend(compiler_config=config), options
 
 
 class StepRunner:
@@ -156,10 +161,11 @@ class StepRunner:
                 # the parameters (torch >= 2.6), so the graph does not re-register them every step
                 torch._dynamo.mark_static_address(t)
                 torch._dynamo.mark_static(t)
-            backend = _counting(npu_compiler(torchair, self.ops.seq_lens))
-            self.compiler = ("torchair npu backend (frozen_parameter=True"
-                             + (", tiling_schedule_optimize=True, dynamic=True with static tensor shapes)"
-                                if self.ops.seq_lens else ")"))
+            backend, options = npu_compiler(torchair, self.ops.seq_lens)
+            backend = _counting(backend)
+            if self.ops.seq_lens:
+                options.append("dynamic=True with static tensor shapes")
+            self.compiler = f"torchair npu backend ({', '.join(options)})"
             return torch.compile(_private_copy(self.model.forward), backend=backend, fullgraph=True,
                                  dynamic=self.ops.seq_lens)
         self.compiler = "inductor"
