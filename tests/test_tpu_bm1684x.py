@@ -35,7 +35,7 @@ from glmcore.weights import load_weights  # noqa: E402
 from glmcore_plugins.torch_ref import TorchBackend  # noqa: E402
 from glmcore_plugins.tpu_bm1684x.export import export_parts, read_manifest  # noqa: E402
 from glmcore_plugins.tpu_bm1684x.graphs import part_specs  # noqa: E402
-from glmcore_plugins.tpu_bm1684x.session import OrtRunner, decode_mask, prefill_mask  # noqa: E402
+from glmcore_plugins.tpu_bm1684x.session import OrtRunner, StaticGraphSession, decode_mask, prefill_mask  # noqa: E402
 from glmcore_plugins.tpu_bm1684x.spec import MASK_VALUE  # noqa: E402
 
 FAMILIES = ["chatglm2", "chatglm3", "glm4"]
@@ -427,8 +427,8 @@ def test_compile_script_runs_tpu_mlir_commands(model, tmp_path, monkeypatch, suf
             assert "--quantize F32" in c and "--quant_input" not in c
         elif name.startswith("embedding"):             # GLM-4 defaults to the BF16 family, embedding in BF16
             assert "--quantize BF16" in c and "--q_group_size" not in c
-        else:
-            assert "--quantize W8BF16" in c and "--q_group_size" not in c
+        else:   # the group size goes to the W8 modes too (current model_deploy quantizes W8 per group)
+            assert "--quantize W8BF16" in c and "--q_group_size 64" in c
             assert ("--quant_output" in c) == (name != "lm_head")
     combine = [c for c in calls if c.startswith("model_tool")]
     assert len(combine) == 1
@@ -467,6 +467,15 @@ def test_quantize_modes_per_family(model, tmp_path):
                     tmp_path / "b", lambda m: None)
     script = (tmp_path / "b" / "compile.sh").read_text()
     assert 'QUANTIZE="${QUANTIZE:-W4BF16}"' in script and "--q_group_size 64" in script
+    # W8F16/W8BF16 take it too: current model_deploy applies --q_group_size to them (default 64 there)
+    backend.convert(cfg, w, backend.resolve(LoadOptions(extra={"seq_len": S, "quantize": "W8F16", "group_size": 128})),
+                    tmp_path / "c", lambda m: None)
+    lines = (tmp_path / "c" / "compile.sh").read_text().splitlines()
+    at = lines.index('GROUP_ARGS=""')
+    for mode, want in (("W8F16", "--q_group_size 128"), ("W8BF16", "--q_group_size 128"), ("BF16", "")):
+        r = subprocess.run(["bash", "-c", "\n".join(lines[at:at + 2] + ['echo "$GROUP_ARGS"'])],
+                           capture_output=True, text=True, env={"QUANTIZE": mode})
+        assert r.stdout.strip() == want, (mode, r.stdout, r.stderr)
 
 
 def test_parts_over_a_protobuf_go_to_tpu_mlir_as_torchscript(model, tmp_path, monkeypatch):
@@ -537,7 +546,30 @@ class SailEngineError(RuntimeError):
     pass
 
 
-def fake_sail(parts_dir: Path, io_dtype: str):
+def tpu_mlir_torch_names(path: Path) -> tuple[list, list, set]:
+    """What TPU-MLIR's torch front end (python/transform/TorchConverter.py, TorchHelper.py) calls the
+    tensors and ops of a TorchScript file: it loads it and reads `inlined_graph`; inputs are the graph
+    inputs after `self` by debugName(); outputs the returned value's debugName(), or a returned tuple's
+    elements'; an op is named after its node's first output, and aten::rsqrt becomes a Sqrt op
+    "{name}_sqrt" and a Reciprocal "{name}". Returns (inputs, outputs, op names)."""
+    import torch
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        g = torch.jit.load(str(path), map_location="cpu").inlined_graph
+    outputs = []
+    for value in g.outputs():
+        maker = value.node()
+        tuple_like = maker.kind() in ("prim::TupleConstruct", "prim::ListConstruct")
+        outputs.extend(v.debugName() for v in maker.inputs()) if tuple_like else outputs.append(value.debugName())
+    ops = set()
+    for node in g.nodes():
+        if node.kind().startswith("aten::"):
+            first = list(node.outputs())[0].debugName()
+            ops |= {first, f"{first}_sqrt"} if node.kind() == "aten::rsqrt" else {first}
+    return [v.debugName() for v in list(g.inputs())[1:]], outputs, ops
+
+
+def fake_sail(parts_dir: Path, io_dtype: str, torchscript_dir: Path | None = None):
     """A stand-in for sophon.sail (a test double, not the SDK) that follows sail's real Python binding:
 
     - `Engine.process(graph, {name: ndarray})` is bound as a map of pybind11 `array_t<float>`
@@ -550,8 +582,15 @@ def fake_sail(parts_dir: Path, io_dtype: str):
       first) and refuse an item size that is not the tensor's (src/tensor.cpp); `asnumpy()` returns
       uint16 for F16/BF16 tensors.
 
+    - `update_data` (src/tensor.cpp, Tensor_CC::update_data) refuses an array whose ndim or shape is not
+      the tensor's ("invalid argument"), and for F32/INT32 tensors one whose format is not float32/int32
+      ("Wrong dtype of input array!"): int32 data into an F32 tensor fails although both are 4 bytes.
+
     The 'bmodel' declares float I/O of io_dtype (f32, f16, bf16) as --quant_input/--quant_output make
-    it, and runs the host ONNX parts in parts_dir (f16 parts for f16, f32 parts otherwise)."""
+    it (lm_head, compiled with --quant_input only, takes io_dtype and returns F32 logits), and runs the
+    host ONNX parts in parts_dir (f16 parts for f16, f32 parts otherwise). Graphs compiled from a
+    TorchScript part in torchscript_dir (embedding.pt for embedding and embedding_cache, lm_head.pt) have
+    the tensor names TPU-MLIR gives them: the traced graph's debugName()s (TorchConverter.py)."""
     import ml_dtypes
     manifest = json.loads((parts_dir / "manifest.json").read_text())
     specs = {p["name"]: p for p in manifest["parts"]}
@@ -564,11 +603,16 @@ def fake_sail(parts_dir: Path, io_dtype: str):
     sail.get_available_tpu_num = lambda: 1
     bound = (np.float32, np.int8, np.uint8, np.int32, np.uint32, np.int16, np.uint16)   # update_data overloads
 
-    def declared(dt: str, graph: str) -> str:
+    pt_names = {}                                      # graph -> (input names, output names) as TPU-MLIR names them
+    for graph, pt in (("embedding", "embedding.pt"), ("embedding_cache", "embedding.pt"), ("lm_head", "lm_head.pt")):
+        if torchscript_dir is not None and (torchscript_dir / pt).is_file():
+            pt_names[graph] = tpu_mlir_torch_names(torchscript_dir / pt)[:2]
+
+    def declared(dt: str, graph: str, which: str) -> str:
         if dt == "int32":
             return "i32"
-        if graph == "greedy_head" or (graph == "lm_head" and dt == "float32"):
-            return "f32"                               # logits in and out of the heads stay F32
+        if graph == "greedy_head" or (graph == "lm_head" and which == "outputs"):
+            return "f32"                               # logits out of lm_head and through greedy_head stay F32
         return io_dtype
 
     class Handle:
@@ -591,7 +635,10 @@ def fake_sail(parts_dir: Path, io_dtype: str):
             a = np.asarray(data)
             if a.dtype.type not in bound:
                 a = a.astype(np.float32)              # pybind11's conversion pass: array_t<float> takes it
-            if a.dtype.itemsize != np_of[self._dtype].itemsize:
+            if list(a.shape) != self._shape:          # ndim first, then every dim
+                raise SailEngineError("invalid argument")
+            exact = {"f32": np.float32, "i32": np.int32}.get(self._dtype)    # F16/BF16: any 2-byte data
+            if a.dtype.itemsize != np_of[self._dtype].itemsize or (exact and a.dtype.type is not exact):
                 raise SailEngineError("Wrong dtype of input array!")
             if a.nbytes > self.mem.nbytes:
                 raise SailEngineError("size out of range")
@@ -611,7 +658,11 @@ def fake_sail(parts_dir: Path, io_dtype: str):
             return list(specs)
 
         def _io(self, graph, which):
-            return {n: (tuple(shape), declared(dt, graph)) for n, shape, dt in specs[graph][which]}
+            names = [n for n, _, _ in specs[graph][which]]
+            if graph in pt_names:
+                names = pt_names[graph][0 if which == "inputs" else 1]
+            return {name: (tuple(shape), declared(dt, graph, which))
+                    for name, (_, shape, dt) in zip(names, specs[graph][which], strict=True)}
 
         def get_input_names(self, graph):
             return list(self._io(graph, "inputs"))
@@ -632,9 +683,10 @@ def fake_sail(parts_dir: Path, io_dtype: str):
             return self._io(graph, "outputs")[name][1]
 
         def _run(self, graph, values: dict) -> dict:
-            """values: numpy arrays in the declared dtypes -> outputs in the declared dtypes."""
-            part_in = {n: v.astype(np.int32 if dt == "int32" else np.float32 if dt == "float32" else part_float)
-                       for (n, _, dt), v in zip(specs[graph]["inputs"], (values[n] for n, _, _ in specs[graph]["inputs"]))}
+            """values: numpy arrays in the declared dtypes, by this bmodel's names -> outputs likewise.
+            The ONNX part behind a graph is fed by position."""
+            part_in = {n: values[name].astype(np.int32 if dt == "int32" else np.float32 if dt == "float32" else part_float)
+                       for (n, _, dt), name in zip(specs[graph]["inputs"], self.get_input_names(graph), strict=True)}
             outs = self.sessions[graph].run(None, part_in)
             return {n: o.astype(np_of[self.get_output_dtype(graph, n)]) for n, o in zip(self.get_output_names(graph), outs)}
 
@@ -688,6 +740,25 @@ def test_fake_sail_follows_the_binding(model, cache_dir):
     assert t.asnumpy().dtype == np.uint16 and (t.asnumpy().view(np.float16) == 1).all()
     with pytest.raises(SailEngineError, match="bad input"):
         sail.Engine(__file__, 0, sail.IOMode.DEVIO).process("embedding_cache", {"input_ids": np.zeros((1, 1))})
+    # update_data checks ndim and every dim, then the format of 4-byte tensors (src/tensor.cpp)
+    with pytest.raises(SailEngineError, match="invalid argument"):
+        t.update_data(np.ones((cfg.hidden_size,), np.uint16))            # ndim 1 into [1, H]
+    with pytest.raises(SailEngineError, match="invalid argument"):
+        t.update_data(np.ones((1, cfg.hidden_size - 1), np.uint16))      # a dim off
+    f32 = sail.Tensor(sail.Handle(0), [1, 4], sail.Dtype.BM_FLOAT32, False, True)
+    with pytest.raises(SailEngineError, match="Wrong dtype"):
+        f32.update_data(np.ones((1, 4), np.int32))                       # 4 bytes, but not float
+    i32 = sail.Tensor(sail.Handle(0), [1, 4], sail.Dtype.BM_INT32, False, True)
+    with pytest.raises(SailEngineError, match="Wrong dtype"):
+        i32.update_data(np.ones((1, 4), np.float32))
+    f32.update_data(np.ones((1, 4), np.float32)), i32.update_data(np.ones((1, 4), np.int32))
+    # --quant_input strips lm_head's input cast: its input is the 16-bit I/O type; --quant_output is not
+    # passed for lm_head, so the logits stay F32
+    assert e.get_input_dtype("lm_head", e.get_input_names("lm_head")[0]) == sail.Dtype.BM_FLOAT16
+    assert e.get_output_dtype("lm_head", e.get_output_names("lm_head")[0]) == sail.Dtype.BM_FLOAT32
+    _, sail32 = fake_sail(cache_dir / "tpu_bm1684x" / f"{w.fingerprint()}-seq{S}-f16", "bf16")
+    e = sail32.Engine(__file__, 0, sail32.IOMode.DEVIO)
+    assert e.get_input_dtype("lm_head", "hidden_states") == sail32.Dtype.BM_BFLOAT16
 
 
 @pytest.mark.parametrize("precision", ["f32", "f16", "bf16"])
@@ -709,20 +780,79 @@ def test_device_runtime_adapter_with_stand_in_sail(model, cache_dir, tmp_path, m
     dev = load(cfg, w, cache_dir, capacity=None, bmodel=str(bmodel))
     assert type(dev.runner).__name__ == "SailRunner" and dev.capacity == S
     assert dev.k[0].dtype.name == {"f32": "float32", "f16": "float16", "bf16": "bfloat16"}[precision]
-    ids = np.random.default_rng(7).integers(0, cfg.vocab_size, 20).tolist()
-    got = [dev.prefill(ids[:12], all_logits=True)] + [dev.decode(t)[None] for t in ids[12:18]]
-    want = [host.prefill(ids[:12], all_logits=True)] + [host.decode(t)[None] for t in ids[12:18]]
+    device_matches_host(dev, host, np.random.default_rng(7).integers(0, cfg.vocab_size, 19).tolist(), 12, precision)
+    with pytest.raises(BackendError, match="compiled for SEQ_LEN"):
+        load(cfg, w, cache_dir, capacity=S + 1, bmodel=str(bmodel))
+    with pytest.raises(BackendError, match="needs a compiled bmodel"):
+        load(cfg, w, cache_dir, runtime="device")
+
+
+def converted_with_torchscript(model, tmp_path, monkeypatch):
+    """`glmcore convert` of the tiny GLM-4 with the protobuf limit lowered, so that its embedding and
+    lm_head go to TPU-MLIR as TorchScript .pt as the real GLM-4's do. Returns (cfg, weights, backend, out)."""
+    monkeypatch.setattr(tpu, "PROTOBUF_LIMIT", 0)
+    _, cfg, w = model("glm4")
+    backend, out = tpu.TpuBm1684xBackend(), tmp_path / "out"
+    backend.convert(cfg, w, backend.resolve(LoadOptions(extra={"seq_len": S})), out, lambda m: None)
+    return cfg, w, backend, out
+
+
+@pytest.mark.parametrize("precision", ["f32", "bf16"])
+def test_glm4_bmodel_with_torchscript_parts_runs_by_position(model, tmp_path, monkeypatch, precision):
+    """GLM-4's embedding and lm_head go to TPU-MLIR as TorchScript, and TPU-MLIR names their tensors by
+    the traced graph's debugName()s ("x.1", ...), not input_ids/hidden_states: the device runtime must
+    address every graph's tensors by position (get_input_names(graph)[i]), as sophon-demo and LLM-TPU
+    do, and take SEQ_LEN from the embedding's first input. The stand-in sail names them as TPU-MLIR does."""
+    import torch
+    cfg, w, backend, out = converted_with_torchscript(model, tmp_path, monkeypatch)
+    pkg, sail = fake_sail(out / "onnx", precision, torchscript_dir=out / "onnx")
+    e = sail.Engine(__file__, 0, sail.IOMode.DEVIO)
+    traced = torch.jit.load(str(out / "onnx" / "embedding.pt")).inlined_graph
+    assert e.get_input_names("embedding") == [list(traced.inputs())[1].debugName()] != ["input_ids"]
+    assert e.get_input_names("lm_head") != ["hidden_states"] and e.get_output_names("lm_head") != ["logits"]
+    monkeypatch.setitem(sys.modules, "sophon", pkg)
+    monkeypatch.setitem(sys.modules, "sophon.sail", sail)
+    bmodel = out / "glm4.bmodel"
+    bmodel.write_text("stand-in")
+    dev = backend.load(cfg, w, backend.resolve(LoadOptions(precision="f32", extra={"bmodel": str(bmodel)})))
+    assert type(dev.runner).__name__ == "SailRunner" and dev.capacity == S
+    host = StaticGraphSession(OrtRunner(out / "onnx", read_manifest(out / "onnx")), cfg, S)
+    device_matches_host(dev, host, np.random.default_rng(9).integers(0, cfg.vocab_size, 16).tolist(), 10, precision)
+
+
+def test_every_quantize_table_entry_names_an_op_of_its_graph(model, tmp_path, monkeypatch):
+    """TPU-MLIR ignores quantize-table names it does not find (TopToTpuPass init_qtable), so a table in
+    the ONNX part's names applied to lm_head.pt would leave the final norm in BF16 silently. Each
+    table must name ops of the graph it is applied to: TorchConverter names a .pt op after its first
+    output's debugName() and lowers rsqrt to "{name}_sqrt" + "{name}"; the ONNX front end "{output}_{OpType}"."""
+    _, _, _, out = converted_with_torchscript(model, tmp_path, monkeypatch)
+    script = (out / "compile.sh").read_text()
+    for part in read_manifest(out / "onnx")["parts"]:
+        name = part["name"]
+        source = "embedding" if name == "embedding_cache" else name
+        table = [line.split()[0] for line in (out / "qtable" / f"{name}.qtable").read_text().splitlines()[1:]]
+        if f'compile_part {name} "../../onnx/{source}.pt ' in script:          # compiled from the .pt
+            ops = tpu_mlir_torch_names(out / "onnx" / f"{source}.pt")[2]
+        else:
+            graph = onnx.load(str(out / "onnx" / f"{name}.onnx"), load_external_data=False).graph
+            ops = {f"{n.output[0]}_{n.op_type}" for n in graph.node}
+        assert set(table) <= ops, (name, sorted(set(table) - ops))
+    lm_head = [line.split()[0] for line in (out / "qtable" / "lm_head.qtable").read_text().splitlines()[1:]]
+    assert len(lm_head) == 7 and any(n.endswith("_sqrt") for n in lm_head)   # pow mean add sqrt rsqrt mul mul
+
+
+def device_matches_host(dev, host, ids, n_prompt, precision):
+    """A prompt of n_prompt ids (every position's logits), decode of the rest but the last, then the greedy
+    fast path on the last (greedy_head reads lm_head's output tensor on the device): the stand-in
+    device equals the host emulation bit for bit in f32/f16, within bf16 rounding in bf16."""
+    got = [dev.prefill(ids[:n_prompt], all_logits=True)] + [dev.decode(t)[None] for t in ids[n_prompt:-1]]
+    want = [host.prefill(ids[:n_prompt], all_logits=True)] + [host.decode(t)[None] for t in ids[n_prompt:-1]]
     got, want = np.concatenate(got), np.concatenate(want)
     if precision == "bf16":
         assert rel_l2(got, want) < 0.05
     else:
         assert np.array_equal(got, want)
-    # the greedy fast path: greedy_head reads lm_head's output tensor on the device
-    assert dev.decode_top1(ids[18]) == int(np.argmax(host.decode(ids[18])))
-    with pytest.raises(BackendError, match="compiled for SEQ_LEN"):
-        load(cfg, w, cache_dir, capacity=S + 1, bmodel=str(bmodel))
-    with pytest.raises(BackendError, match="needs a compiled bmodel"):
-        load(cfg, w, cache_dir, runtime="device")
+    assert dev.decode_top1(ids[-1]) == int(np.argmax(host.decode(ids[-1])))
 
 
 def rel_l2(a, b):

@@ -13,7 +13,8 @@ Runtimes, chosen per load:
 the parts too big for one protobuf), quantize tables, a compile script (model_transform /
 model_deploy --chip bm1684x / model_tool --combine), and runs it when TPU-MLIR's commands are on PATH.
 Backend-specific options (`--opt KEY=VALUE`): seq_len (default 512; or --ctx), runtime=auto|host|device,
-bmodel=PATH, device_id=N; convert also takes quantize (default W8F16, W8BF16 for GLM-4), group_size.
+bmodel=PATH, device_id=N; convert also takes quantize (default W8F16, W8BF16 for GLM-4) and group_size
+(default 64: --q_group_size for the W4*/W8* modes; TPU-MLIR versions without per-group W8 ignore it there).
 """
 from __future__ import annotations
 
@@ -79,8 +80,10 @@ class TpuBm1684xBackend(Backend):
                                 else "needs torch and onnx")}
         details["compiler"] = tpu_mlir_status()[1]
         details["verified"] = ("host emulation runs in the tests against the torch reference; the sail runtime path "
-                               "only against a stand-in that follows sophon-sail's binding, compile.sh against stub "
-                               "TPU-MLIR tools; neither on a BM1684X")
+                               "only against a stand-in that follows sophon-sail's binding (update_data's shape and "
+                               "dtype checks) and names .pt parts' tensors as TPU-MLIR does (tensors addressed by "
+                               "position), compile.sh against stub TPU-MLIR tools, quantize tables against the op "
+                               "names of the graph each is applied to; neither on a BM1684X")
         if not device_ok and missing:
             return Probe(False, device="cpu", reason=f"{', '.join(missing)} not installed (needed to export and "
                          f"emulate the static graphs) and {device_why}", install=self.install_hint(), details=details)
@@ -191,14 +194,14 @@ class TpuBm1684xBackend(Backend):
             group_size = 0
         if group_size < 1:
             raise BackendError(f"invalid group_size {options.extra.get('group_size')!r}: use a positive integer "
-                               "such as 64 (W4F16 only)")
+                               "such as 64 (the W4*/W8* modes' quantization group)")
         seq_len = self.seq_len(config, options)
         progress(f"{config.num_layers * 2 + 4} ONNX parts (SEQ_LEN={seq_len}, f32: TPU-MLIR quantizes them) in "
                  f"{out / 'onnx'}")
         manifest = export_parts(config, weights, seq_len, "f32", out / "onnx", progress)
         torchscript = export_big_parts(config, weights, manifest, out / "onnx", progress)
-        write_qtables(manifest, out)
-        script = write_script(manifest, out, config.family, quantize, group_size, torchscript)
+        write_qtables(manifest, out, torchscript)
+        script = write_script(manifest, out, config.family, quantize, group_size, frozenset(torchscript))
         progress(f"wrote {script} (--quantize {quantize}, RMSNorm in F32)")
         bmodel = out / bmodel_name(config.family, quantize, seq_len)
         ok, why = tpu_mlir_status()
@@ -214,16 +217,21 @@ def export_big_parts(config, weights, manifest: dict, onnx_dir: Path, progress) 
     """TorchScript twins of the parts whose f32 weights reach the protobuf limit (GLM-4's 151,552 x 4,096
     embedding and output layer: 2.5 GB each). TPU-MLIR's ONNX loader (OnnxConverter.load_onnx_model)
     reads external data back into one in-memory ModelProto, which its constant folding and onnxsim
-    steps serialize; LLM-TPU compiles exactly these two GLM4 parts from .pt. Returns their names."""
-    from .graphs import export_torchscript, group_weights
+    steps serialize; LLM-TPU compiles exactly these two GLM4 parts from .pt. Returns {part name: the
+    TPU-MLIR op names of its RMSNorm in the .pt graph} for the quantize tables (embedding_cache is
+    compiled from embedding.pt too)."""
+    from .graphs import export_torchscript, group_weights, torchscript_op_names
     if config.vocab_size * config.hidden_size * 4 < PROTOBUF_LIMIT:     # their one big matrix, in f32
-        return frozenset()
+        return {}
     specs = {p["name"]: p for p in manifest["parts"]}
+    f32_ops = {}
     for name in ("embedding", "lm_head"):
         progress(f"{name}: f32 weights exceed one protobuf (2 GiB): writing {name}.pt for TPU-MLIR")
         arrays = group_weights(config, weights, specs[name]["group"], manifest["key"]["seq_len"], "f32")
         export_torchscript(specs[name], config, arrays, onnx_dir / f"{name}.pt")
-    return frozenset(("embedding", "lm_head"))
+        f32_ops[name] = torchscript_op_names(onnx_dir / f"{name}.pt")[1]
+    f32_ops["embedding_cache"] = f32_ops["embedding"]
+    return f32_ops
 
 
 def _notice(msg: str) -> None:

@@ -31,12 +31,14 @@ def check_quantize(quantize: str | None, default: str) -> str:
     return q
 
 
-def write_qtables(manifest: dict, out: Path) -> None:
+def write_qtables(manifest: dict, out: Path, f32_ops: dict | None = None) -> None:
+    """One quantize table per part. f32_ops: the op names of parts compiled from TorchScript, whose ops
+    TPU-MLIR names differently from the ONNX part's (graphs.torchscript_op_names)."""
     qdir = out / "qtable"
     qdir.mkdir(parents=True, exist_ok=True)
     for part in manifest["parts"]:
         lines = ["# TPU-MLIR quantize table: keep RMSNorm in F32 (op name, mode)"]
-        lines += [f"{name} F32" for name in part["f32_ops"]]
+        lines += [f"{name} F32" for name in (f32_ops or {}).get(part["name"], part["f32_ops"])]
         (qdir / f"{part['name']}.qtable").write_text("\n".join(lines) + "\n")
 
 
@@ -75,8 +77,11 @@ OUT="${{OUT:-{family}_${{QUANTIZE,,}}_seq{seq_len}.bmodel}}"
 for tool in "$MODEL_TRANSFORM:model_transform" "$MODEL_DEPLOY:model_deploy" "$MODEL_TOOL:model_tool"; do
   if [ -z "${{tool%%:*}}" ]; then echo "[tpu_bm1684x] ${{tool#*:}}(.py) not found on PATH: install TPU-MLIR" >&2; exit 2; fi
 done
+# Weight-only modes quantize per group of {group_size} input channels. TPU-MLIR applies --q_group_size to
+# W4F16/W4BF16, and newer versions to W8F16/W8BF16 too (default 64 there as well); older ones ignore it
+# for W8 (per-channel). Passing it for both keeps the choice explicit on either.
 GROUP_ARGS=""
-case "$QUANTIZE" in W4*) GROUP_ARGS="--q_group_size {group_size}" ;; esac
+case "$QUANTIZE" in W4*|W8*) GROUP_ARGS="--q_group_size {group_size}" ;; esac
 # Embedding tables are gathered, not multiplied: weight-only int quantization does not apply.
 case "$QUANTIZE" in *BF16) EMBED_QUANT=BF16 ;; *) EMBED_QUANT=F16 ;; esac
 # RMSNorm stays F32 through qtable/<part>.qtable (TPU-MLIR op names). Newer TPU-MLIR also takes

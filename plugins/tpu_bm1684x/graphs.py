@@ -294,3 +294,36 @@ def export_torchscript(part: dict, cfg: ModelConfig, weights: dict[str, np.ndarr
     with torch.no_grad(), warnings.catch_warnings():
         warnings.simplefilter("ignore")      # TorchScript's deprecation notices: TPU-MLIR reads exactly this format
         torch.jit.save(torch.jit.trace(WithWeights().eval(), example), str(path))
+
+
+def _torchscript_graph(path):
+    """The graph TPU-MLIR's torch front end reads: the saved module's inlined_graph (TorchConverter.py)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return torch.jit.load(str(path), map_location="cpu").inlined_graph
+
+
+def torchscript_op_names(path) -> tuple[set[str], list[str]]:
+    """(every op name TPU-MLIR gives the TorchScript part's nodes, the names of its RMSNorm's ops).
+
+    TorchConverter names an op after its node's first output's debugName() (TorchHelper.TorchNode) and
+    lowers aten::rsqrt into a Sqrt named "{name}_sqrt" and a Reciprocal named "{name}". The norm is
+    every op the output layer's MatMul input is computed by (lm_head is final norm, then MatMul); the
+    quantize table lists all of them, fused into an RMSNorm op or not."""
+    g = _torchscript_graph(path)
+
+    def names(node):
+        name = node.outputsAt(0).debugName()
+        return [name + "_sqrt", name] if node.kind() == "aten::rsqrt" else [name]
+
+    aten = [n for n in g.nodes() if n.kind().startswith("aten::")]
+    every = {x for n in aten for x in names(n)}
+    matmuls = [n for n in aten if n.kind() == "aten::matmul"]
+    norm, todo = [], [matmuls[-1].inputsAt(0).node()] if matmuls else []
+    while todo:
+        node = todo.pop()
+        if node.kind().startswith("aten::") and node not in norm:
+            norm.append(node)
+            todo += [i.node() for i in node.inputs()]
+    order = {n: i for i, n in enumerate(aten)}
+    return every, [x for n in sorted(norm, key=order.get) for x in names(n)]

@@ -18,7 +18,7 @@ from glmcore.backend import Session
 from glmcore.config import ModelConfig
 from glmcore.errors import BackendError
 
-from .spec import MASK_VALUE
+from .spec import MASK_VALUE, io_names
 
 
 class StaticGraphSession(Session):
@@ -221,7 +221,17 @@ class SailRunner:
         import ml_dtypes
         self.np_dtype = {sail.Dtype.BM_FLOAT32: np.dtype(np.float32), sail.Dtype.BM_FLOAT16: np.dtype(np.float16),
                          sail.Dtype.BM_BFLOAT16: np.dtype(ml_dtypes.bfloat16), sail.Dtype.BM_INT32: np.dtype(np.int32)}
-        self.float_dtype = self._dtype(self.engine.get_input_dtype("block_cache_0", "history_k"))
+        # Tensors are addressed by position: part_specs' order is the graph's order, and the names are
+        # TPU-MLIR's (a TorchScript part's are the traced graph's debugName()s, e.g. "x.1").
+        self.names: dict[str, tuple[list, list]] = {}
+        for g in self.graphs:
+            ins, outs = list(self.engine.get_input_names(g)), list(self.engine.get_output_names(g))
+            want = io_names(g)
+            if (len(ins), len(outs)) != (len(want[0]), len(want[1])):
+                raise BackendError(f"{bmodel}: graph {g!r} has {len(ins)} inputs and {len(outs)} outputs, glmcore's "
+                                   f"has {len(want[0])} and {len(want[1])}; recompile it with this glmcore's compile.sh")
+            self.names[g] = ins, outs
+        self.float_dtype = self._dtype(self.engine.get_input_dtype("block_cache_0", self.names["block_cache_0"][0][3]))
         self._io: dict[str, tuple[dict, dict]] = {}
 
     def _dtype(self, sail_dtype) -> np.dtype:
@@ -240,36 +250,39 @@ class SailRunner:
                                make(e.get_output_names(graph), e.get_output_shape, e.get_output_dtype))
         return self._io[graph]
 
-    def _process(self, graph: str, feeds: dict) -> dict:
+    def _process(self, graph: str, feeds: dict) -> list:
+        """feeds: glmcore's input names (part_specs) -> arrays, or device tensors of a previous graph.
+        Returns the output tensors in graph order."""
         inputs, outputs = self._tensors(graph)
         inputs = dict(inputs)
+        theirs, order = self.names[graph], io_names(graph)[0]
         for k, v in feeds.items():
+            name = theirs[0][order.index(k)]
             if isinstance(v, self.sail.Tensor):      # a previous graph's output, still on the device
-                inputs[k] = v
+                inputs[name] = v
                 continue
-            a = np.ascontiguousarray(v, dtype=self._dtype(self.engine.get_input_dtype(graph, k)))
-            inputs[k].update_data(a.view(np.uint16) if a.dtype.itemsize == 2 else a)
+            a = np.ascontiguousarray(v, dtype=self._dtype(self.engine.get_input_dtype(graph, name)))
+            inputs[name].update_data(a.view(np.uint16) if a.dtype.itemsize == 2 else a)
         self.engine.process(graph, inputs, outputs)
-        return outputs
+        return [outputs[n] for n in theirs[1]]
 
-    def _read(self, graph: str, name: str, tensor) -> np.ndarray:
-        return tensor.asnumpy().view(self._dtype(self.engine.get_output_dtype(graph, name)))
+    def _read(self, graph: str, i: int, tensor) -> np.ndarray:
+        return tensor.asnumpy().view(self._dtype(self.engine.get_output_dtype(graph, self.names[graph][1][i])))
 
     def seq_len(self) -> int:
-        return int(self.engine.get_input_shape("embedding", "input_ids")[1])
+        """SEQ_LEN from the embedding graph's first input [1, SEQ_LEN] (LLM-TPU's chat.cpp reads it so)."""
+        return int(self.engine.get_input_shape("embedding", self.names["embedding"][0][0])[1])
 
     def num_layers(self) -> int:
         return sum(1 for g in self.graphs if g.startswith("block_cache_"))
 
     def run(self, name: str, feeds: dict) -> list[np.ndarray]:
-        outputs = self._process(name, feeds)
-        return [self._read(name, k, outputs[k]) for k in self.engine.get_output_names(name)]
+        return [self._read(name, i, t) for i, t in enumerate(self._process(name, feeds))]
 
     def top1(self, hidden: np.ndarray) -> int:
-        logits = self._process("lm_head", {"hidden_states": hidden})
-        (name,) = self.engine.get_input_names("greedy_head")
-        token = self._process("greedy_head", {name: logits[self.engine.get_output_names("lm_head")[0]]})
-        return int(self._read("greedy_head", "token", token["token"]).reshape(-1)[0])
+        (logits,) = self._process("lm_head", {"hidden_states": hidden})
+        (token,) = self._process("greedy_head", {"m_logits": logits})
+        return int(self._read("greedy_head", 0, token).reshape(-1)[0])
 
     def close(self) -> None:
         self.engine = None

@@ -26,3 +26,20 @@ PROTOBUF_LIMIT = 2 ** 31
 
 def default_quantize(family: str) -> str:
     return DEFAULT_QUANTIZE.get(family, DEFAULT_QUANTIZE_OTHER)
+
+
+# Every part's inputs and outputs in graph order. The device runtime addresses a bmodel's tensors by
+# these positions (get_input_names(graph)[i]), as sophon-demo and LLM-TPU do: TPU-MLIR keeps ONNX
+# parts' names but names a TorchScript part's tensors by the traced graph's debugName() ("x.1", "20").
+_IO = {"embedding": (("input_ids",), ("input_embed",)),
+       "block": (("input_states", "position_ids", "attention_mask"), ("hidden_states", "past_k", "past_v")),
+       "block_cache": (("input_states", "position_ids", "attention_mask", "history_k", "history_v"),
+                       ("hidden_states", "present_k", "present_v")),
+       "lm_head": (("hidden_states",), ("logits",)),
+       "greedy_head": (("m_logits",), ("token",))}
+
+
+def io_names(graph: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(input names, output names) of a part in graph order, as part_specs declares them."""
+    kind = graph.rstrip("0123456789").rstrip("_") if graph[-1:].isdigit() else graph
+    return _IO["embedding" if kind == "embedding_cache" else kind]
