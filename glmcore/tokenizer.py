@@ -395,12 +395,20 @@ def write_tokenizer(family: str, out_dir, vocab_size: int | None = None, tokeniz
     return load_tokenizer(out, family).n_vocab
 
 
-def train_sentencepiece(n_pieces: int = DEFAULT_SP_PIECES, corpus: Path = CORPUS_FILE) -> bytes:
+def train_sentencepiece(n_pieces: int = DEFAULT_SP_PIECES, corpus: Path = CORPUS_FILE,
+                        lines: list[str] | None = None, n_chars: int | None = None) -> bytes:
     """A SentencePiece BPE model with the real chatglm3 tokenizer.model's settings (identity
     normalizer, dummy prefix, extra whitespace kept, byte fallback, digits split, whitespace-only
-    pieces); deterministic (one thread, no sampling) and well under a second for ~1000 pieces."""
+    pieces); deterministic (one thread, no sampling) and well under a second for ~1000 pieces.
+    Trained on `lines` if given, else on the lines of `corpus`; about n_chars characters (default
+    2/5 of the non-byte pieces) are kept as pieces, the rarer ones fall back to bytes."""
     import io
-    lines = [ln for ln in corpus.read_text(encoding="utf-8").splitlines() if ln.strip()]
+    source, hint = "the given lines", "raise n_pieces or lower n_chars"
+    if lines is None:
+        source, hint = str(corpus), "choose a vocab_size between 700 and 2000"
+        lines = [ln for ln in corpus.read_text(encoding="utf-8").splitlines() if ln.strip()]
+    if n_chars is None:
+        n_chars = (n_pieces - 259) * 2 // 5
     model = io.BytesIO()
     try:
         spm.SentencePieceTrainer.train(
@@ -412,13 +420,13 @@ def train_sentencepiece(n_pieces: int = DEFAULT_SP_PIECES, corpus: Path = CORPUS
             # Chinese characters, which go to byte fallback instead of taking pieces.
             byte_fallback=True, split_digits=True, split_by_unicode_script=True, split_by_number=True,
             split_by_whitespace=True, allow_whitespace_only_pieces=True, max_sentencepiece_length=16,
-            treat_whitespace_as_suffix=False, character_coverage=_coverage(lines, (n_pieces - 259) * 2 // 5),
+            treat_whitespace_as_suffix=False, character_coverage=_coverage(lines, n_chars),
             unk_id=0, bos_id=1, eos_id=2, pad_id=-1,
             input_sentence_size=0, shuffle_input_sentence=False, num_threads=1, minloglevel=2,
             vocabulary_output_piece_score=True, hard_vocab_limit=True)
     except RuntimeError as e:
-        raise TokenizerError(f"cannot train a {n_pieces}-piece SentencePiece model on {corpus}: "
-                             f"{str(e).splitlines()[0]}; choose a vocab_size between 700 and 2000") from None
+        raise TokenizerError(f"cannot train a {n_pieces}-piece SentencePiece model on {source}: "
+                             f"{str(e).splitlines()[0]}; {hint}") from None
     return model.getvalue()
 
 
