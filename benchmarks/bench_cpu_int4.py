@@ -156,7 +156,7 @@ def measure_batch(args) -> dict:
             toks = np.argmax(logits, axis=1)
         step_s = statistics.median(steps)
         rows.append({"batch": B, "prefill_ms": 1e3 * best, "prefill_tps": B * args.prefill / best,
-                     "step_ms": 1e3 * step_s, "decode_tps": B / step_s, "native": bool(session.native)})
+                     "step_ms": 1e3 * step_s, "decode_tps": B / step_s, "native": backend.capabilities().native_batch})
         info = session.info() if hasattr(session, "info") else None
         session.close()
     return {"backend": args.worker, "rows": rows, "info": info}

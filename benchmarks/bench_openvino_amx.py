@@ -8,7 +8,7 @@ Python generation loop.
 Each measurement runs in its own process, so one runtime's threads, memory and page cache do not leak into
 another's numbers, and peak RSS (VmHWM) is that process's own. The IR is converted in a separate process first,
 so peak RSS is that of serving, not of converting. Every measurement does one untimed warm-up generation
-(kernel compilation, first touch of the weights), then --runs timed ones (median): ours through the core's Engine
+(kernel compilation, first touch of the weights), then --runs timed ones (median): ours through the core's scheduler
 (the loop `glmcore run` uses), LLMPipeline through its generate() on token ids, both greedy with stop tokens
 ignored and with identical plugin settings (precision, KV-cache precision, no dynamic quantization, SDPA attention).
 Timings on a shared machine are noisy; the numbers come from one run of this script.
@@ -60,10 +60,10 @@ def _prompt(cfg, n: int) -> list[int]:
 
 def serve(spec: dict) -> None:
     """Load one runtime, then answer the parent: "run" -> one timed greedy generation, "quit" -> peak RSS."""
-    from glmcore.backend import LoadOptions, registry
+    from glmcore.backend import LoadOptions, SessionAdapter, registry
     from glmcore.config import ModelConfig
-    from glmcore.engine import Engine, Timings
     from glmcore.sampling import SamplingParams
+    from glmcore.scheduler import Request, Scheduler
     from glmcore.weights import load_weights
     cfg = ModelConfig.from_dir(spec["model"])
     weights = load_weights(spec["model"], cfg)
@@ -103,13 +103,14 @@ def serve(spec: dict) -> None:
         session = backend.load(cfg, weights, opts)
         if kind == "ours":
             info["runtime_precision"] = session.runtime_precision
-        engine = Engine(session)
+        sched = Scheduler(SessionAdapter([session]))      # the stateful model, one sequence
         greedy = SamplingParams(temperature=0)
 
         def one(n: int) -> dict:
-            engine.reset()
-            timings = Timings()
-            tokens = list(engine.generate(prompt, greedy, n, timings=timings))
+            sched.forget()
+            handle = sched.submit(Request(prompt, greedy, n))
+            tokens = list(handle)
+            timings = handle.timings
             return dict(prefill_tps=timings.prefill_tps, decode_tps=timings.decode_tps, tokens=tokens)
     info["load_s"] = time.perf_counter() - t
     one(4)                                       # warm-up: kernel compilation, first touch of the weights

@@ -1,10 +1,10 @@
 """What the scheduler costs one sequence: decode through the core's generation loop (the continuous-
-batching scheduler, one request) beside a bare loop of Session.decode + sampling on the same session.
+batching scheduler, one request) beside a bare loop of BatchSession.step + sampling on the same session.
 
     python benchmarks/bench_scheduler.py --backend cpu_int4 --size 1b [--model DIR] [--gen 64] [--rounds 3]
 
-The two alternate round by round on one loaded session (greedy, stop ids ignored), so a slow phase of a
-shared machine hits both alike; medians are printed with their ratio.
+The two alternate round by round on one loaded batch session of one slot (greedy, stop ids ignored), so a
+slow phase of a shared machine hits both alike; medians are printed with their ratio.
 """
 from __future__ import annotations
 
@@ -12,34 +12,34 @@ import argparse
 import statistics
 import time
 
-from glmcore.backend import LoadOptions
+from glmcore.backend import BatchSession, LoadOptions
 from glmcore.config import ModelConfig
-from glmcore.engine import Engine, Timings
 from glmcore.model import resolve_backend
 from glmcore.sampling import Sampler, SamplingParams
+from glmcore.scheduler import Request, Scheduler
 from glmcore.weights import load_weights
 from glmcore_conformance.bench import model_dir_for
 
 GREEDY = SamplingParams(temperature=0)
 
 
-def bare_loop(session, prompt: list[int], gen: int, n_vocab: int) -> float:
-    """Decode tok/s of the loop without the scheduler: prefill, then decode + sample per token."""
-    session.reset()
+def bare_loop(batch: BatchSession, prompt: list[int], gen: int, n_vocab: int) -> float:
+    """Decode tok/s of the loop without the scheduler: prefill, then one step + sample per token."""
+    batch.reset(0)
     sampler = Sampler(GREEDY, n_vocab)
-    token = sampler(session.prefill(prompt))
+    token = sampler(batch.step([(0, prompt)])[0])
     start = time.perf_counter()
     for _ in range(gen - 1):
-        token = sampler(session.decode(token))
+        token = sampler(batch.step([(0, [token])])[0])
     return (gen - 1) / (time.perf_counter() - start)
 
 
-def scheduled(engine: Engine, prompt: list[int], gen: int, n_vocab: int) -> float:
-    engine.reset()
-    t = Timings()
-    n = sum(1 for _ in engine.generate(prompt, GREEDY, gen, n_vocab=n_vocab, timings=t))
+def scheduled(sched: Scheduler, prompt: list[int], gen: int) -> float:
+    sched.forget()
+    handle = sched.submit(Request(prompt, GREEDY, gen))
+    n = sum(1 for _ in handle)
     assert n == gen
-    return t.decode_tps
+    return handle.timings.decode_tps
 
 
 def main(argv=None) -> None:
@@ -58,17 +58,17 @@ def main(argv=None) -> None:
     backend = resolve_backend(a.backend)
     cfg = ModelConfig.from_dir(model_dir)
     opts = backend.resolve(LoadOptions(threads=a.threads, capacity=a.prompt_len + a.gen + 1))
-    session = backend.load(cfg, load_weights(model_dir, cfg), opts)
-    engine = Engine(session, can_shift=backend.capabilities().can_shift)
+    batch = backend.load_batch(cfg, load_weights(model_dir, cfg), opts, 1)
+    sched = Scheduler(batch, backend.capabilities(), n_vocab=cfg.vocab_size)
     prompt = [(11 + 13 * j) % cfg.vocab_size for j in range(a.prompt_len)]
-    bare, sched = [], []
+    bare, through = [], []
     for _ in range(a.rounds):
-        bare.append(bare_loop(session, prompt, a.gen, cfg.vocab_size))
-        sched.append(scheduled(engine, prompt, a.gen, cfg.vocab_size))
-    b, s = statistics.median(bare), statistics.median(sched)
+        bare.append(bare_loop(batch, prompt, a.gen, cfg.vocab_size))
+        through.append(scheduled(sched, prompt, a.gen))
+    b, s = statistics.median(bare), statistics.median(through)
     print(f"{backend.name} {opts.precision}/{opts.weights}, {model_dir.name}, prompt {a.prompt_len}, {a.gen} generated, "
           f"threads {a.threads}, median of {a.rounds}")
-    print(f"| loop | decode tok/s |\n|---|---:|\n| bare Session.decode + sampler | {b:.1f} |\n"
+    print(f"| loop | decode tok/s |\n|---|---:|\n| bare BatchSession.step + sampler | {b:.1f} |\n"
           f"| through the scheduler (one request) | {s:.1f} |")
     print(f"scheduler / bare: {s / b:.3f}")
 

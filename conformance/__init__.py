@@ -4,8 +4,8 @@
     glmcore bench --backend B --size small [--vs torch]
 """
 from .report import CaseResult, Report, format_table, to_markdown
-from .suite import run_suite
+from .suite import SuiteOptions, run_suite
 from .tolerances import TOLERANCES, Tolerance, tolerance_key
 
-__all__ = ["run_suite", "Report", "CaseResult", "format_table", "to_markdown", "TOLERANCES", "Tolerance",
+__all__ = ["run_suite", "SuiteOptions", "Report", "CaseResult", "format_table", "to_markdown", "TOLERANCES", "Tolerance",
            "tolerance_key"]

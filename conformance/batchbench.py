@@ -34,7 +34,7 @@ def parse_sizes(text: str) -> list[int]:
 
 def batch_bench(backend_name: str, model_dir, options: LoadOptions, sizes: list[int], prompt_len: int, gen: int,
                 progress=lambda msg: None, runs: int = 1, warmup: int = 1) -> dict:
-    from .bench import _peak_rss, _reset_peak
+    from .memory import peak_rss, reset_peak
     backend = resolve_backend(backend_name)
     config = ModelConfig.from_dir(model_dir)
     opts = backend.resolve(options)
@@ -48,12 +48,12 @@ def batch_bench(backend_name: str, model_dir, options: LoadOptions, sizes: list[
         nonlocal rounds
         for slot in range(batch.n_slots):
             batch.reset(slot)
-        sched = Scheduler(batch, can_shift=caps.can_shift, n_vocab=config.vocab_size, token_budget=B * (prompt_len + 1))
+        sched = Scheduler(batch, caps, n_vocab=config.vocab_size, token_budget=B * (prompt_len + 1))
         # distinct first ids: no two prompts (of this or an earlier round) share a prefix
         prompts = [[(7 + 97 * (rounds * 64 + i)) % config.vocab_size] +
                    [(11 + 13 * j) % config.vocab_size for j in range(prompt_len - 1)] for i in range(B)]
         rounds += 1
-        reset = _reset_peak()
+        reset = reset_peak()
         start = time.perf_counter()
         handles = [sched.submit(Request(p, SamplingParams(temperature=0), gen)) for p in prompts]
         while not all(h.tokens or h.done for h in handles):
@@ -67,7 +67,7 @@ def batch_bench(backend_name: str, model_dir, options: LoadOptions, sizes: list[
             raise errors[0]
         return {"prefill_ms": (prefilled - start) * 1e3, "step_ms": (end - prefilled) / max(sched.steps - steps0, 1) * 1e3,
                 "decode_tps": sum(len(h.tokens) - 1 for h in handles) / (end - prefilled),
-                "peak_rss_mib": _peak_rss() / 2**20, "peak_reset": reset}
+                "peak_rss_mib": peak_rss() / 2**20, "peak_reset": reset}
 
     rows = []
     try:
@@ -86,7 +86,7 @@ def batch_bench(backend_name: str, model_dir, options: LoadOptions, sizes: list[
             rows.append(row)
     finally:
         batch.close()
-    return {"backend": backend.name, "native": batch.native, "precision": opts.precision, "weights": opts.weights,
+    return {"backend": backend.name, "native": backend.capabilities().native_batch, "precision": opts.precision, "weights": opts.weights,
             "prompt_len": prompt_len, "gen": gen, "threads": opts.threads, "runs": runs, "warmup": warmup,
             "rows": rows}
 

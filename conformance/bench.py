@@ -7,10 +7,10 @@ How it measures, and why:
   process asks the two workers for one run each in turn (A, B, A, B, ...), so a slow phase of a shared
   machine hits both alike. Each figure is the median over --runs, after --warmup untimed runs (the first
   run of a backend pays one-time costs: kernel compilation, page faults on memory-mapped weights).
-- A run is production's code path: the core's Engine.generate with greedy sampling, over random-free
+- A run is production's code path: one request through the core's Scheduler with greedy sampling, over random-free
   fixed token ids (the model's tokenizer on a fixed text), stop tokens ignored so exactly --gen tokens
   are made. Time to first token = prefill + sampling the first token; decode tok/s = (gen - 1) / the
-  time of the remaining steps, as glmcore.engine.Timings reports it.
+  time of the remaining steps, as glmcore.scheduler.Timings reports it.
 - Peak RSS is per backend, because each backend is alone in its process: before each run the worker
   resets the kernel's high-water mark (/proc/self/clear_refs, Linux) and reads VmHWM after it, so the
   figure is the peak resident memory during that run: interpreter + runtime + the weights it touched
@@ -35,7 +35,6 @@ import json
 import multiprocessing as mp
 import os
 import platform
-import resource
 import statistics
 import sys
 import time
@@ -49,6 +48,8 @@ from glmcore.config import FAMILIES, ModelConfig
 from glmcore.cpuinfo import cpu_name
 from glmcore.errors import GlmcoreError
 from glmcore.model import resolve_backend
+
+from .memory import peak_rss, reset_peak
 
 SIZES = ("tiny", "small", "1b", "6b")
 # Seconds to wait after a llama.cpp run: its process frees ~1 GB when it exits, and on VMs with free page
@@ -136,10 +137,9 @@ def default_bytes_per_token(config: ModelConfig, options: LoadOptions, kv_len: i
 
 
 def bytes_per_token(backend: Backend, config: ModelConfig, options: LoadOptions, kv_len: int) -> tuple[int, str]:
-    hook = getattr(backend, "bytes_per_token", None)
-    if callable(hook):
+    if backend.offers("bytes_per_token"):
         try:
-            value = hook(config, options, kv_len)
+            value = backend.bytes_per_token(config, options, kv_len)
         except Exception as e:     # a broken hook must not lose the measurements
             print(f"bench: {backend.name}.bytes_per_token failed ({type(e).__name__}: {e}); using the default",
                   file=sys.stderr)
@@ -151,34 +151,12 @@ def bytes_per_token(backend: Backend, config: ModelConfig, options: LoadOptions,
 
 # ---------------------------------------------------------------- the worker (one per backend)
 
-def _reset_peak(pid="self") -> bool:
-    try:
-        with open(f"/proc/{pid}/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
-
-
-def _peak_rss(pid="self") -> int:
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        if pid != "self":
-            return 0
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return rss if sys.platform == "darwin" else rss * 1024
-
-
 def _worker(conn, name: str, model_dir: str, options: dict) -> None:
     """Load one backend and answer ("run", prompt, gen) requests until ("stop",)."""
     try:
-        from glmcore.engine import Engine, Timings
         from glmcore.cache import cache_root
         from glmcore.sampling import SamplingParams
+        from glmcore.scheduler import Request, Scheduler
         from glmcore.weights import load_weights
         from glmcore.parallel import follower_pids, tensor_parallel
         backend = tensor_parallel(registry().get(name), options.get("tp", 1))
@@ -187,13 +165,13 @@ def _worker(conn, name: str, model_dir: str, options: dict) -> None:
         if opts.cache_dir is None:
             opts.cache_dir = cache_root() / "converted"
         t0 = time.perf_counter()
-        session = backend.load(config, load_weights(model_dir, config), opts)
+        batch = backend.load_batch(config, load_weights(model_dir, config), opts, 1)
         load_s = time.perf_counter() - t0
-        engine = Engine(session, can_shift=backend.capabilities().can_shift)
+        scheduler = Scheduler(batch, backend.capabilities(), n_vocab=config.vocab_size)
         ranks = ["self", *follower_pids()]      # tensor parallel: every rank's memory counts
         conn.send(("ready", {"backend": backend.name, "load_s": load_s, "precision": opts.precision,
                              "weights": opts.weights,
-                             "capacity": session.capacity, "rss_after_load": _peak_rss()}))
+                             "capacity": batch.capacity, "rss_after_load": peak_rss()}))
     except Exception as e:
         conn.send(("error", f"{type(e).__name__}: {e}" if not isinstance(e, GlmcoreError) else str(e),
                    isinstance(e, GlmcoreError)))
@@ -202,18 +180,19 @@ def _worker(conn, name: str, model_dir: str, options: dict) -> None:
     while True:
         msg = conn.recv()
         if msg[0] == "stop":
-            session.close()
+            batch.close()
             conn.send(("stopped",))
             return
         _, prompt, gen = msg
         try:
-            engine.reset()
-            per_run = all([_reset_peak(p) for p in ranks])
-            t = Timings()
-            n = sum(1 for _ in engine.generate(prompt, greedy, gen, stop_ids=(), n_vocab=config.vocab_size, timings=t))
+            scheduler.forget()          # every run prefills its whole prompt
+            per_run = all([reset_peak(p) for p in ranks])
+            handle = scheduler.submit(Request(prompt, greedy, gen))
+            n = sum(1 for _ in handle)
+            t = handle.timings
             conn.send(("result", {"ttft_s": t.ttft_s, "prefill_tps": t.prefill_tps, "decode_tps": t.decode_tps,
-                                  "new_tokens": n, "peak_rss": max(_peak_rss(p) for p in ranks),
-                                  "peak_rss_ranks": [_peak_rss(p) for p in ranks], "rss_per_run": per_run}))
+                                  "new_tokens": n, "peak_rss": max(peak_rss(p) for p in ranks),
+                                  "peak_rss_ranks": [peak_rss(p) for p in ranks], "rss_per_run": per_run}))
         except Exception as e:
             conn.send(("error", f"{type(e).__name__}: {e}", isinstance(e, GlmcoreError)))
 
@@ -457,7 +436,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from glmcore.cli import _parse_opts
+    from glmcore.options import parse_opts
     a = build_parser().parse_args(argv)
     if a.threads is not None and a.threads < 1:
         raise GlmcoreError(f"invalid --threads {a.threads}: use a positive integer")
@@ -468,14 +447,14 @@ def main(argv: list[str] | None = None) -> int:
     if a.batch:
         from .batchbench import batch_bench, format_batch, parse_sizes
         data = batch_bench(a.backend, model_dir, LoadOptions(a.precision, a.weights, threads=a.threads,
-                                                             extra=_parse_opts(a.opt)),
+                                                             extra=parse_opts(a.opt)),
                            parse_sizes(a.batch), a.prompt_len, a.gen,
                            progress=lambda m: print(m, file=sys.stderr, flush=True), runs=a.runs, warmup=a.warmup)
         print(json.dumps(data, indent=2) if a.json else format_batch(data))
         return 0
     if a.tp < 1:
         raise GlmcoreError(f"invalid --tp {a.tp}: use a positive number of ranks")
-    pairs = [(a.backend, LoadOptions(a.precision, a.weights, extra=_parse_opts(a.opt), tp=a.tp))]
+    pairs = [(a.backend, LoadOptions(a.precision, a.weights, extra=parse_opts(a.opt), tp=a.tp))]
     if a.vs:
         pairs.append((a.vs, LoadOptions()))
     from .llamacpp import find

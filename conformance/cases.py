@@ -11,9 +11,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from glmcore.backend import BatchSession, Session
-from glmcore.engine import Engine, WindowPolicy
-from glmcore.scheduler import Request, Scheduler
+from glmcore.backend import BatchSession, Capabilities, Session, SessionAdapter
+from glmcore.scheduler import Request, Scheduler, WindowPolicy
 from glmcore.errors import GlmcoreError
 from glmcore.sampling import SamplingParams
 
@@ -101,6 +100,13 @@ def fresh(s: Session) -> None:
         expect_len(s, 0, "reset()")
 
 
+def one_slot(s: Session, can_shift: bool, vocab: int | None = None) -> Scheduler:
+    """The core's loop over a single session, as load_batch's default adapter gives it."""
+    return Scheduler(SessionAdapter([s]), Capabilities(can_shift=can_shift), n_vocab=vocab)
+
+
+
+
 def _decode_all(s: Session, ids: list[int], vocab: int, start: int) -> np.ndarray:
     out = []
     for i, t in enumerate(ids):
@@ -173,16 +179,16 @@ def chat_continuation_reference(s: Session, sc: Script, vocab: int) -> dict[str,
 # ---------------------------------------------------------------- window shift
 
 def window_shift(s: Session, sc: Script, vocab: int, can_shift: bool) -> dict[str, np.ndarray]:
-    """Through the core's Engine, as in production: shift() in place when the backend can, else the
-    Engine's fallback (reset, re-prefill the kept ids). Then decode past the shift."""
+    """Through the core's scheduler, as in production: shift() in place when the backend can, else the
+    scheduler's fallback (reset, re-prefill the kept ids). Then decode past the shift."""
     fresh(s)
-    engine = Engine(s, WindowPolicy("window", sc.n_keep, sc.n_discard), can_shift=can_shift)
-    engine.feed(sc.shift_prompt)
-    engine.shift(sc.n_keep, sc.n_discard)
+    sched, window = one_slot(s, can_shift), WindowPolicy()
+    sched.feed(sched.slots[0], sc.shift_prompt, window)
+    sched.shift(sched.slots[0], sc.n_keep, sc.n_discard)
     expect_len(s, len(sc.kept), f"shift({sc.n_keep}, {sc.n_discard})")
     out = []
     for i, t in enumerate(sc.shift_steps):
-        out.append(expect_rows(engine.feed([t]), None, vocab, "decode after the shift"))
+        out.append(expect_rows(sched.feed(sched.slots[0], [t], window), None, vocab, "decode after the shift"))
         expect_len(s, len(sc.kept) + i + 1, f"decode step {i + 1} after the shift")
     return {"window_shift": np.stack(out)}
 
@@ -209,12 +215,11 @@ def window_shift_reference(s: Session, sc: Script, vocab: int, in_place) -> dict
 # ---------------------------------------------------------------- seed
 
 def seeded_tokens(s: Session, sc: Script, vocab: int, can_shift: bool) -> list[int]:
-    """Sampled generation through the core's Engine and Sampler with a fixed seed."""
+    """Sampled generation through the core's scheduler and Sampler with a fixed seed."""
     n_new, seed = SEED[1], SEED[2]
-    engine = Engine(s, can_shift=can_shift)
-    engine.reset()
+    fresh(s)
     params = SamplingParams(temperature=1.0, top_p=1.0, top_k=0, seed=seed)   # a genuine draw every step
-    return list(engine.generate(sc.seed_prompt, params, n_new, n_vocab=vocab))
+    return list(one_slot(s, can_shift, vocab).submit(Request(sc.seed_prompt, params, n_new)))
 
 
 # ---------------------------------------------------------------- batch sessions (contract v2)
@@ -236,9 +241,10 @@ def batch_ops(take) -> list[tuple]:
     ]
 
 
-def batch_mixed(bs: BatchSession, sc: Script, vocab: int, can_shift: bool) -> dict[str, np.ndarray]:
+def batch_mixed(bs: BatchSession, sc: Script, vocab: int, caps: Capabilities) -> dict[str, np.ndarray]:
     """The ops on the backend's batch session; the logits of every entry, in op order. A shift on a
-    backend that cannot shift in place is the scheduler's fallback (reset, re-prefill the kept ids)."""
+    backend that cannot shift in place, and a copy on one without native batching, are the scheduler's
+    fallbacks (reset, re-prefill the kept ids)."""
     held = [[] for _ in range(bs.n_slots)]
     rows = []
     for op in sc.batch_ops:
@@ -252,12 +258,16 @@ def batch_mixed(bs: BatchSession, sc: Script, vocab: int, can_shift: bool) -> di
             held[op[1]] = []
         elif op[0] == "copy":
             _, src, dst, n = op
-            bs.copy_prefix(src, dst, n)
             held[dst] = held[src][:n]
+            if caps.native_batch:
+                bs.copy_prefix(src, dst, n)
+            else:
+                bs.reset(dst)
+                bs.step([(dst, held[dst])])
         else:
             _, slot, keep, discard = op
             held[slot] = held[slot][:keep] + held[slot][keep + discard:]
-            if can_shift:
+            if caps.can_shift:
                 bs.shift(slot, keep, discard)
             else:
                 bs.reset(slot)
@@ -313,12 +323,12 @@ def _slot_ids(sc: Script, slot: int, before: int) -> list[int]:
     return held
 
 
-def batch_generate(bs: BatchSession, single: Session, sc: Script, vocab: int, can_shift: bool) -> dict:
+def batch_generate(bs: BatchSession, single: Session, sc: Script, vocab: int, caps: Capabilities) -> dict:
     """Greedy requests through the scheduler on the batch session, several in flight and prefill chunks
-    mixed with decodes, against each request run alone through the Engine on a single session; and a
+    mixed with decodes, against each request run alone through the scheduler on a single session; and a
     seeded request among them against the same request alone."""
     n, new, budget = BATCH_GEN
-    sched = Scheduler(bs, can_shift=can_shift, n_vocab=vocab, token_budget=budget)
+    sched = Scheduler(bs, caps, n_vocab=vocab, token_budget=budget)
     greedy = SamplingParams(temperature=0)
     seeded = SamplingParams(temperature=1.0, top_p=1.0, seed=SEED[2])
     params = [seeded if i == n // 2 else greedy for i in range(n)]
@@ -327,7 +337,6 @@ def batch_generate(bs: BatchSession, single: Session, sc: Script, vocab: int, ca
     together = [h.tokens for h in handles]
     alone = []
     for p, q in zip(sc.gen_prompts, params):
-        engine = Engine(single, can_shift=can_shift)
-        engine.reset()
-        alone.append(list(engine.generate(p, q, new, n_vocab=vocab)))
+        fresh(single)
+        alone.append(list(one_slot(single, caps.can_shift, vocab).submit(Request(p, q, new))))
     return {"together": together, "alone": alone, "seeded": n // 2}

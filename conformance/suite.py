@@ -23,12 +23,12 @@ import platform
 import sys
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
 
-from glmcore.backend import Backend, LoadOptions, Session, registry
+from glmcore.backend import Backend, LoadOptions, Session, SlotSession, registry
 from glmcore.config import FAMILIES
 from glmcore.errors import BackendError, GlmcoreError
 
@@ -59,9 +59,7 @@ class Config:
 def variants(backend: Backend) -> list[dict]:
     """The backend's own extra configurations to check: `conformance_variants() -> list[dict]`, each a
     LoadOptions.extra dict, optionally pinning "precision"/"weights". Default: [{}]."""
-    hook = getattr(backend, "conformance_variants", None)
-    out = list(hook() or []) if callable(hook) else []
-    return [dict(v) for v in out] or [{}]
+    return [dict(v) for v in backend.conformance_variants() or []] or [{}]
 
 
 def plan(backend: Backend, precision: str | None = None, weights: str | None = None,
@@ -121,10 +119,7 @@ def own_weights_reference(backend: Backend, model: Model, options: LoadOptions, 
 
     The quality comparison with the fp32 reference stays: a quantizer that is wrong in the same way in
     both the backend and its hook passes here, and fails there."""
-    hook = getattr(backend, "conformance_weights", None)
-    if not callable(hook):
-        return None
-    found = hook(model.config, model.weights, options)
+    found = backend.conformance_weights(model.config, model.weights, options)
     if not found:
         return None
     own, key = found
@@ -227,7 +222,9 @@ class Suite:
         t0 = time.perf_counter()
         try:
             opts = backend.resolve(opts)
-            session = backend.load(model.config, model.weights, opts)
+            # the single-sequence API where the backend offers one, else slot 0 of its batch session
+            session = (backend.load(model.config, model.weights, opts) if backend.offers("load")
+                       else SlotSession(backend.load_batch(model.config, model.weights, opts, 1)))
         except BackendError as e:          # a clean refusal of this combination
             refused[cfg.label] = str(e)
             self._skip({"backend": backend.name, "config": cfg.label, "reason": f"refused: {e}"})
@@ -281,7 +278,7 @@ class Suite:
             if "batch_mixed" in self.cases:
                 t0 = time.perf_counter()
                 try:
-                    got = C.batch_mixed(bs, sc, vocab, can_shift)
+                    got = C.batch_mixed(bs, sc, vocab, backend.capabilities())
                 except Exception as e:
                     self._fail(backend, model, cfg, "batch_mixed", _describe(e), refs[0].key)
                 else:
@@ -308,7 +305,7 @@ class Suite:
         reported, not judged)."""
         t0 = time.perf_counter()
         try:
-            r = C.batch_generate(bs, session, sc, model.config.vocab_size, can_shift)
+            r = C.batch_generate(bs, session, sc, model.config.vocab_size, backend.capabilities())
         except Exception as e:
             self._fail(backend, model, cfg, "batch_generate", _describe(e), tol_key)
             return
@@ -457,15 +454,32 @@ def load_models(families: Sequence[str] = FAMILIES, model_dir=None, size: str = 
     return [open_model(synthetic_dir(f, size), synthetic=True) for f in families]
 
 
-def run_suite(backends: Sequence[Backend], families: Sequence[str] = FAMILIES, model_dir=None, size: str = "tiny",
-              precision: str | None = None, weights: str | None = None, extra: dict | None = None,
-              all_combos: bool = False, capacity: int | None = None, decode_steps: int = DEFAULT_DECODE_STEPS,
-              cases: Sequence[str] = C.CASES, threads: int | None = None, seed: int = 0,
-              reference: Backend | None = None, progress: Callable[[str], None] | None = None) -> Report:
+@dataclass
+class SuiteOptions:
+    """What run_suite checks and how (each field is also a keyword of run_suite)."""
+    families: Sequence[str] = FAMILIES        # synthetic checkpoints of these families ...
+    model_dir: str | None = None              # ... or this checkpoint instead
+    size: str = "tiny"
+    precision: str | None = None              # only this compute precision / weight format
+    weights: str | None = None
+    extra: dict | None = None                 # LoadOptions.extra; replaces the backends' conformance_variants()
+    all_combos: bool = False                  # every precision x weight format pair
+    capacity: int | None = None               # KV slots per session (default 128, or the backend's max)
+    decode_steps: int = DEFAULT_DECODE_STEPS
+    cases: Sequence[str] = field(default_factory=lambda: list(C.CASES))
+    threads: int | None = None
+    seed: int = 0
+    reference: Backend | None = None          # default: the torch backend
+    progress: Callable[[str], None] | None = None
+
+
+def run_suite(backends: Sequence[Backend], options: SuiteOptions | None = None, **fields) -> Report:
     """Run the cases on each backend (Backend objects: registered or not) and return the Report.
-    Backends whose probe is not ready are listed in report.skipped."""
-    suite = Suite(capacity, decode_steps, cases, threads, seed, reference, progress)
-    return suite.run(backends, load_models(families, model_dir, size), precision, weights, extra, all_combos)
+    Backends whose probe is not ready are listed in report.skipped. `fields` override `options`'."""
+    o = replace(options or SuiteOptions(), **fields)
+    suite = Suite(o.capacity, o.decode_steps, o.cases, o.threads, o.seed, o.reference, o.progress)
+    return suite.run(backends, load_models(o.families, o.model_dir, o.size), o.precision, o.weights, o.extra,
+                     o.all_combos)
 
 
 # ---------------------------------------------------------------- command line
@@ -503,7 +517,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from glmcore.cli import _parse_opts
+    from glmcore.options import parse_opts
     from glmcore.model import resolve_backend
     a = build_parser().parse_args(argv)
     if a.out and Path(a.out).exists() and not Path(a.out).is_dir():     # refuse before the suite runs
@@ -525,9 +539,9 @@ def main(argv: list[str] | None = None) -> int:
             raise GlmcoreError(f"invalid --tp {a.tp}: use a positive number of ranks")
         if not names:
             for b in backends:
-                if not callable(getattr(b, "load_shard", None)):
+                if not b.offers("load_shard"):
                     print(f"conformance: skipping {b.name}: no tensor-parallel path", file=sys.stderr)
-            backends = [b for b in backends if callable(getattr(b, "load_shard", None))]
+            backends = [b for b in backends if b.offers("load_shard")]
         backends = [TensorParallel(b, a.tp) for b in backends]     # a named one without it: error, exit 2
     if a.precision and not any(a.precision in b.capabilities().precisions for b in backends):
         raise GlmcoreError(f"no selected backend offers precision {a.precision!r}; see `glmcore backends`")
@@ -537,11 +551,11 @@ def main(argv: list[str] | None = None) -> int:
         raise GlmcoreError(f"invalid --threads {a.threads}: use a positive integer")
     families = ["chatglm3"] if a.quick else (a.family or list(FAMILIES))
     cases = a.cases.split(",") if a.cases else C.CASES
-    extra = _parse_opts(a.opt) if a.opt else None
+    extra = parse_opts(a.opt) if a.opt else None
     t0 = time.perf_counter()
-    report = run_suite(backends, families, a.model, a.size, a.precision, a.weights, extra, a.all_combos,
-                       a.capacity, a.decode_steps, cases, a.threads, a.seed,
-                       progress=lambda m: print(m, file=sys.stderr, flush=True))
+    report = run_suite(backends, SuiteOptions(families, a.model, a.size, a.precision, a.weights, extra, a.all_combos,
+                                              a.capacity, a.decode_steps, cases, a.threads, a.seed,
+                                              progress=lambda m: print(m, file=sys.stderr, flush=True)))
     print(format_table(report))
     if a.out:
         js, md = write(report, a.out)

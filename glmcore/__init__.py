@@ -5,17 +5,17 @@ block_telemetry()       # first: before any plugin imports a runtime
 from .backend import (Backend, BatchSession, Capabilities, LoadOptions, Probe, Session, SessionAdapter, hookimpl,
                       registry)
 from .config import ModelConfig
-from .engine import Engine, Timings, WindowPolicy
 from .errors import (BackendError, CheckpointError, ConfigError, ContextOverflow, GlmcoreError,
                      SamplingError)
 from .model import load_model
+from .scheduler import Request, Scheduler, Timings, WindowPolicy
 from .sampling import Sampler, SamplingParams
 from .weights import Weights, load_weights
 
 __version__ = "0.1.0"
-__all__ = ["Backend", "BackendError", "BatchSession", "Capabilities", "CheckpointError", "ConfigError", "ContextOverflow", "Engine",
-           "GlmcoreError", "LoadOptions", "ModelConfig", "Pipeline", "Probe", "Sampler", "SamplingError",
-           "SamplingParams", "Session", "SessionAdapter", "Timings", "Weights", "WindowPolicy", "hookimpl", "load_model",
+__all__ = ["Backend", "BackendError", "BatchSession", "Capabilities", "CheckpointError", "ConfigError", "ContextOverflow",
+           "GlmcoreError", "LoadOptions", "ModelConfig", "Pipeline", "Probe", "Request", "Sampler", "SamplingError",
+           "SamplingParams", "Scheduler", "Session", "SessionAdapter", "Timings", "Weights", "WindowPolicy", "hookimpl", "load_model",
            "load_weights", "registry"]
 
 

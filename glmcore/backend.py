@@ -6,6 +6,7 @@ A plugin sees token ids in and float32 logits out; it never sees text, sampling 
 """
 from __future__ import annotations
 
+import dataclasses
 import importlib.metadata
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
@@ -16,7 +17,7 @@ import numpy as np
 import pluggy
 
 from .config import ModelConfig
-from .errors import BackendError
+from .errors import BackendError, StepError
 
 hookspec = pluggy.HookspecMarker("glmcore")
 hookimpl = pluggy.HookimplMarker("glmcore")
@@ -48,7 +49,8 @@ class Capabilities:
     max_context: int | None = None                  # None: bounded only by the model
     can_shift: bool = False                         # shift(n_keep, n_discard) in place
     speed_rank: int = 0                             # higher is preferred as the default backend
-    native_batch: bool = False                      # load_batch returns a native BatchSession
+    native_batch: bool = False                      # load_batch returns a native BatchSession: one step reads
+                                                    # the weights once for all entries, and copy_prefix copies
     max_slots: int | None = None                    # sequences one BatchSession can hold; None: memory-bound
 
 
@@ -104,8 +106,8 @@ class Session(_Closable, ABC):
 
     def fork(self) -> "Session":
         """Optional: a new, empty session sharing this one's loaded weights or compiled model, with its
-        own KV cache. The core's SessionAdapter uses it to serve several sequences without loading the
-        model once per sequence; without it the adapter calls Backend.load again."""
+        own KV cache. The core's SessionAdapter uses it to serve several slots without loading the model
+        once per slot; without it the adapter calls Backend.load again."""
         raise NotImplementedError
 
 
@@ -114,26 +116,32 @@ Entry = tuple[int, Sequence[int]]   # (slot, token ids): a prefill chunk or one 
 
 
 class BatchSession(_Closable, ABC):
-    """Contract v2: `n_slots` independent sequences in one session; a slot is one sequence's KV region
-    of `capacity` positions, and a slot's positions are 0..kv_len(slot)-1 of what it holds.
+    """`n_slots` independent sequences in one session; a slot is one sequence's KV region of `capacity`
+    positions, and a slot's positions are 0..kv_len(slot)-1 of what it holds.
 
     One `step` runs prefill chunks and decode tokens of different slots together, so a native
-    implementation reads each weight matrix once per step for all of them (decode of many sequences
-    becomes compute-bound instead of memory-bound). The scheduler in glmcore/scheduler.py drives it.
+    implementation (Capabilities.native_batch) reads each weight matrix once per step for all of them:
+    decode of many sequences becomes compute-bound instead of memory-bound. The scheduler in
+    glmcore/scheduler.py drives it; a plugin implements `forward`, and `step` checks the entries first.
     """
 
     n_slots: int
     capacity: int            # per slot
-    native: bool = False     # True: one step reads the weights once for all entries
 
     @abstractmethod
     def kv_len(self, slot: int) -> int: ...
 
-    @abstractmethod
     def step(self, entries: Sequence[Entry], all_logits: bool = False):
         """Append each entry's ids (one or more; prefill chunks and decode tokens mixed freely, at most
         one entry per slot) to its slot. Returns float32 logits of each entry's last position as an
-        array [len(entries), vocab]; with all_logits a list of [len(ids), vocab] arrays, one per entry."""
+        array [len(entries), vocab]; with all_logits a list of [len(ids), vocab] arrays, one per entry.
+        The entries are checked here, once, so no backend repeats (or forgets) the check."""
+        check_entries(self, entries)
+        return self.forward(entries, all_logits)
+
+    @abstractmethod
+    def forward(self, entries: Sequence[Entry], all_logits: bool = False):
+        """The backend's step on entries the core has checked (see step)."""
 
     @abstractmethod
     def reset(self, slot: int) -> None: ...
@@ -142,18 +150,35 @@ class BatchSession(_Closable, ABC):
         """Session.shift for one slot; only backends declaring can_shift implement it."""
         raise NotImplementedError
 
-    @abstractmethod
     def copy_prefix(self, src: int, dst: int, n: int) -> None:
         """dst drops what it held and holds src's first n positions (a shared prompt prefilled once).
-        src == dst keeps the slot's first n positions (a conversation that diverges after them)."""
+        src == dst keeps the slot's first n positions (a conversation that diverges after them).
+        Backends declaring native_batch implement it; the scheduler re-prefills for the others."""
+        raise NotImplementedError
 
+
+def check_entries(batch: BatchSession, entries: Sequence[Entry]) -> None:
+    """The core's one check of a step's entries: slots that exist, each once, with ids, within capacity."""
+    if not entries:
+        raise StepError("a step needs at least one (slot, ids) entry")
+    seen = set()
+    for slot, ids in entries:
+        if not isinstance(slot, (int, np.integer)) or not 0 <= slot < batch.n_slots:
+            raise StepError(f"slot {slot!r} does not exist; slots are 0..{batch.n_slots - 1}")
+        if slot in seen:
+            raise StepError(f"slot {slot} appears twice in one step; give each slot one entry")
+        seen.add(slot)
+        if len(ids) == 0:
+            raise StepError(f"nothing to append to slot {slot} (empty token list)")
+        have = batch.kv_len(slot)
+        if have + len(ids) > batch.capacity:
+            raise StepError(f"{have + len(ids)} tokens ({have} cached + {len(ids)} new) exceed the context of "
+                            f"{batch.capacity} in slot {slot}; raise --ctx or use --overflow window")
 
 
 class SessionAdapter(BatchSession):
-    """A BatchSession over one single-sequence Session per slot: correct, not faster. It mirrors each
-    slot's ids so copy_prefix can re-prefill them (a Session cannot copy its cache)."""
-
-    native = False
+    """The default BatchSession of a plugin that implements only `Session`: one Session per slot.
+    Correct, not faster: it is not native, so the scheduler re-prefills where a native session copies."""
 
     def __init__(self, sessions: Sequence[Session]):
         if not sessions:
@@ -161,7 +186,6 @@ class SessionAdapter(BatchSession):
         self.sessions = list(sessions)
         self.n_slots = len(self.sessions)
         self.capacity = min(s.capacity for s in self.sessions)
-        self._ids: list[list[int]] = [[] for _ in self.sessions]
 
     @classmethod
     def load(cls, backend: "Backend", config: ModelConfig, weights, options: "LoadOptions",
@@ -178,31 +202,21 @@ class SessionAdapter(BatchSession):
     def kv_len(self, slot: int) -> int:
         return self.sessions[slot].kv_len
 
-    def step(self, entries: Sequence[Entry], all_logits: bool = False):
+    def forward(self, entries: Sequence[Entry], all_logits: bool = False):
         out = []
         for slot, ids in entries:
             s, ids = self.sessions[slot], list(ids)
-            if all_logits or len(ids) > 1 or not self._ids[slot]:
+            if all_logits or len(ids) > 1 or s.kv_len == 0:
                 out.append(s.prefill(ids, all_logits=all_logits))
             else:
                 out.append(s.decode(ids[0]))
-            self._ids[slot].extend(ids)
         return out if all_logits else np.stack(out)
 
     def reset(self, slot: int) -> None:
         self.sessions[slot].reset()
-        self._ids[slot] = []
 
     def shift(self, slot: int, n_keep: int, n_discard: int) -> None:
         self.sessions[slot].shift(n_keep, n_discard)
-        ids = self._ids[slot]
-        self._ids[slot] = ids[:n_keep] + ids[n_keep + n_discard:]
-
-    def copy_prefix(self, src: int, dst: int, n: int) -> None:
-        ids = self._ids[src][:n]
-        self.reset(dst)
-        if ids:
-            self.step([(dst, ids)])
 
     def close(self) -> None:
         for s in self.sessions:
@@ -210,7 +224,8 @@ class SessionAdapter(BatchSession):
 
 
 class SlotSession(Session):
-    """A single-sequence Session over slot 0 of a one-slot batch session (the reverse of SessionAdapter)."""
+    """A backend's single-sequence API over slot 0 of its own one-slot batch session (what conformance
+    checks on backends whose model is batched). The core never drives it: it loads batch sessions."""
 
     def __init__(self, batch: BatchSession):
         self.batch, self.capacity = batch, batch.capacity
@@ -236,28 +251,61 @@ class SlotSession(Session):
 
 
 class Backend(ABC):
+    """A hardware path. Required: `name`, `probe`, `capabilities`, and one of `load` (a single-sequence
+    Session: the simplest plugin) or `load_batch` (a native BatchSession). Every other hook below is
+    optional and has a default; docs/plugins.md lists them all."""
     name: str = ""
     extra: str = ""          # the pip extra that installs this backend's runtime
     description: str = ""
     option_keys: tuple[str, ...] = ()   # the --opt keys (LoadOptions.extra) it reads; resolve refuses others
 
     @abstractmethod
-    def probe(self) -> Probe: ...
+    def probe(self) -> Probe:
+        """A cheap availability check (no model load): ready, or why not and the fix."""
 
     @abstractmethod
     def capabilities(self) -> Capabilities: ...
 
-    @abstractmethod
-    def load(self, config: ModelConfig, weights, options: LoadOptions) -> Session: ...
-
     def load_batch(self, config: ModelConfig, weights, options: LoadOptions, n_slots: int) -> BatchSession:
-        """A session of n_slots sequences. Backends with a native batched step override this (and
-        declare native_batch); the default serves the slots with one Session each."""
+        """The one entry point the core calls: a session of n_slots sequences. Backends with a native
+        batched step override it (and declare native_batch); the default serves each slot with a Session
+        from `load`."""
         return SessionAdapter.load(self, config, weights, options, n_slots)
+
+    def load(self, config: ModelConfig, weights, options: LoadOptions) -> Session:
+        """One sequence. Default: none -- a backend implements this, load_batch, or both (conformance
+        then also checks the single-sequence API)."""
+        raise BackendError(f"backend {self.name!r} implements neither load nor load_batch; it cannot load a model")
 
     def convert(self, config: ModelConfig, weights, options: LoadOptions, out: Path, progress) -> None:
         """Write this backend's converted model (IR, ONNX parts, packed weights) into `out`."""
         raise BackendError(f"backend {self.name!r} has no conversion step; it loads checkpoints directly")
+
+    def load_shard(self, shard, options: LoadOptions, n_slots: int) -> BatchSession:
+        """Tensor parallelism (glmcore/parallel.py): this rank's part of the model, built from
+        `shard.config`/`shard.weights` and calling `shard.embed`, `shard.reduce` and `shard.gather`.
+        Default: none; `--tp` refuses a backend that does not override it."""
+        raise NotImplementedError
+
+    def conformance_variants(self) -> list[dict]:
+        """Extra configurations the conformance suite checks, each a LoadOptions.extra dict (optionally
+        pinning "precision"/"weights"). Default: the backend's defaults only."""
+        return [{}]
+
+    def conformance_weights(self, config: ModelConfig, weights, options: LoadOptions):
+        """The float32 weights this configuration really computes with, as (mapping of canonical names,
+        tolerance key of conformance/tolerances.py for what remains), so conformance can also hold the
+        backend to the reference run on them. Default: None (the checkpoint's own weights only)."""
+        return None
+
+    def bytes_per_token(self, config: ModelConfig, options: LoadOptions, kv_len: int) -> int | None:
+        """Bytes one decode step reads at kv_len (the bench's memory roofline). Default: None, estimated
+        from the weight format."""
+        return None
+
+    def offers(self, hook: str) -> bool:
+        """Whether this backend overrides an optional hook (e.g. "load_shard", "load")."""
+        return getattr(type(self), hook) is not getattr(Backend, hook)
 
     def install_hint(self) -> str:
         return f'pip install "glmcore[{self.extra}]"' if self.extra else ""
@@ -274,8 +322,7 @@ class Backend(ABC):
         if weights not in caps.weight_formats:
             raise BackendError(f"backend {self.name!r} has no weight format {weights!r}; choose one of "
                                f"{', '.join(caps.weight_formats)}")
-        return LoadOptions(precision, weights, options.capacity, options.threads, options.cache_dir,
-                           dict(options.extra))
+        return dataclasses.replace(options, precision=precision, weights=weights, extra=dict(options.extra))
 
     def check_options(self, extra: dict) -> None:
         """Refuse an --opt key this backend does not read (a typo would otherwise be silently ignored)."""

@@ -19,6 +19,7 @@ import re
 from dataclasses import dataclass, field
 
 from .errors import ChatError
+from .events import ChatEvent, TextDelta, ToolCallEvent
 
 ROLES = ("system", "user", "assistant", "tool")
 ASSISTANT_MARK = "<|assistant|>"     # separates the segments of a ChatGLM3/GLM-4 reply
@@ -101,16 +102,15 @@ class ChatFormat:
 
     family: str
     stop_ids: list[int]
+    segmented = True     # a reply is <|assistant|>-separated segments, each opening with a metadata line
 
     def __init__(self, tokenizer):
         self.tok = tokenizer
-        self.sp = tokenizer.special_ids
+        self.special = tokenizer.special_ids
 
     # -- prompts
     def check_tools(self, tools) -> list[dict]:
         """The function dicts of `tools`; a ChatError names what this family cannot take."""
-        if tools and self.family == "chatglm2":
-            raise ChatError("ChatGLM2 has no tool calling: use ChatGLM3 or GLM-4 for tools")
         return _functions(tools)
 
     def encode_messages(self, messages, tools: list[dict] | None = None,
@@ -148,6 +148,14 @@ class ChatFormat:
         stream.close()
         return stream.message
 
+    def call_plausible(self, body: str) -> bool:
+        """Whether a segment's body after a tool-name line can still become this family's call."""
+        return False
+
+    def parse_call(self, body: str) -> dict:
+        """A complete call body's arguments (JSON values), parsed without eval; ToolCallParseError if not."""
+        raise ToolCallParseError("this model has no tool calls")
+
     def decode_reply(self, ids, tools: list[dict] | None = None) -> Message:
         """parse_reply of generated ids (stop tokens are dropped; <|assistant|> separates segments)."""
         stream = ToolCallStream(self, tools)
@@ -160,11 +168,17 @@ class ChatFormat:
 
 class ChatGLM2Format(ChatFormat):
     family = "chatglm2"
+    segmented = False    # plain text replies; no tool calls
+
+    def check_tools(self, tools) -> list[dict]:
+        if tools:
+            raise ChatError("ChatGLM2 has no tool calling: use ChatGLM3 or GLM-4 for tools")
+        return []
 
     def __init__(self, tokenizer):
         super().__init__(tokenizer)
         self.stop_ids = [tokenizer.eos_id]
-        self.prefix = [self.sp["[gMASK]"], self.sp["sop"]]
+        self.prefix = [self.special["[gMASK]"], self.special["sop"]]
         # sp.encode puts the dummy-prefix "▁" before text; in a continuation (text after a reply)
         # it must go. "\n" is byte-fallback, never merged, so encode("\n...") = dummy + encode_rest.
         self._dummy = tokenizer.encode("\n")[:-1]
@@ -234,9 +248,9 @@ class _RoleFormat(ChatFormat):
 
     def __init__(self, tokenizer):
         super().__init__(tokenizer)
-        self.prefix = [self.sp["[gMASK]"], self.sp[self.sop]]
-        self.assistant_id = self.sp["<|assistant|>"]
-        self.stop_ids = [tokenizer.eos_id, self.sp["<|user|>"], self.sp["<|observation|>"]]
+        self.prefix = [self.special["[gMASK]"], self.special[self.sop]]
+        self.assistant_id = self.special["<|assistant|>"]
+        self.stop_ids = [tokenizer.eos_id, self.special["<|user|>"], self.special["<|observation|>"]]
 
     def _turn(self, role: str, metadata: str, content: str) -> list[int]:
         raise NotImplementedError
@@ -298,7 +312,7 @@ class ChatGLM3Format(_RoleFormat):
 
     def _turn(self, role, metadata, content):
         # build_single_message: metadata line and content are encoded apart (each gets the "▁" prefix).
-        return [self.sp[f"<|{role}|>"]] + self.tok.encode(f"{metadata}\n") + self.tok.encode(content)
+        return [self.special[f"<|{role}|>"]] + self.tok.encode(f"{metadata}\n") + self.tok.encode(content)
 
     def _tools_turn(self, functions, messages):
         # ChatGLM3's build_chat_input: system content + "\n" + json.dumps(tools, indent=4, ensure_ascii=False);
@@ -315,6 +329,14 @@ class ChatGLM3Format(_RoleFormat):
         args = ", ".join(f"{k}={v!r}" for k, v in call.arguments.items())
         return f"```python\ntool_call({args})\n```"
 
+    def call_plausible(self, body):
+        # ChatGLM3's arguments start with "```" or "tool_call(" after optional whitespace
+        b = body.lstrip()
+        return any(b[:len(p)] == p[:len(b)] for p in ("```", "tool_call("))
+
+    def parse_call(self, body):
+        return parse_chatglm3_call(body)
+
 
 class GLM4Format(_RoleFormat):
     family = "glm4"
@@ -327,7 +349,7 @@ class GLM4Format(_RoleFormat):
         # text between two special tokens is tokenized as one piece.
         if not content:
             return []
-        return [self.sp[f"<|{role}|>"]] + self.tok.encode(f"{metadata}\n{content}")
+        return [self.special[f"<|{role}|>"]] + self.tok.encode(f"{metadata}\n{content}")
 
     def _tools_turn(self, functions, messages):
         # As transformers renders the template (trim_blocks=True): the first "\n" after each
@@ -336,10 +358,17 @@ class GLM4Format(_RoleFormat):
         for f in functions:
             text += f"\n## {f['name']}\n\n{json.dumps(f, ensure_ascii=False, indent=4)}"
             text += "\n在调用上述函数时，请使用 Json 格式表示调用的参数。"
-        return [self.sp["<|system|>"]] + self.tok.encode(text), list(messages)
+        return [self.special["<|system|>"]] + self.tok.encode(text), list(messages)
 
     def _call_text(self, call):
         return json.dumps(call.arguments, ensure_ascii=False)
+
+    def call_plausible(self, body):
+        # GLM-4 arguments start right after the name line with "{" (its process_response)
+        return not body or body.startswith("{")
+
+    def parse_call(self, body):
+        return parse_glm4_call(body)
 
 
 def chat_format_for(tokenizer) -> ChatFormat:
@@ -407,8 +436,8 @@ def _as_json(args: dict) -> dict:
 
 
 class ToolCallStream:
-    """Turns a streamed reply into events: ("text", str) as soon as text is certain, and
-    ("tool_call", ToolCall) when a call is complete (at the next segment or at close()).
+    """Turns a streamed reply into ChatEvents: TextDelta as soon as text is certain, and ToolCallEvent
+    when a call is complete (at the next segment or at close()).
 
     feed(text) takes decoded text pieces (a literal "<|assistant|>" separates segments);
     push(id) takes token ids and decodes them itself, keeping the <|assistant|> boundary that
@@ -424,7 +453,6 @@ class ToolCallStream:
 
     def __init__(self, chat_format: ChatFormat, tools: list[dict] | None = None, calls: bool = True):
         self.fmt = chat_format
-        self.family = chat_format.family
         # calls=False: every segment is text (OpenAI's tool_choice "none"); no tools: any name is a call
         self.names = set() if not calls else {f["name"] for f in _functions(tools)} if tools else None
         self.errors: list[str] = []
@@ -437,7 +465,7 @@ class ToolCallStream:
         self._new_segment()
 
     def _new_segment(self) -> None:
-        self._state = "text" if self.family == "chatglm2" else "head"   # head | text | call
+        self._state = "head" if self.fmt.segmented else "text"   # head | text | call
         self._seg = ""                  # raw text of this segment
         self._meta = ""                 # the metadata line, while in head
         self._name = self._body = ""    # the call, while in call
@@ -445,7 +473,7 @@ class ToolCallStream:
         self._started = False           # leading whitespace of the segment skipped
 
     # -- input
-    def push(self, id: int) -> list:
+    def push(self, id: int) -> list[ChatEvent]:
         if self._decoder is None:
             from .tokenizer import StreamDecoder
             self._decoder = StreamDecoder(self.fmt.tok)
@@ -453,8 +481,8 @@ class ToolCallStream:
             return self._text(self._decoder.flush()) + self._end_segment(new=True)
         return self._text(self._decoder.push(id))
 
-    def feed(self, text: str) -> list:
-        if self.family == "chatglm2":
+    def feed(self, text: str) -> list[ChatEvent]:
+        if not self.fmt.segmented:
             return self._text(text)
         events = []
         self._pending += text
@@ -467,7 +495,7 @@ class ToolCallStream:
         self._pending = self._pending[len(ready):]
         return events + self._text(ready)
 
-    def close(self) -> list:
+    def close(self) -> list[ChatEvent]:
         events = self._text(self._decoder.flush()) if self._decoder is not None else []
         events += self._text(self._pending)
         self._pending = ""
@@ -488,7 +516,7 @@ class ToolCallStream:
             return self._emit(text)
         if self._state == "call":
             self._body += text
-            return [] if self._call_plausible() else self._call_to_text()
+            return [] if self.fmt.call_plausible(self._body) else self._call_to_text()
         self._meta += text
         if "\n" in self._meta:
             meta, rest = self._meta.split("\n", 1)
@@ -498,21 +526,13 @@ class ToolCallStream:
                 return self._emit(rest)
             if _NAME.fullmatch(name) and (self.names is None or name in self.names):
                 self._state, self._name, self._body = "call", name, rest
-                return [] if self._call_plausible() else self._call_to_text()
+                return [] if self.fmt.call_plausible(self._body) else self._call_to_text()
             self._state = "text"
             return self._emit(self._meta)
         if self._meta.strip() and not _NAME.fullmatch(self._meta.strip()):
             self._state = "text"            # a tool name is one word: this is text already
             return self._emit(self._meta)
         return []
-
-    def _call_plausible(self) -> bool:
-        # GLM-4 arguments start right after the name line with "{" (its process_response);
-        # ChatGLM3's with "```" or "tool_call(" after optional whitespace.
-        if self.family == "glm4":
-            return not self._body or self._body.startswith("{")
-        b = self._body.lstrip()
-        return any(b[:len(p)] == p[:len(b)] for p in ("```", "tool_call("))
 
     def _call_to_text(self) -> list:
         self._state = "text"
@@ -532,7 +552,7 @@ class ToolCallStream:
         if not body:
             return []
         self._content += body
-        return [("text", body)]
+        return [TextDelta(body)]
 
     def _end_segment(self, new: bool) -> list:
         events = []
@@ -541,14 +561,14 @@ class ToolCallStream:
             events += self._emit(self._meta)
         elif self._state == "call":
             try:
-                args = (parse_glm4_call if self.family == "glm4" else parse_chatglm3_call)(self._body)
+                args = self.fmt.parse_call(self._body)
             except ToolCallParseError as e:
                 self.errors.append(f"tool call {self._name!r}: {e}")
                 events += self._call_to_text()
             else:
                 call = ToolCall(self._name, args)
                 self._calls.append(call)
-                events.append(("tool_call", call))
+                events.append(ToolCallEvent(call))
         self._raw.append(self._seg)
         if new:
             self._new_segment()

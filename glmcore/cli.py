@@ -7,30 +7,20 @@ import os
 import shutil
 import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from . import __version__
-from .backend import LoadOptions, registry
-from .engine import OVERFLOW_POLICIES, WindowPolicy
+from .backend import registry
+from .events import TextDelta, ToolCallEvent
+from .scheduler import OVERFLOW_POLICIES, WindowPolicy
 from .errors import ContextOverflow, ChatError, GlmcoreError
+from .options import add_load_args, load_options
 from .sampling import SamplingParams
 
 
 def progress(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
-
-
-def _parse_opts(pairs: list[str]) -> dict:
-    out = {}
-    for p in pairs or []:
-        if "=" not in p:
-            raise GlmcoreError(f"--opt {p!r}: expected KEY=VALUE, e.g. --opt group_size=128")
-        k, v = p.split("=", 1)
-        try:
-            out[k] = json.loads(v)
-        except ValueError:
-            out[k] = v
-    return out
 
 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -40,33 +30,6 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         if action.default is None or action.default is False or action.default == []:
             return action.help
         return super()._get_help_string(action)
-
-
-def add_load_args(p: argparse.ArgumentParser, model_help: str = "checkpoint directory (default: the built-in "
-                  "demo model)") -> None:
-    p.add_argument("--backend", help="backend name (default: the best ready one; see `glmcore backends`)")
-    p.add_argument("--model", help=model_help)
-    p.add_argument("--precision", help="compute precision the backend offers: f32, bf16, f16")
-    p.add_argument("--weights", help="weight format the backend offers: f32, f16, int8, int4 ...")
-    p.add_argument("--ctx", type=int, help="context length (KV slots); default min(model, backend, 4096)")
-    p.add_argument("--threads", type=int, help="CPU threads (default: the backend's choice)")
-    p.add_argument("--opt", action="append", default=[], metavar="KEY=VALUE",
-                   help="backend-specific option, e.g. group_size=128, seq_len=512, mode=eager")
-    p.add_argument("--tp", type=int, default=1, metavar="N",
-                   help="tensor parallel: split the model over N ranks started here (torch, ascend_npu); "
-                        "under torchrun, the job's world size")
-
-
-def load_options(a) -> LoadOptions:
-    if a.ctx is not None and a.ctx < 2:
-        raise GlmcoreError(f"invalid --ctx {a.ctx}: use at least 2")
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    if a.threads is not None and not 1 <= a.threads <= cpus:
-        raise GlmcoreError(f"invalid --threads {a.threads}: this machine lets glmcore run on {cpus} CPUs; "
-                           f"use 1..{cpus}")
-    if a.tp < 1:
-        raise GlmcoreError(f"invalid --tp {a.tp}: use a positive number of ranks")
-    return LoadOptions(a.precision, a.weights, a.ctx, a.threads, extra=_parse_opts(a.opt), tp=a.tp)
 
 
 def add_gen_args(p: argparse.ArgumentParser) -> None:
@@ -94,7 +57,7 @@ def _pipeline(a):
     return Pipeline(a.model, a.backend, load_options(a), window)
 
 
-def _messages(system: str | None, tools) -> list[dict]:
+def _messages(system: str | None) -> list[dict]:
     return [{"role": "system", "content": system}] if system else []
 
 
@@ -105,7 +68,7 @@ def cmd_run(a) -> int:
         return _run_batch(a)
     params = sampling(a)
     pipe = _pipeline(a)
-    messages = _messages(a.system, None) + [{"role": "user", "content": a.prompt}]
+    messages = _messages(a.system) + [{"role": "user", "content": a.prompt}]
     _stream_reply(pipe, messages, None, params, a.max_new_tokens)
     print(f"[{pipe.model.backend.name}] {pipe.timings.line()}", file=sys.stderr)
     return 0
@@ -132,7 +95,7 @@ def _run_batch(a) -> int:
     start = time.perf_counter()
     handles = []
     for text in prompts:
-        messages = [as_message(x) for x in _messages(a.system, None) + [{"role": "user", "content": text}]]
+        messages = [as_message(x) for x in _messages(a.system) + [{"role": "user", "content": text}]]
         handles.append(sched.submit(chat_request(m.chat_format, messages, None, params, a.max_new_tokens, window)))
     sched.run()
     wall = time.perf_counter() - start
@@ -148,7 +111,7 @@ def _run_batch(a) -> int:
     generated = sum(len(h.tokens) for h in handles)
     prompt_tok = sum(h.timings.prompt_tokens for h in handles)
     print(f"[{m.backend.name}] {len(prompts)} prompts on {sched.batch.n_slots} slots"
-          f"{'' if sched.batch.native else ' (adapter: not natively batched)'} | prompt {prompt_tok} tok, "
+          f"{'' if sched.native else ' (adapter: not natively batched)'} | prompt {prompt_tok} tok, "
           f"generated {generated} tok in {wall:.2f} s | {generated / wall:.1f} tok/s aggregate | {sched.steps} steps",
           file=sys.stderr)
     m.close()
@@ -157,18 +120,19 @@ def _run_batch(a) -> int:
 
 def _stream_reply(pipe, messages, tools, params, max_new_tokens, shown: list | None = None) -> None:
     """Stream one reply to stdout; `shown` collects the text written (what the user saw if interrupted)."""
-    for kind, value in pipe.chat(messages, tools=tools, stream=True, params=params, max_new_tokens=max_new_tokens):
-        if kind == "text":
-            sys.stdout.write(value)
+    for event in pipe.chat(messages, tools=tools, stream=True, params=params, max_new_tokens=max_new_tokens):
+        if isinstance(event, TextDelta):
+            sys.stdout.write(event.text)
             sys.stdout.flush()
             if shown is not None:
-                shown.append(value)
-        else:
-            sys.stdout.write(f"\n[tool call] {value.name}({json.dumps(value.arguments, ensure_ascii=False)})")
+                shown.append(event.text)
+        elif isinstance(event, ToolCallEvent):
+            call = event.call
+            sys.stdout.write(f"\n[tool call] {call.name}({json.dumps(call.arguments, ensure_ascii=False)})")
     sys.stdout.write("\n")
     sys.stdout.flush()
     if pipe.context_full:
-        print(f"note: the reply stopped because the context of {pipe.model.engine.capacity} tokens is full; "
+        print(f"note: the reply stopped because the context of {pipe.model.scheduler.capacity} tokens is full; "
               "raise --ctx or use --overflow window", file=sys.stderr)
 
 
@@ -187,10 +151,21 @@ def _load_tools(arg: str, chat_format) -> tuple[list, list[str]]:
     return tools, [f["name"] for f in chat_format.check_tools(tools)]
 
 
+@dataclass
+class ChatState:
+    """What `glmcore chat` holds between turns: the system prompt, the tools and the messages so far."""
+    system: str | None = None
+    tools: list | None = None
+    history: list = field(default_factory=list)
+
+    def messages(self) -> list:
+        return _messages(self.system) + self.history
+
+
 def cmd_chat(a) -> int:
     params = sampling(a)
     pipe = _pipeline(a)
-    state = {"system": a.system, "tools": None, "history": []}
+    state = ChatState(a.system)
     print(f"glmcore chat on {pipe.model.backend.name} ({pipe.model.config.family}); {CHAT_HELP}", file=sys.stderr)
     while True:
         try:
@@ -204,11 +179,11 @@ def cmd_chat(a) -> int:
             if cmd == "/quit":
                 return 0
             if cmd == "/reset":
-                state["history"] = []
+                state.history = []
                 pipe.reset()
                 print("(conversation cleared)", file=sys.stderr)
             elif cmd == "/system":
-                state["system"], state["history"] = arg or None, []
+                state.system, state.history = arg or None, []
                 print("(system prompt set; conversation cleared)", file=sys.stderr)
             elif cmd == "/tools":
                 try:
@@ -216,53 +191,53 @@ def cmd_chat(a) -> int:
                 except GlmcoreError as e:
                     print(f"error: {e}", file=sys.stderr)
                     continue
-                state["tools"], state["history"] = tools, []
+                state.tools, state.history = tools, []
                 print(f"({len(names)} tools loaded: {', '.join(names)}; conversation cleared)", file=sys.stderr)
             else:
                 print(f"unknown command {cmd}; {CHAT_HELP}", file=sys.stderr)
             continue
-        state["history"].append({"role": "user", "content": line})
-        if _chat_turn(pipe, state, params, a.max_new_tokens) == "quit":
+        state.history.append({"role": "user", "content": line})
+        if not _chat_turn(pipe, state, params, a.max_new_tokens):
             return 0
 
 
-def _chat_turn(pipe, state, params, max_new_tokens) -> str:
-    """One user turn: replies, and the tool results they ask for. Returns "quit" or "done"."""
-    history, tools = state["history"], state["tools"]
+def _chat_turn(pipe, state: ChatState, params, max_new_tokens) -> bool:
+    """One user turn: replies, and the tool results they ask for. Returns whether the session goes on."""
+    history = state.history
     while True:
         print("assistant> ", end="", flush=True)
         shown: list[str] = []
         try:
-            _stream_reply(pipe, _messages(state["system"], tools) + history, tools, params, max_new_tokens, shown)
+            _stream_reply(pipe, state.messages(), state.tools, params, max_new_tokens, shown)
         except KeyboardInterrupt:
             # Ctrl-C ends this reply, not the session. The cache holds a half-generated turn, so the
             # next turn starts from the conversation (with the text shown so far) again.
             pipe.reset()
             history.append({"role": "assistant", "content": "".join(shown).strip()})
             print("\n(reply interrupted)", file=sys.stderr)
-            return "done"
+            return True
         except ContextOverflow as e:
             # the conversation no longer fits: say so and keep the session (the user can /reset)
             history.pop()
             print(f"\nerror: {e}; /reset starts a new conversation", file=sys.stderr)
-            return "done"
+            return True
         reply = pipe.cached[-1]
         history.append(reply)
         print(f"[{pipe.timings.line()}]", file=sys.stderr)
         if not reply.tool_calls:
-            return "done"
+            return True
         for call in reply.tool_calls:
             try:
                 result = input(f"tool result for {call.name}> ")
             except EOFError:
-                return "quit"
+                return False
             if result.strip() == "/quit":
-                return "quit"
+                return False
             if result.strip() == "/reset":
                 history.clear()
                 pipe.reset()
                 print("(conversation cleared)", file=sys.stderr)
-                return "done"
+                return True
             history.append({"role": "tool", "content": result})
 
 
@@ -369,16 +344,14 @@ def cmd_convert(a) -> int:
 
 
 def cmd_serve(a) -> int:
-    if a.replicas != 1 or a.ray_address:         # replicas of the engine behind Ray Serve's proxy
+    from .server import ServeOptions, serve    # lazily: the web stack is the optional extra glmcore[server]
+    so = ServeOptions(a.host, a.port, a.slots, a.token_budget, a.max_queue,
+                      a.api_key or os.environ.get("GLMCORE_API_KEY") or None, a.served_name, a.max_body_mb << 20,
+                      a.grace, a.log_level, a.replicas, a.ray_address)
+    if so.replicas != 1 or so.ray_address:       # replicas of the server behind Ray Serve's proxy
         from .server.replicas import serve_replicas
-        return serve_replicas(a.model, a.backend, load_options(a), a.replicas, a.ray_address, a.host, a.port,
-                              a.slots, a.token_budget, a.max_queue,
-                              a.api_key or os.environ.get("GLMCORE_API_KEY") or None, a.served_name,
-                              a.max_body_mb << 20, a.log_level)
-    from .server import serve    # lazily: the web stack is the optional extra glmcore[server]
-    return serve(a.model, a.backend, load_options(a), a.host, a.port, a.slots, a.token_budget, a.max_queue,
-                 a.api_key or os.environ.get("GLMCORE_API_KEY") or None, a.served_name, a.max_body_mb << 20,
-                 a.grace, a.log_level)
+        return serve_replicas(a.model, a.backend, load_options(a), so)
+    return serve(a.model, a.backend, load_options(a), so)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -450,12 +423,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(fn=cmd_serve)
 
     p = sub.add_parser("conformance", help="check backends against the torch reference", add_help=False)
-    p.set_defaults(fn=None, delegate="glmcore_conformance.suite")
+    p.set_defaults(fn=None)
     p = sub.add_parser("bench", help="measure prefill/decode speed and memory", add_help=False)
-    p.set_defaults(fn=None, delegate="glmcore_conformance.bench")
+    p.set_defaults(fn=None)
     p = sub.add_parser("eval", help="perplexity (one backend or a table across backends) and lm-evaluation-harness "
                        "tasks", add_help=False)
-    p.set_defaults(fn=None, delegate="glmcore.evaluate.cli")
+    p.set_defaults(fn=None)
     for p in sub.choices.values():
         p.formatter_class = _HelpFormatter
     return ap

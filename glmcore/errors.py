@@ -35,3 +35,8 @@ class SamplingError(GlmcoreError, ValueError):
 
 class ContextOverflow(GlmcoreError):
     """A sequence would outgrow the session's KV capacity under the `error` policy."""
+
+
+class StepError(BackendError):
+    """A BatchSession step whose entries break the contract (no such slot, a slot twice, no ids, past
+    capacity): the core checks every step's entries once, before the backend sees them."""

@@ -1,4 +1,5 @@
-"""Load a checkpoint onto a backend: config + weights + tokenizer + chat format + session + engine."""
+"""Load a checkpoint onto a backend: config + weights + tokenizer + chat format + the scheduler over a
+batch session (the one generation loop)."""
 from __future__ import annotations
 
 import sys
@@ -8,7 +9,6 @@ from pathlib import Path
 from .backend import Backend, LoadOptions, registry
 from .cache import cache_root
 from .config import ModelConfig
-from .engine import Engine, WindowPolicy
 from .scheduler import Scheduler
 from .errors import GlmcoreError
 from .weights import load_weights
@@ -27,26 +27,17 @@ def demo_model_dir(notice=lambda msg: print(msg, file=sys.stderr)) -> Path:
 
 @dataclass
 class LoadedModel:
-    """A checkpoint on a backend: one sequence (`engine`), or with load_model(slots=N) many sequences
-    at once through the continuous-batching `scheduler` (then `engine` is None)."""
+    """A checkpoint on a backend, driven by the continuous-batching `scheduler` (one slot or many)."""
     model_dir: Path
     config: ModelConfig
     tokenizer: object
     chat_format: object
     backend: Backend
-    engine: Engine | None
-    scheduler: Scheduler | None = None
-
-    @property
-    def session(self):
-        return self.engine.session
+    scheduler: Scheduler
 
     def close(self) -> None:
-        if self.scheduler is not None:
-            self.scheduler.stop()
-            self.scheduler.batch.close()
-        if self.engine is not None:
-            self.engine.session.close()
+        self.scheduler.stop()
+        self.scheduler.batch.close()
 
 
 def resolve_backend(name: str | None) -> Backend:
@@ -63,9 +54,9 @@ def resolve_backend(name: str | None) -> Backend:
 
 
 def load_model(model: str | Path | None = None, backend: str | None = None, options: LoadOptions | None = None,
-               window: WindowPolicy | None = None, slots: int | None = None, token_budget: int = 256) -> LoadedModel:
-    """Load a checkpoint (default: the demo model) on a backend (default: the best ready one). With
-    `slots`, a batch session of that many sequences driven by a Scheduler (window: each Request's)."""
+               slots: int = 1, token_budget: int = 256) -> LoadedModel:
+    """Load a checkpoint (default: the demo model) on a backend (default: the best ready one) as a batch
+    session of `slots` sequences driven by a Scheduler."""
     from .chat import chat_format_for
     from .tokenizer import load_tokenizer
 
@@ -88,13 +79,9 @@ def load_model(model: str | Path | None = None, backend: str | None = None, opti
         opts.cache_dir = cache_root() / "converted"
     weights = load_weights(model_dir, config)
     caps = b.capabilities()
-    if slots is not None:
-        if slots < 1 or (caps.max_slots is not None and slots > caps.max_slots):
-            most = f"1..{caps.max_slots}" if caps.max_slots else "a positive number"
-            raise GlmcoreError(f"invalid number of slots {slots} for backend {b.name!r}: use {most}")
-        batch = b.load_batch(config, weights, opts, slots)
-        scheduler = Scheduler(batch, can_shift=caps.can_shift, n_vocab=tokenizer.n_vocab, token_budget=token_budget)
-        return LoadedModel(model_dir, config, tokenizer, chat_format_for(tokenizer), b, None, scheduler)
-    session = b.load(config, weights, opts)
-    engine = Engine(session, window, can_shift=caps.can_shift)
-    return LoadedModel(model_dir, config, tokenizer, chat_format_for(tokenizer), b, engine)
+    if slots < 1 or (caps.max_slots is not None and slots > caps.max_slots):
+        most = f"1..{caps.max_slots}" if caps.max_slots else "a positive number"
+        raise GlmcoreError(f"invalid number of slots {slots} for backend {b.name!r}: use {most}")
+    batch = b.load_batch(config, weights, opts, slots)
+    scheduler = Scheduler(batch, caps, n_vocab=tokenizer.n_vocab, token_budget=token_budget)
+    return LoadedModel(model_dir, config, tokenizer, chat_format_for(tokenizer), b, scheduler)

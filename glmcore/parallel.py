@@ -480,8 +480,6 @@ def follower_main() -> int:
 class TPBatch(BatchSession):
     """Rank 0's face of a sharded batch session: each call is broadcast, then run on rank 0's own shard."""
 
-    native = True
-
     def __init__(self, g: Group, sid: int, local: BatchSession):
         self.g, self.sid, self.local = g, sid, local
         self.n_slots, self.capacity = local.n_slots, local.capacity
@@ -496,7 +494,7 @@ class TPBatch(BatchSession):
     def kv_len(self, slot: int) -> int:
         return self.local.kv_len(slot)
 
-    def step(self, entries, all_logits: bool = False):
+    def forward(self, entries, all_logits: bool = False):
         return self._call("step", [(int(s), [int(t) for t in ids]) for s, ids in entries], all_logits)
 
     def reset(self, slot: int) -> None:
@@ -538,9 +536,9 @@ class TensorParallel(Backend):
     the scheduler, the CLI, the server and the conformance suite drive it unchanged."""
 
     def __init__(self, inner: Backend, world: int):
-        if not callable(getattr(inner, "load_shard", None)):
-            raise BackendError(f"backend {inner.name!r} has no tensor-parallel path; --tp works with torch and "
-                               "ascend_npu")
+        if not inner.offers("load_shard"):
+            raise BackendError(f"backend {inner.name!r} has no tensor-parallel path; --tp works with backends that "
+                               "implement load_shard (torch, ascend_npu)")
         if world < 1:
             raise BackendError(f"invalid --tp {world}: use a positive number of ranks")
         self.inner, self.world = inner, world
@@ -558,9 +556,15 @@ class TensorParallel(Backend):
     def resolve(self, options: LoadOptions) -> LoadOptions:
         return self.inner.resolve(options)
 
+    # the optional hooks answer for the model as a whole, as the inner backend states them
     def conformance_variants(self) -> list[dict]:
-        hook = getattr(self.inner, "conformance_variants", None)
-        return hook() if callable(hook) else [{}]
+        return self.inner.conformance_variants()
+
+    def conformance_weights(self, config, weights, options: LoadOptions):
+        return self.inner.conformance_weights(config, weights, options)
+
+    def bytes_per_token(self, config, options: LoadOptions, kv_len: int) -> int | None:
+        return self.inner.bytes_per_token(config, options, kv_len)
 
     def load(self, config, weights, options: LoadOptions) -> Session:
         return SlotSession(self.load_batch(config, weights, options, 1))

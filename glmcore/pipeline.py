@@ -7,64 +7,58 @@ from pathlib import Path
 
 from .backend import LoadOptions
 from .chat import Message, ToolCallStream, as_message
-from .engine import Timings, WindowPolicy
-from .scheduler import Request
+from .events import ChatEvent, FinishReason
 from .model import LoadedModel, load_model
 from .sampling import SamplingParams
+from .scheduler import Request, Slot, Timings, WindowPolicy
 
 
 class Pipeline:
     """Pipeline(model_dir, backend=...).chat(messages, stream=True) in the spirit of OpenVINO GenAI.
 
-    `messages` is the whole conversation each time (OpenAI style). When it extends the conversation
-    already in the cache, only the new messages are encoded and prefilled; otherwise the cache is reset.
+    `messages` is the whole conversation each time (OpenAI style). The Pipeline owns the conversation:
+    when `messages` extends the one it holds, the request is what the slot's cache holds plus only the
+    new messages' ids (the scheduler then prefills just those); otherwise it starts over.
     """
 
     def __init__(self, model: str | Path | None = None, backend: str | None = None,
                  options: LoadOptions | None = None, window: WindowPolicy | None = None,
                  loaded: LoadedModel | None = None):
-        self.model = loaded or load_model(model, backend, options, window)
+        self.model = loaded or load_model(model, backend, options)
+        self.window = window or WindowPolicy()
         self.cached: list[Message] = []      # the conversation the KV cache holds
         self.cached_tools = None
+        self.slot: Slot | None = None        # where the scheduler ran the last reply
+        self.pending: int | None = None      # that reply's last token when it was cut: never fed yet
         self.timings = Timings()
-
-    @property
-    def context_full(self) -> bool:
-        """The last reply stopped because the context was full (finish reason "length")."""
-        return self.model.engine.context_full
-
-    @property
-    def finish_reason(self) -> str | None:
-        """stop, length or cancelled: why the last reply ended."""
-        return self.model.engine.finish_reason
+        self.finish_reason: FinishReason | None = None   # why the last reply ended
+        self.context_full = False            # it ended because the context was full
 
     @property
     def tokenizer(self):
         return self.model.tokenizer
 
     def reset(self) -> None:
-        self.model.engine.reset()
-        self.cached, self.cached_tools = [], None
+        self.cached, self.cached_tools, self.slot, self.pending = [], None, None, None
 
-    def _prompt_ids(self, messages: list[Message], tools) -> list[int]:
-        fmt, engine = self.model.chat_format, self.model.engine
-        n = len(self.cached)
-        if n and tools == self.cached_tools and messages[:n] == self.cached and len(messages) > n:
-            pending = engine.take_pending()     # the reply's last token, when it stopped on length
-            if pending:
-                engine.feed(pending)
-            engine.mark_turn()
-            return fmt.encode_continuation(messages[n:], sum(m.role == "user" for m in self.cached))
+    def _request(self, messages: list[Message], tools, params: SamplingParams, max_new_tokens: int) -> Request:
+        fmt, n = self.model.chat_format, len(self.cached)
+        slot = self.slot
+        if (n and slot is not None and tools == self.cached_tools and messages[:n] == self.cached
+                and len(messages) > n):
+            held = slot.tokens + ([self.pending] if self.pending is not None else [])
+            new = fmt.encode_continuation(messages[n:], sum(m.role == "user" for m in self.cached))
+            starts = list(slot.turn_starts) + ([len(held)] if not slot.turn_starts or slot.turn_starts[-1] != len(held)
+                                               else [])
+            return Request(held + new, params, max_new_tokens, fmt.stop_ids, self.window, turn_starts=starts,
+                           n_pinned=slot.n_pinned)
         self.reset()
-        request = chat_request(fmt, messages, tools)
-        engine.pinned = request.pinned
-        engine.turn_starts = list(request.turn_starts)
-        return list(request.prompt)
+        return chat_request(fmt, messages, tools, params, max_new_tokens, self.window)
 
     def chat(self, messages, tools: list[dict] | None = None, stream: bool = False,
              params: SamplingParams | None = None, max_new_tokens: int = 256):
-        """Returns the assistant Message, or with stream=True an iterator of ("text", str) and
-        ("tool_call", ToolCall) events (the Message is then in self.cached[-1])."""
+        """Returns the assistant Message, or with stream=True an iterator of ChatEvents (TextDelta,
+        ToolCallEvent); the Message is then in self.cached[-1]."""
         events = self._events([as_message(m) for m in messages], tools, params or SamplingParams(), max_new_tokens)
         if stream:
             return events
@@ -72,17 +66,26 @@ class Pipeline:
             pass
         return self.cached[-1]
 
-    def _events(self, messages: list[Message], tools, params: SamplingParams, max_new_tokens: int) -> Iterator:
+    def _events(self, messages: list[Message], tools, params: SamplingParams,
+                max_new_tokens: int) -> Iterator[ChatEvent]:
         m = self.model
-        ids = self._prompt_ids(messages, tools)
-        self.timings = Timings()
-        tokens = m.engine.generate(ids, params, max_new_tokens, stop_ids=m.chat_format.stop_ids,
-                                   n_vocab=m.tokenizer.n_vocab, timings=self.timings)
+        request = self._request(messages, tools, params, max_new_tokens)
+        self.finish_reason, self.context_full, self.pending = None, False, None
+        handle = m.scheduler.submit(request)
         # Token ids, not text, go to the parser: ChatGLM3 may put <|assistant|> between a text
         # segment and a tool call inside one reply, and decoded text drops that special token.
         parser = ToolCallStream(m.chat_format, tools)
-        for token in tokens:
-            yield from parser.push(token)
+        try:
+            for token in handle:
+                yield from parser.push(token)
+        finally:
+            if not handle.done:         # the consumer stopped early: the slot is freed at the next step
+                handle.cancel()
+                handle.wait()
+            self.timings = handle.timings
+            self.slot, self.finish_reason, self.context_full = handle.slot, handle.finish_reason, handle.context_full
+            if handle.finish_reason in (FinishReason.LENGTH, FinishReason.CANCELLED) and handle.tokens:
+                self.pending = handle.tokens[-1]     # sampled, never fed: a continuation feeds it first
         yield from parser.close()
         self.cached = messages + [parser.message]
         self.cached_tools = tools
@@ -98,7 +101,7 @@ def chat_request(chat_format, messages: list[Message], tools=None, params: Sampl
     starts = [s for s, _ in chat_format.turn_spans(messages, tools=tools)]
     pin = len(starts) > 1 and (messages[0].role == "system" or bool(tools))
     return Request(ids, params or SamplingParams(), max_new_tokens, chat_format.stop_ids, window or WindowPolicy(),
-                   turn_starts=starts[1:], pinned=starts[1] if pin else None)
+                   turn_starts=starts[1:], n_pinned=starts[1] if pin else None)
 
 
 def reply_message(chat_format, tokens, tools=None) -> Message:

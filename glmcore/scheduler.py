@@ -24,12 +24,12 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .backend import BatchSession
+from .backend import BatchSession, Capabilities
 from .errors import ContextOverflow, GlmcoreError
+from .events import FinishReason
 from .sampling import Sampler, SamplingParams, sample_batch
 
 OVERFLOW_POLICIES = ("error", "window")
-FINISH_REASONS = ("stop", "length", "cancelled", "error")
 
 
 class QueueFull(GlmcoreError):
@@ -87,7 +87,7 @@ class Request:
     stop_ids: Sequence[int] = ()
     window: WindowPolicy = field(default_factory=WindowPolicy)
     turn_starts: Sequence[int] = ()      # chat turn starts in prompt: the window discards whole turns
-    pinned: int | None = None            # prompt tokens the window never discards (prefix + system turn)
+    n_pinned: int | None = None          # how many prompt tokens the window never discards (prefix + system turn)
     # constrained decoding: the ids the next token may be, given the ids generated so far (None: any)
     allowed: Callable[[list[int]], Sequence[int] | None] | None = None
 
@@ -99,7 +99,7 @@ class Slot:
         self.index = index
         self.tokens: list[int] = []
         self.turn_starts: list[int] = []
-        self.pinned: int | None = None
+        self.n_pinned: int | None = None
         self.shifts = 0
         self.handle: Handle | None = None      # the running request, None when free
         self.last_used = 0.0
@@ -107,7 +107,7 @@ class Slot:
 
 class Handle:
     """A submitted request. Iterate it for the generated token ids as they come (stop ids are never
-    yielded); `finish_reason` is then one of FINISH_REASONS. Safe to consume from another thread."""
+    yielded); `finish_reason` is then a FinishReason. Safe to consume from another thread."""
 
     _ids = itertools.count()
 
@@ -118,7 +118,7 @@ class Handle:
         self.sampler = Sampler(request.params, n_vocab)
         self.on_token = on_token
         self.tokens: list[int] = []
-        self.finish_reason: str | None = None
+        self.finish_reason: FinishReason | None = None
         self.error: GlmcoreError | None = None
         self.timings = Timings()
         self.slot: Slot | None = None
@@ -185,12 +185,16 @@ class Handle:
 
 
 class Scheduler:
-    def __init__(self, batch: BatchSession, can_shift: bool = False, n_vocab: int | None = None,
+    """The loop over one BatchSession. `caps` are the backend's: can_shift (slide a window in place)
+    and native_batch (copy a prefix between slots) decide how the KV-cache policy is carried out."""
+
+    def __init__(self, batch: BatchSession, caps: Capabilities | None = None, n_vocab: int | None = None,
                  token_budget: int = 256, max_queue: int = 1024):
         if token_budget < 1:
             raise GlmcoreError(f"invalid token budget {token_budget}: use a positive integer")
+        caps = caps or Capabilities()
         self.batch = batch
-        self.can_shift = can_shift
+        self.can_shift, self.native = caps.can_shift, caps.native_batch
         self.n_vocab = n_vocab
         self.token_budget = token_budget
         self.max_queue = max_queue
@@ -216,6 +220,13 @@ class Scheduler:
     def busy_slots(self) -> int:
         return sum(s.handle is not None for s in self.slots)
 
+    def forget(self) -> None:
+        """Drop what every free slot caches, so the next requests prefill their whole prompts (benches)."""
+        with self._step_lock:
+            for slot in self.slots:
+                if slot.handle is None:
+                    self._truncate(slot, 0)
+
     # ------------------------------------------------------------------ submitting
 
     def submit(self, request: Request, on_token: Callable[[Handle, int | None], None] | None = None) -> Handle:
@@ -226,7 +237,7 @@ class Scheduler:
             raise GlmcoreError("nothing to generate from: the prompt encodes to zero tokens")
         if request.max_new_tokens < 1:
             raise GlmcoreError(f"invalid max-new-tokens {request.max_new_tokens}: use a positive integer")
-        keep = request.pinned if request.pinned is not None else request.window.n_keep
+        keep = request.n_pinned if request.n_pinned is not None else request.window.n_keep
         if n > self.capacity and (request.window.policy == "error" or keep >= self.capacity):
             raise ContextOverflow(f"the prompt has {n} tokens, which exceed the context of {self.capacity}; shorten "
                                   "the prompt or raise --ctx")
@@ -261,10 +272,10 @@ class Scheduler:
             for h in gone:
                 self.waiting.remove(h)
         for h in gone:
-            self._finish(h, "cancelled")
+            self._finish(h, FinishReason.CANCELLED)
         for s in self.slots:
             if s.handle is not None and s.handle._cancel:
-                self._finish(s.handle, "cancelled")
+                self._finish(s.handle, FinishReason.CANCELLED)
 
     def _admit(self) -> None:
         while True:
@@ -283,20 +294,16 @@ class Scheduler:
         held = {s.index: common_prefix(s.tokens, head) for s in self.slots}     # once per slot, not per comparison
         slot = max(free, key=lambda s: (held[s.index], -s.last_used))
         n = held[slot.index]
-        if self.batch.native:
+        if self.native:
             donor = max(self.slots, key=lambda s: held[s.index])
             if held[donor.index] > n:
                 n = held[donor.index]
                 self.batch.copy_prefix(donor.index, slot.index, n)
                 slot.tokens = prompt[:n]
         if n < len(slot.tokens):
-            if n == 0:
-                self.batch.reset(slot.index)
-            else:
-                self.batch.copy_prefix(slot.index, slot.index, n)
-            slot.tokens = slot.tokens[:n]
+            self._truncate(slot, n)
         slot.turn_starts = [s for s in h.request.turn_starts if 0 < s]
-        slot.pinned = h.request.pinned
+        slot.n_pinned = h.request.n_pinned
         slot.handle, h.slot = h, slot
         h._todo = prompt[n:]
         h._history = prompt
@@ -345,7 +352,7 @@ class Scheduler:
                 s.tokens = []
                 if s.handle is not None:
                     s.handle.error = err
-                    self._finish(s.handle, "error")
+                    self._finish(s.handle, FinishReason.ERROR)
             return
         self.steps += 1
         for slot, ids in entries:
@@ -365,7 +372,7 @@ class Scheduler:
         for h, token in zip(picks, tokens):
             if isinstance(token, GlmcoreError):      # this request's logits were broken; the others go on
                 h.error = token
-                self._finish(h, "error")
+                self._finish(h, FinishReason.ERROR)
                 continue
             t = h.timings
             if not h._t_first:
@@ -373,14 +380,14 @@ class Scheduler:
                 t.ttft_s = now - h._t_submit
                 t.prefill_s = now - h._t_placed
             if token in h.request.stop_ids:
-                self._finish(h, "stop")
+                self._finish(h, FinishReason.STOP)
                 continue
             h.tokens.append(token)
             h._history.append(token)
             t.new_tokens += 1
             h._emit(token)
             if len(h.tokens) >= h.request.max_new_tokens:
-                self._finish(h, "length")        # the last token is not fed: a continuation feeds it
+                self._finish(h, FinishReason.LENGTH)     # the last token is not fed: a continuation feeds it
             else:
                 h._pending = token
 
@@ -391,15 +398,32 @@ class Scheduler:
             room = make_room(slot, n_new, self.capacity, h.request.window)
         except ContextOverflow as e:
             h.error = e
-            self._finish(h, "error")
+            self._finish(h, FinishReason.ERROR)
             return False
-        if room is None:
+        if room.full:
             h.context_full = True
-            self._finish(h, "length")
+            self._finish(h, FinishReason.LENGTH)
             return False
-        if room:
-            self.shift(slot, *room)
+        if room.n_discard:
+            self.shift(slot, room.n_keep, room.n_discard)
         return True
+
+    def feed(self, slot: Slot, ids: Sequence[int], window: WindowPolicy) -> np.ndarray:
+        """Teacher forcing: append given ids to an idle slot under `window` (sliding it as generation
+        would) and return the last position's logits. For scoring text (perplexity) and conformance."""
+        ids = [int(t) for t in ids]
+        with self._step_lock:
+            if slot.handle is not None:
+                raise GlmcoreError(f"slot {slot.index} is running a request; feed an idle slot")
+            room = make_room(slot, len(ids), self.capacity, window)
+            if room.full:
+                raise ContextOverflow(f"{len(slot.tokens) + len(ids)} tokens exceed the context of {self.capacity}; "
+                                      "raise --ctx or use --overflow window")
+            if room.n_discard:
+                self.shift(slot, room.n_keep, room.n_discard)
+            logits = self.batch.step([(slot.index, ids)])[0]
+            slot.tokens.extend(ids)
+            return logits
 
     def shift(self, slot: Slot, n_keep: int, n_discard: int) -> None:
         """Slide one slot's window: in place where the backend can, else recompute the kept ids."""
@@ -407,15 +431,26 @@ class Scheduler:
         if self.can_shift:
             self.batch.shift(slot.index, n_keep, n_discard)
         else:
-            self.batch.reset(slot.index)
-            if kept:
-                self.batch.step([(slot.index, kept)])
+            self._refill(slot.index, kept)
         slot.tokens = kept
         slot.turn_starts = [s if s < n_keep else s - n_discard for s in slot.turn_starts
                             if not n_keep <= s < n_keep + n_discard]
         slot.shifts += 1
 
-    def _finish(self, h: Handle, reason: str) -> None:
+    def _truncate(self, slot: Slot, n: int) -> None:
+        """Keep a slot's first n positions: copied in place where the session is native, else recomputed."""
+        if self.native and n:
+            self.batch.copy_prefix(slot.index, slot.index, n)
+        else:
+            self._refill(slot.index, slot.tokens[:n])
+        slot.tokens = slot.tokens[:n]
+
+    def _refill(self, index: int, ids: list[int]) -> None:
+        self.batch.reset(index)
+        if ids:
+            self.batch.step([(index, ids)])
+
+    def _finish(self, h: Handle, reason: FinishReason) -> None:
         if h.finish_reason is not None:
             return
         h.finish_reason = reason
@@ -458,7 +493,7 @@ class Scheduler:
             self.waiting.clear()
         for h in handles:
             h.error = err
-            self._finish(h, "error")
+            self._finish(h, FinishReason.ERROR)
 
     def stop(self, grace_s: float = 0.0) -> None:
         """Stop the background thread: running requests get grace_s to finish, then are cancelled."""
@@ -489,15 +524,23 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     return n
 
 
-def make_room(slot: Slot, n_new: int, capacity: int, window: WindowPolicy) -> tuple[int, int] | None | bool:
-    """The core's KV-cache policy for one slot about to take n_new ids. Returns False when they fit,
-    (n_keep, n_discard) to slide the window first, or None when the `error` policy ends the sequence.
-    Raises ContextOverflow when even a slid window cannot hold them."""
+@dataclass(frozen=True)
+class Room:
+    """What the KV-cache policy decided for a slot about to take new ids: they fit (n_discard 0), slide
+    the window first (drop n_discard ids after the first n_keep), or the sequence ends (`full`)."""
+    n_keep: int = 0
+    n_discard: int = 0
+    full: bool = False
+
+
+def make_room(slot: Slot, n_new: int, capacity: int, window: WindowPolicy) -> Room:
+    """The core's KV-cache policy for one slot about to take n_new ids. Raises ContextOverflow when
+    even a slid window cannot hold them."""
     if len(slot.tokens) + n_new <= capacity:
-        return False
+        return Room()
     if window.policy == "error":
-        return None
-    keep = window.n_keep if slot.pinned is None else slot.pinned
+        return Room(full=True)
+    keep = window.n_keep if slot.n_pinned is None else slot.n_pinned
     if keep + n_new > capacity:
         raise ContextOverflow(f"{n_new} new tokens + {keep} kept do not fit the context of {capacity} even after "
                               "sliding the window; shorten the prompt or raise --ctx")
@@ -508,4 +551,4 @@ def make_room(slot: Slot, n_new: int, capacity: int, window: WindowPolicy) -> tu
     whole = [s - keep for s in slot.turn_starts if discard <= s - keep <= len(slot.tokens) - keep]
     if whole:
         discard = min(whole)
-    return keep, discard
+    return Room(keep, discard)

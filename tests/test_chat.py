@@ -10,6 +10,7 @@ import pytest
 
 from glmcore.chat import (ChatGLM3Format, Message, ToolCall, ToolCallStream, chat_format_for,
                           parse_chatglm3_call, parse_glm4_call, ToolCallParseError)
+from glmcore.events import TextDelta, ToolCallEvent
 from glmcore.tokenizer import load_tokenizer, write_tokenizer
 
 MODELS = Path(__file__).resolve().parents[2] / "shared" / "models"
@@ -289,30 +290,30 @@ def _events_by_char(stream, text):
 def test_stream_text_events(f3):
     s = ToolCallStream(f3)
     events = _events_by_char(s, "\n 你好，\n\n世界。  \n")
-    assert all(k == "text" for k, _ in events) and len(events) > 3      # token by token, not at the end
-    assert "".join(v for _, v in events) == "你好，\n\n世界。" == s.message.content
+    assert all(isinstance(e, TextDelta) for e in events) and len(events) > 3      # token by token, not at the end
+    assert "".join(e.text for e in events) == "你好，\n\n世界。" == s.message.content
 
 
 def test_stream_tool_call_events(f3, f4):
     s = ToolCallStream(f3)
     events = _events_by_char(s, "\n 好的。<|assistant|>get_weather\n```python\ntool_call(city='北京')\n```")
-    assert [k for k, _ in events] == ["text", "text", "text", "tool_call"]
-    assert events[-1][1] == ToolCall("get_weather", {"city": "北京"})
+    assert [type(e) for e in events] == [TextDelta, TextDelta, TextDelta, ToolCallEvent]
+    assert events[-1].call == ToolCall("get_weather", {"city": "北京"})
     assert s.message == f3.parse_reply("\n 好的。<|assistant|>get_weather\n```python\ntool_call(city='北京')\n```")
 
     s = ToolCallStream(f4, tools=TOOLS)
     events = _events_by_char(s, 'get_weather\n{"city": "北京"}')
-    assert events == [("tool_call", ToolCall("get_weather", {"city": "北京"}))]
+    assert events == [ToolCallEvent(ToolCall("get_weather", {"city": "北京"}))]
     s = ToolCallStream(f4)
     events = _events_by_char(s, "Paris is the capital.")
     # Held only while the first word could still be a tool name.
-    assert "".join(v for _, v in events) == "Paris is the capital." and events[0] == ("text", "Paris i")
+    assert "".join(e.text for e in events) == "Paris is the capital." and events[0] == TextDelta("Paris i")
 
 
 def test_stream_malformed_call_becomes_text(f4):
     s = ToolCallStream(f4)
     events = _events_by_char(s, 'get_weather\n{"city": "北')
-    assert events == [("text", 'get_weather\n{"city": "北')]
+    assert events == [TextDelta('get_weather\n{"city": "北')]
     assert s.errors and s.message.error
 
 
@@ -322,6 +323,6 @@ def test_stream_push_ids_keeps_assistant_boundary(f3):
            + tok.encode("```python\ntool_call(city='北京')\n```"))
     s = ToolCallStream(f3)
     events = [e for i in ids for e in s.push(i)] + s.close()
-    assert "".join(v for k, v in events if k == "text") == "好的，我查一下。"
-    assert events[-1] == ("tool_call", ToolCall("get_weather", {"city": "北京"}))
+    assert "".join(e.text for e in events if isinstance(e, TextDelta)) == "好的，我查一下。"
+    assert events[-1] == ToolCallEvent(ToolCall("get_weather", {"city": "北京"}))
     assert f3.decode_reply(ids + [sp["<|observation|>"]]) == s.message

@@ -11,6 +11,7 @@ import time
 import pytest
 
 from glmcore.chat import chat_format_for
+from glmcore.events import ToolCallEvent
 from glmcore.tokenizer import load_tokenizer
 
 
@@ -129,7 +130,7 @@ class _FakePipe:
     def chat(self, messages, **kw):
         self.calls += 1
         self.cached = list(messages) + [self.reply]
-        yield ("tool_call", self.reply.tool_calls[0])
+        yield ToolCallEvent(self.reply.tool_calls[0])
 
     def reset(self):
         self.resets += 1
@@ -140,11 +141,11 @@ class _FakePipe:
             return "t"
 
 
-@pytest.mark.parametrize("answer,outcome", [("/quit", "quit"), ("/reset", "done")])
-def test_commands_at_the_tool_result_prompt_are_not_sent_to_the_model(monkeypatch, answer, outcome):
+@pytest.mark.parametrize("answer,goes_on", [("/quit", False), ("/reset", True)])
+def test_commands_at_the_tool_result_prompt_are_not_sent_to_the_model(monkeypatch, answer, goes_on):
     from glmcore import cli
     pipe = _FakePipe()
-    state = {"system": None, "tools": [{"name": "get_weather"}], "history": [{"role": "user", "content": "hi"}]}
+    state = cli.ChatState(None, [{"name": "get_weather"}], [{"role": "user", "content": "hi"}])
     monkeypatch.setattr("builtins.input", lambda prompt="": answer)
-    assert cli._chat_turn(pipe, state, None, 4) == outcome
-    assert pipe.calls == 1 and not any(m.get("role") == "tool" for m in state["history"] if isinstance(m, dict))
+    assert cli._chat_turn(pipe, state, None, 4) is goes_on
+    assert pipe.calls == 1 and not any(m.get("role") == "tool" for m in state.history if isinstance(m, dict))

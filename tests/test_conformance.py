@@ -393,7 +393,7 @@ def test_cli_exits_1_when_a_case_fails(registered, tmp_path, capsys):
     assert "FAIL: 1/2 cases passed" in out and " !" in out
     data = json.loads((tmp_path / "conformance.json").read_text())
     assert [r["passed"] for r in data["results"]] == [True, False]
-    assert "FAIL" in to_markdown(run_suite([Toy("rotary_bug", DecodeRotaryOffByOne)], ["chatglm3"],
+    assert "FAIL" in to_markdown(run_suite([Toy("rotary_bug", DecodeRotaryOffByOne)], families=["chatglm3"],
                                            cases=["decode"], threads=1))
 
 

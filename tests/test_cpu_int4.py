@@ -16,8 +16,8 @@ import pytest
 
 from glmcore.backend import LoadOptions, registry
 from glmcore.config import ModelConfig
-from glmcore.engine import Engine, WindowPolicy
-from glmcore.errors import BackendError, ContextOverflow, GlmcoreError
+from glmcore.scheduler import Scheduler, WindowPolicy
+from glmcore.errors import BackendError, GlmcoreError, StepError
 from glmcore.synth import init_tensor
 from glmcore.weights import canonical_shapes, load_weights
 from glmcore_plugins.cpu_int4 import CpuInt4Backend, native, quant
@@ -283,7 +283,7 @@ def test_near_capacity_and_chunked_prefill(tiny, cache):
     want = np.concatenate([ref.prefill(ids[:299], all_logits=True), ref.decode(ids[299])[None]])
     close_to(got, want)
     assert s.kv_len == 300 == s.capacity
-    with pytest.raises(ContextOverflow):
+    with pytest.raises(StepError):
         s.decode(1)
     s.close()
 
@@ -362,23 +362,24 @@ def test_shift_equals_reprefill_for_one_layer(cache):
     assert cosine(out["f16", "shift"], out["f16", "recompute"]) > 0.9999
 
 
-def test_engine_window_uses_shift_past_capacity(tiny, cache):
+def test_scheduler_window_uses_shift_past_capacity(tiny, cache):
     """The core's window policy drives shift() on this backend: a stream twice the capacity runs, and its
     logits track the reference doing the same shifts."""
     cfg, w = tiny("glm4")
     s = load(cfg, w, cache, capacity=48)
     ref = torch_ref(cfg, dequantized(s), capacity=48)
-    engine = Engine(s, WindowPolicy("window", n_keep=4), can_shift=CpuInt4Backend().capabilities().can_shift)
-    ids = list(np.random.default_rng(13).integers(0, cfg.vocab_size, 120))
-    engine.feed(ids[:40])
+    sched = Scheduler(s.batch, CpuInt4Backend().capabilities())
+    slot, window = sched.slots[0], WindowPolicy("window", n_keep=4)
+    ids = [int(t) for t in np.random.default_rng(13).integers(0, cfg.vocab_size, 120)]
+    sched.feed(slot, ids[:40], window)
     ref.prefill(ids[:40])
     got, want = [], []
     for t in ids[40:]:
         if ref.kv_len + 1 > 48:
             torch_shift(ref, 4, (ref.kv_len - 4) // 2)
-        got.append(engine.feed([t]))
+        got.append(sched.feed(slot, [t], window))
         want.append(ref.decode(t))
-    assert engine.shifts >= 3 and s.kv_len == len(engine.tokens) <= 48
+    assert slot.shifts >= 3 and s.kv_len == len(slot.tokens) <= 48
     close_to(np.stack(got), np.stack(want))
     s.close()
 
@@ -646,7 +647,7 @@ def test_batch_is_native_and_maps_the_weights_once(cache):
     caps = CpuInt4Backend().capabilities()
     assert caps.native_batch and caps.can_shift
     b = load_batch(cfg, toy_weights(cfg), cache, 3, capacity=32)
-    assert b.native and b.n_slots == 3 and b.capacity == 32 and isinstance(b._blob, np.memmap)
+    assert b.n_slots == 3 and b.capacity == 32 and isinstance(b._blob, np.memmap)
     assert b.info()["slots"] == 3
     lib = native.lib()
     before = sum(lib.glmi4_kernel_calls(i) for i in range(len(native.ISAS)))
@@ -667,14 +668,15 @@ def test_batch_errors_leave_every_slot_unchanged(cache):
     for entries, match in bad:
         with pytest.raises(GlmcoreError, match=match):
             b.step(entries)
-    with pytest.raises(ContextOverflow, match="slot 0"):
+    with pytest.raises(StepError, match="exceed the context of 8 in slot 0"):     # the core's check
         b.step([(1, [1]), (0, [1, 2, 3, 4, 5, 6])])
     assert [b.kv_len(0), b.kv_len(1)] == [3, 1]
     with pytest.raises(GlmcoreError, match="holds 1"):
         b.copy_prefix(1, 0, 2)
     with pytest.raises(GlmcoreError, match="cannot shift"):
         b.shift(1, 1, 1)
-    assert b.step([]).shape == (0, cfg.vocab_size)
+    with pytest.raises(StepError, match="at least one"):
+        b.step([])
     b.close()
     with pytest.raises(GlmcoreError, match="closed"):
         b.kv_len(0)

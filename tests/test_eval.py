@@ -252,7 +252,7 @@ def test_harness_multiple_choice_on_cpu_int4_with_prefix_reuse(tiny, monkeypatch
     _check_mc(r, tiny, 2 * F32, backend="cpu_int4", group_size=32)
     # each context was prefilled once, not once per choice
     whole = sum(len(lm.tok_encode(c + x)) - 1 for s in r["samples"]["glmcore_tiny_mc"] for c, x in s["arguments"])
-    assert batch.native and sum(fed) < 0.7 * whole
+    assert lm.m.scheduler.native and sum(fed) < 0.7 * whole
     lm.close()
 
 

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from glmcore import parallel, synth
-from glmcore.backend import LoadOptions, registry
+from glmcore.backend import Backend, LoadOptions, registry
 from glmcore.cli import main
 from glmcore.config import ModelConfig
 from glmcore.errors import BackendError
@@ -248,7 +248,8 @@ def test_under_torchrun_rank_0_runs_the_command_and_the_others_follow(monkeypatc
 def test_a_backend_without_a_tensor_parallel_path_is_refused():
     class NoShard(type(registry().get("torch"))):
         name = "noshard"
-        load_shard = None
+        load_shard = Backend.load_shard           # the declared default: no tensor-parallel path
+    assert not NoShard().offers("load_shard") and registry().get("torch").offers("load_shard")
     with pytest.raises(BackendError, match="no tensor-parallel path"):
         parallel.TensorParallel(NoShard(), 2)
 

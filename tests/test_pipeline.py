@@ -7,7 +7,8 @@ import pytest
 
 from glmcore.backend import Backend, Capabilities, LoadOptions, Probe, Session, hookimpl, registry
 from glmcore.chat import Message, ToolCall
-from glmcore.engine import WindowPolicy
+from glmcore.events import TextDelta, ToolCallEvent
+from glmcore.scheduler import WindowPolicy
 from glmcore.pipeline import Pipeline
 from glmcore.sampling import SamplingParams
 from glmcore.tokenizer import load_tokenizer
@@ -97,7 +98,7 @@ def test_tool_round_trip(make_tiny, family, call_text):
     SCRIPTED.script[:] = say(tok, call_text, "<|observation|>")
     history = [{"role": "user", "content": "weather in Beijing?"}]
     events = list(pipe.chat(history, tools=TOOLS, stream=True, params=GREEDY))
-    assert events == [("tool_call", ToolCall("get_weather", {"city": "Beijing"}))]
+    assert events == [ToolCallEvent(ToolCall("get_weather", {"city": "Beijing"}))]
     reply = pipe.cached[-1]
     assert reply.tool_calls[0].arguments == {"city": "Beijing"}
     first_prompt = len(SCRIPTED.session.fed)
@@ -105,11 +106,11 @@ def test_tool_round_trip(make_tiny, family, call_text):
     SCRIPTED.script[:] = say(tok, "It is sunny.", "<|user|>")
     history += [reply, {"role": "tool", "content": json.dumps({"weather": "sunny"})}]
     events = list(pipe.chat(history, tools=TOOLS, stream=True, params=GREEDY))
-    assert "".join(v for k, v in events if k == "text") == "It is sunny."
+    assert "".join(e.text for e in events if isinstance(e, TextDelta)) == "It is sunny."
     # only the observation turn was prefilled: the cache kept the first turn and the tool call
     obs = pipe.model.chat_format.encode_continuation([Message("tool", json.dumps({"weather": "sunny"}))], 1)
     assert SCRIPTED.session.prefills[-1] == len(obs)
-    assert SCRIPTED.session.fed[:first_prompt] == pipe.model.engine.tokens[:first_prompt]
+    assert SCRIPTED.session.fed[:first_prompt] == pipe.slot.tokens[:first_prompt]
     assert pipe.model.tokenizer.special_ids["<|observation|>"] in obs
 
 
@@ -124,12 +125,14 @@ def test_multi_turn_prefills_only_the_new_turn(make_tiny):
         prefilled.append(pipe.timings.prompt_tokens)
     # turn 5 prefills about as much as turn 2, not the whole history
     assert prefilled[0] > prefilled[1] and max(prefilled[1:]) - min(prefilled[1:]) <= 2
-    assert len(pipe.model.engine.tokens) > sum(prefilled[1:])
-    # a conversation that does not extend the cached one starts over
+    assert len(pipe.slot.tokens) > sum(prefilled[1:])
+    # a conversation that does not extend the cached one starts over: only the [gMASK]sop prefix it
+    # shares with the cache is reused
     new = [{"role": "user", "content": "new topic"}]
     pipe.chat(new, params=GREEDY, max_new_tokens=3)
     prompt = pipe.model.chat_format.encode_messages(new)
-    assert pipe.timings.prompt_tokens == len(prompt) and pipe.model.engine.tokens[:len(prompt)] == prompt
+    assert pipe.timings.cached_tokens == 2 and pipe.timings.prompt_tokens == len(prompt) - 2
+    assert pipe.slot.tokens[:len(prompt)] == prompt
 
 
 def test_continuation_cache_equals_fresh_prefill(make_tiny):
@@ -140,12 +143,13 @@ def test_continuation_cache_equals_fresh_prefill(make_tiny):
     history.append(pipe.chat(history, params=GREEDY, max_new_tokens=5))
     history.append({"role": "user", "content": "and again"})
     pipe.chat(history, params=GREEDY, max_new_tokens=1)
-    held = list(pipe.model.engine.tokens)
+    held = list(pipe.slot.tokens)
     m = pipe.model
+    batch = m.scheduler.batch
     fresh = m.backend.load(m.config, load_weights(m.model_dir, m.config), LoadOptions())
     fresh.prefill(held)
-    assert m.session.kv_len == fresh.kv_len == len(held)
-    np.testing.assert_allclose(m.session.decode(7), fresh.decode(7), atol=1e-4)   # same cache, same logits
+    assert batch.kv_len(pipe.slot.index) == fresh.kv_len == len(held)
+    np.testing.assert_allclose(batch.step([(pipe.slot.index, [7])])[0], fresh.decode(7), atol=1e-4)   # same cache
 
 
 def test_window_keeps_system_turn_and_drops_whole_turns(make_tiny):
@@ -158,9 +162,9 @@ def test_window_keeps_system_turn_and_drops_whole_turns(make_tiny):
     for turn in range(8):
         history.append({"role": "user", "content": f"turn {turn} with some words in it"})
         history.append(pipe.chat(history, params=GREEDY, max_new_tokens=8))
-    eng = pipe.model.engine
-    assert eng.shifts > 0
-    assert eng.tokens[:pinned] == prefix[:pinned]                 # [gMASK]sop + system survive
+    slot = pipe.slot
+    assert slot.shifts > 0
+    assert slot.tokens[:pinned] == prefix[:pinned]                 # [gMASK]sop + system survive
     user = pipe.model.tokenizer.special_ids["<|user|>"]
-    assert eng.tokens[pinned] == user                              # the kept history starts at a turn
-    assert all(eng.tokens[s] == user for s in eng.turn_starts)
+    assert slot.tokens[pinned] == user                              # the kept history starts at a turn
+    assert all(slot.tokens[s] == user for s in slot.turn_starts)

@@ -8,7 +8,7 @@ import zlib
 import numpy as np
 import pytest
 
-from glmcore.backend import BatchSession, LoadOptions, registry
+from glmcore.backend import BatchSession, Capabilities, LoadOptions, registry
 from glmcore.config import ModelConfig
 from glmcore.errors import ContextOverflow, GlmcoreError
 from glmcore.sampling import SamplingParams
@@ -35,7 +35,7 @@ class PureBatch(BatchSession):
     def kv_len(self, slot):
         return len(self.held[slot])
 
-    def step(self, entries, all_logits=False):
+    def forward(self, entries, all_logits=False):
         self.calls.append([(s, list(ids)) for s, ids in entries])
         assert len({s for s, _ in entries}) == len(entries), "one entry per slot"
         out = []
@@ -62,8 +62,13 @@ class PureBatch(BatchSession):
         self.held[dst] = list(self.held[src][:n])
 
 
+def make(batch, can_shift=False, **kw) -> Scheduler:
+    """A scheduler over a test batch, with the capabilities a backend of that batch would declare."""
+    return Scheduler(batch, Capabilities(can_shift=can_shift, native_batch=batch.native), **kw)
+
+
 def alone(prompt, params=GREEDY, max_new=8, **kw):
-    s = Scheduler(PureBatch(n_slots=1), **kw)
+    s = make(PureBatch(n_slots=1), **kw)
     return list(s.submit(Request(prompt, params, max_new)))
 
 
@@ -74,7 +79,7 @@ def prompts(n, length=5):
 
 def test_requests_together_equal_each_alone_and_slots_are_reused():
     batch = PureBatch(n_slots=3)
-    sched = Scheduler(batch, token_budget=7)
+    sched = make(batch, token_budget=7)
     ps = prompts(8)
     params = [GREEDY if i % 2 else SamplingParams(seed=i) for i in range(8)]
     handles = [sched.submit(Request(p, q, 6 + i % 3)) for i, (p, q) in enumerate(zip(ps, params))]
@@ -87,7 +92,7 @@ def test_requests_together_equal_each_alone_and_slots_are_reused():
 
 def test_long_prompt_is_chunked_under_the_budget_and_never_stalls_decoding():
     batch = PureBatch(n_slots=2)
-    sched = Scheduler(batch, token_budget=8)
+    sched = make(batch, token_budget=8)
     short = sched.submit(Request([1, 2, 3], GREEDY, 20))
     sched.step()                                             # short is prefilled and decoding
     long_prompt = list(range(40))
@@ -106,14 +111,14 @@ def test_long_prompt_is_chunked_under_the_budget_and_never_stalls_decoding():
 
 def test_stop_ids_end_a_request_and_are_never_yielded():
     first = alone([4, 5, 6], max_new=8)
-    sched = Scheduler(PureBatch())
+    sched = make(PureBatch())
     h = sched.submit(Request([4, 5, 6], GREEDY, 8, stop_ids=[first[3]]))
     assert list(h) == first[:3] and h.finish_reason == "stop"
 
 
 def test_prefix_reuse_prefills_only_the_new_ids_and_matches_a_fresh_run():
     batch = PureBatch(n_slots=2)
-    sched = Scheduler(batch)
+    sched = make(batch)
     turn1 = [7, 8, 9, 10]
     h1 = sched.submit(Request(turn1, GREEDY, 5))
     sched.run()
@@ -132,7 +137,7 @@ def test_prefix_reuse_prefills_only_the_new_ids_and_matches_a_fresh_run():
 
 def test_a_shared_prefix_is_copied_from_another_slot_on_native_batches():
     batch = PureBatch(n_slots=2)
-    sched = Scheduler(batch)
+    sched = make(batch)
     system = list(range(20, 36))
     a = sched.submit(Request(system + [1], GREEDY, 30))
     sched.step()
@@ -143,7 +148,7 @@ def test_a_shared_prefix_is_copied_from_another_slot_on_native_batches():
 
 
 def test_cancel_frees_the_slot_for_the_next_request():
-    sched = Scheduler(PureBatch(n_slots=1))
+    sched = make(PureBatch(n_slots=1))
     a = sched.submit(Request([1, 2], GREEDY, 50))
     b = sched.submit(Request([3, 4], GREEDY, 3))
     c = sched.submit(Request([5, 6], GREEDY, 3))
@@ -159,7 +164,7 @@ def test_cancel_frees_the_slot_for_the_next_request():
 
 def test_full_slot_ends_only_its_request_under_the_error_policy():
     batch = PureBatch(n_slots=2, capacity=12)
-    sched = Scheduler(batch)
+    sched = make(batch)
     full = sched.submit(Request(list(range(10)), GREEDY, 20))
     other = sched.submit(Request([1, 2], GREEDY, 8))
     sched.run()
@@ -172,7 +177,7 @@ def test_full_slot_ends_only_its_request_under_the_error_policy():
 def test_window_policy_slides_one_slot_in_place_or_by_recompute():
     for can_shift in (True, False):
         batch = PureBatch(n_slots=2, capacity=16)
-        sched = Scheduler(batch, can_shift=can_shift)
+        sched = make(batch, can_shift=can_shift)
         win = sched.submit(Request(list(range(12)), GREEDY, 20, window=WindowPolicy("window", n_keep=4)))
         other = sched.submit(Request([1, 2], GREEDY, 8))
         sched.run()
@@ -182,7 +187,7 @@ def test_window_policy_slides_one_slot_in_place_or_by_recompute():
 
 
 def test_bad_requests_are_refused_at_submit_and_the_queue_is_bounded():
-    sched = Scheduler(PureBatch(n_slots=1), max_queue=2)
+    sched = make(PureBatch(n_slots=1), max_queue=2)
     with pytest.raises(GlmcoreError, match="zero tokens"):
         sched.submit(Request([], GREEDY, 4))
     with pytest.raises(GlmcoreError, match="max-new-tokens"):
@@ -192,11 +197,11 @@ def test_bad_requests_are_refused_at_submit_and_the_queue_is_bounded():
     with pytest.raises(QueueFull, match="retry later"):
         sched.submit(Request([3], GREEDY, 2))
     with pytest.raises(GlmcoreError, match="token budget"):
-        Scheduler(PureBatch(), token_budget=0)
+        make(PureBatch(), token_budget=0)
 
 
 def test_a_backend_failure_ends_the_requests_of_its_step_with_an_error():
-    sched = Scheduler(PureBatch(n_slots=2, fail_on=99))
+    sched = make(PureBatch(n_slots=2, fail_on=99))
     bad = sched.submit(Request([5, 99], GREEDY, 4))
     with pytest.raises(GlmcoreError, match="device lost"):
         list(bad)
@@ -207,13 +212,13 @@ def test_a_backend_failure_ends_the_requests_of_its_step_with_an_error():
 
 def test_nan_logits_end_one_request_and_not_the_others():
     class NanBatch(PureBatch):
-        def step(self, entries, all_logits=False):
-            out = super().step(entries, all_logits)
+        def forward(self, entries, all_logits=False):
+            out = super().forward(entries, all_logits)
             for i, (s, ids) in enumerate(entries):
                 if ids[-1] == 13:
                     out[i][:] = np.nan
             return out
-    sched = Scheduler(NanBatch())
+    sched = make(NanBatch())
     bad = sched.submit(Request([1, 13], SamplingParams(seed=0), 4))
     good = sched.submit(Request([1, 2], GREEDY, 4))
     sched.run()
@@ -223,11 +228,11 @@ def test_nan_logits_end_one_request_and_not_the_others():
 
 def test_background_thread_serves_consumers_on_other_threads():
     class SlowBatch(PureBatch):
-        def step(self, entries, all_logits=False):
+        def forward(self, entries, all_logits=False):
             time.sleep(0.02)
-            return super().step(entries, all_logits)
+            return super().forward(entries, all_logits)
 
-    sched = Scheduler(SlowBatch(n_slots=3, capacity=256)).start()
+    sched = make(SlowBatch(n_slots=3, capacity=256)).start()
     try:
         ps = prompts(6)
         results = {}
@@ -264,18 +269,18 @@ def test_eight_greedy_requests_on_the_reference_equal_each_run_alone(tiny):
     cfg, w = tiny
     torch_backend = registry().get("torch")
     batch = torch_backend.load_batch(cfg, w, LoadOptions(capacity=64, threads=1), 4)
-    sched = Scheduler(batch, n_vocab=cfg.vocab_size, token_budget=16)
+    sched = Scheduler(batch, torch_backend.capabilities(), n_vocab=cfg.vocab_size, token_budget=16)
     ps = [[1, 2] + list(range(100 + i, 110 + 3 * i)) for i in range(8)]
     handles = [sched.submit(Request(p, GREEDY, 6)) for p in ps]
     sched.run()
     single = Scheduler(torch_backend.load_batch(cfg, w, LoadOptions(capacity=64, threads=1), 1),
-                       n_vocab=cfg.vocab_size)
+                       torch_backend.capabilities(), n_vocab=cfg.vocab_size)
     for h, p in zip(handles, ps):
         assert h.tokens == list(single.submit(Request(p, GREEDY, 6)))
 
 
 def test_a_failing_callback_drops_only_its_request_and_a_scheduler_bug_fails_requests_cleanly():
-    sched = Scheduler(PureBatch(n_slots=2)).start()
+    sched = make(PureBatch(n_slots=2)).start()
     try:
         def boom(h, t):
             raise RuntimeError("consumer went away")
@@ -297,7 +302,7 @@ def test_allowed_constrains_each_token_to_the_ids_it_names():
     """Constrained decoding (the server's tool_choice): the next token is the likeliest of the allowed ids;
     None leaves the rest free and equal to an unconstrained run from the same ids."""
     forced = {0: [7, 9], 1: [3]}
-    sched = Scheduler(PureBatch(n_slots=2))
+    sched = make(PureBatch(n_slots=2))
     h = sched.submit(Request([1, 2, 3], GREEDY, 6, allowed=lambda gen: forced.get(len(gen))))
     free = sched.submit(Request([1, 2, 3], GREEDY, 6))
     sched.run()

@@ -21,6 +21,7 @@ uvicorn = pytest.importorskip("uvicorn", reason='the server needs its extra: pip
 from glmcore.backend import Backend, Capabilities, LoadOptions, Probe, Session, hookimpl, registry  # noqa: E402
 from glmcore.chat import Message, ToolCallStream, chat_format_for  # noqa: E402
 from glmcore.errors import GlmcoreError  # noqa: E402
+from glmcore.events import TextDelta, ToolCallEvent  # noqa: E402
 from glmcore.model import load_model  # noqa: E402
 from glmcore.server import _bind  # noqa: E402
 from glmcore.server.app import StopStrings, create_app  # noqa: E402
@@ -513,11 +514,11 @@ def test_chat_format_keeps_generated_ids_and_can_parse_no_calls(make_tiny):
     assert reply == Message("assistant", "text")             # ids are not part of a message's identity
     stream = ToolCallStream(fmt, TOOLS, calls=False)
     events = [e for t in fmt.tok.encode('get_weather\n{"city": "A"}') for e in stream.push(t)] + stream.close()
-    assert all(k == "text" for k, _ in events) and stream.message.tool_calls == []
+    assert all(isinstance(e, TextDelta) for e in events) and stream.message.tool_calls == []
     stream = ToolCallStream(fmt, TOOLS)
     for t in fmt.call_prefix("get_weather") + fmt.tok.encode('{"city": "A"}'):
         stream.push(t)
-    assert stream.close() == [("tool_call", stream.message.tool_calls[0])]
+    assert stream.close() == [ToolCallEvent(stream.message.tool_calls[0])]
 
 
 # ----------------------------------------------------------------------------- the command

@@ -29,7 +29,8 @@ ort = pytest.importorskip("onnxruntime")
 import glmcore_plugins.tpu_bm1684x as tpu  # noqa: E402
 from glmcore.backend import LoadOptions  # noqa: E402
 from glmcore.config import ModelConfig  # noqa: E402
-from glmcore.engine import Engine, WindowPolicy  # noqa: E402
+from glmcore.backend import Capabilities, SessionAdapter  # noqa: E402
+from glmcore.scheduler import Scheduler, WindowPolicy  # noqa: E402
 from glmcore.errors import BackendError  # noqa: E402
 from glmcore.weights import load_weights  # noqa: E402
 from glmcore_plugins.torch_ref import TorchBackend  # noqa: E402
@@ -134,16 +135,22 @@ def test_default_seq_len_is_512_and_fills(model, cache_dir):
     assert s.kv_len == 512
 
 
-def test_window_policy_through_the_engine(model, cache_dir):
+def test_window_policy_through_the_scheduler(model, cache_dir):
     """Past capacity the core slides the window by re-prefilling (the backend cannot shift in place)."""
     _, cfg, w = model("glm4")
-    assert not tpu.TpuBm1684xBackend().capabilities().can_shift
+    caps = tpu.TpuBm1684xBackend().capabilities()
+    assert not caps.can_shift
     ids = np.random.default_rng(3).integers(0, cfg.vocab_size, 3 * S).tolist()
     policy = WindowPolicy("window", n_keep=4)
-    ours, theirs = Engine(load(cfg, w, cache_dir), policy), Engine(ref_session(cfg, w), policy)
-    got = [ours.feed(ids[:20])] + [ours.feed([t]) for t in ids[20:]]
-    want = [theirs.feed(ids[:20])] + [theirs.feed([t]) for t in ids[20:]]
-    assert ours.shifts == theirs.shifts > 0
+    ours = Scheduler(SessionAdapter([load(cfg, w, cache_dir)]), caps)
+    theirs = Scheduler(SessionAdapter([ref_session(cfg, w)]), Capabilities())
+
+    def stream(sched):
+        slot = sched.slots[0]
+        return [sched.feed(slot, ids[:20], policy)] + [sched.feed(slot, [t], policy) for t in ids[20:]], slot.shifts
+
+    (got, shifts), (want, ref_shifts) = stream(ours), stream(theirs)
+    assert shifts == ref_shifts > 0
     assert_close(np.stack(got), np.stack(want), "f32")
 
 

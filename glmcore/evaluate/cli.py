@@ -21,7 +21,7 @@ harness (`lm-eval run --help`): --num_fewshot, --limit, --apply_chat_template, -
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from ..cli import add_load_args
+    from ..options import add_load_args
     p = argparse.ArgumentParser(prog="glmcore eval", description=__doc__, epilog=EPILOG,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     add_load_args(p)
@@ -54,7 +54,7 @@ def main(argv: list[str]) -> int:
 
 
 def run_perplexity(a) -> int:
-    from ..cli import load_options
+    from ..options import load_options
     from .perplexity import Spec, final_line, measure, parse_specs, read_text, table_header, table_row
     text = read_text(a.perplexity)
     ctx = a.ctx or 512
@@ -113,9 +113,9 @@ def run_tasks(a, rest: list[str]) -> int:
                            "--backend at a time")
     if not register_harness_model():
         raise GlmcoreError(f"--tasks needs the lm-evaluation-harness: {INSTALL}")
-    from ..cli import _parse_opts
+    from ..options import parse_opts
     args = {"model": a.model, "backend": a.backend, "precision": a.precision, "weights": a.weights,
-            "ctx": a.ctx, "threads": a.threads, "slots": a.slots, **_parse_opts(a.opt)}
+            "ctx": a.ctx, "threads": a.threads, "slots": a.slots, **parse_opts(a.opt)}
     model_args = ",".join(f"{k}={v}" for k, v in args.items() if v is not None)
     from lm_eval._cli import HarnessCLI
     from lm_eval.utils import setup_logging

@@ -10,10 +10,28 @@ import ipaddress
 import signal
 import socket
 import sys
+from dataclasses import dataclass
 
 from ..errors import GlmcoreError
 
 INSTALL = 'pip install "glmcore[server]"'
+
+
+@dataclass
+class ServeOptions:
+    """How `glmcore serve` listens and schedules (what to load is load_model's: model, backend, LoadOptions)."""
+    host: str = "127.0.0.1"
+    port: int = 8000
+    slots: int = 4                   # sequences decoded together (per replica)
+    token_budget: int = 256          # tokens per batched step
+    max_queue: int = 64              # requests waiting for a slot before 429
+    api_key: str | None = None       # required as 'Authorization: Bearer KEY' when set
+    name: str | None = None          # the model id clients send (default: the model directory's name)
+    max_body: int | None = None      # largest request body in bytes (default: app.MAX_BODY)
+    grace_s: float = 10.0            # running requests get this long to finish on SIGTERM
+    log_level: str = "warning"
+    replicas: int = 1                # >1 (or a ray_address): replicas on Ray Serve (glmcore[ray])
+    ray_address: str | None = None
 
 
 def _require_stack() -> None:
@@ -41,39 +59,37 @@ def _bind(host: str, port: int) -> socket.socket:
     return sock
 
 
-def serve(model_dir, backend, options, host: str = "127.0.0.1", port: int = 8000, slots: int = 4,
-          token_budget: int = 256, max_queue: int = 64, api_key: str | None = None, name: str | None = None,
-          max_body: int | None = None, grace_s: float = 10.0, log_level: str = "warning") -> int:
-    """Load the model with `slots` sequences, serve until SIGTERM/SIGINT: then stop accepting, let running
-    requests finish for grace_s, cancel the rest and return 0."""
+def serve(model_dir, backend, options, so: ServeOptions) -> int:
+    """Load the model with `so.slots` sequences, serve until SIGTERM/SIGINT: then stop accepting, let running
+    requests finish for so.grace_s, cancel the rest and return 0."""
     _require_stack()
     import uvicorn
 
     from ..model import load_model
     from .app import MAX_BODY, create_app
 
-    if max_queue < 0:
-        raise GlmcoreError(f"invalid --max-queue {max_queue}: use 0 or more")
-    if not 0 <= port <= 65535:
-        raise GlmcoreError(f"invalid --port {port}: use 0..65535 (0: any free port)")
-    if grace_s < 0:
-        raise GlmcoreError(f"invalid --grace {grace_s}: use 0 or more seconds")
-    sock = _bind(host, port)
-    model = load_model(model_dir, backend, options, slots=slots, token_budget=token_budget)
-    model.scheduler.max_queue = max_queue
-    name = name or model.model_dir.name
-    app = create_app(model, name, api_key, max_body or MAX_BODY)
-    config = uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=grace_s, access_log=False)
+    if so.max_queue < 0:
+        raise GlmcoreError(f"invalid --max-queue {so.max_queue}: use 0 or more")
+    if not 0 <= so.port <= 65535:
+        raise GlmcoreError(f"invalid --port {so.port}: use 0..65535 (0: any free port)")
+    if so.grace_s < 0:
+        raise GlmcoreError(f"invalid --grace {so.grace_s}: use 0 or more seconds")
+    sock = _bind(so.host, so.port)
+    model = load_model(model_dir, backend, options, slots=so.slots, token_budget=so.token_budget)
+    model.scheduler.max_queue = so.max_queue
+    name = so.name or model.model_dir.name
+    app = create_app(model, name, so.api_key, so.max_body or MAX_BODY)
+    config = uvicorn.Config(app, log_level=so.log_level, timeout_graceful_shutdown=so.grace_s, access_log=False)
     server = uvicorn.Server(config)
     model.scheduler.start()
     bound_host, bound_port = sock.getsockname()[:2]
     url_host = f"[{bound_host}]" if ":" in bound_host else bound_host
     batch = model.scheduler.batch
     print(f"glmcore serve: http://{url_host}:{bound_port}/v1 | model {name} ({model.config.family}, {model.model_dir}) "
-          f"| backend {model.backend.name} ({'native batched steps' if batch.native else 'core adapter'}) | "
-          f"{batch.n_slots} slots, context {batch.capacity}, token budget {token_budget}"
-          + (" | API key required" if api_key else ""), file=sys.stderr, flush=True)
-    if not api_key and not ipaddress.ip_address(bound_host).is_loopback:
+          f"| backend {model.backend.name} ({'native batched steps' if model.scheduler.native else 'core adapter'}) | "
+          f"{batch.n_slots} slots, context {batch.capacity}, token budget {so.token_budget}"
+          + (" | API key required" if so.api_key else ""), file=sys.stderr, flush=True)
+    if not so.api_key and not ipaddress.ip_address(bound_host).is_loopback:
         print(f"warning: listening on {bound_host} without --api-key: anyone who can reach it can use it",
               file=sys.stderr, flush=True)
     # uvicorn re-raises the signal that stopped it once it has shut down; after a graceful stop that

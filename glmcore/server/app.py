@@ -19,6 +19,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..chat import Message, ToolCall, ToolCallStream, as_message
 from ..errors import ContextOverflow, GlmcoreError
+from ..events import ChatEvent, FinishReason, TextDelta, ToolCallEvent
 from ..pipeline import chat_request
 from ..sampling import SamplingParams
 from ..scheduler import QueueFull, Request as SchedRequest
@@ -108,13 +109,13 @@ class PlainText:
     def __init__(self, tokenizer):
         self.decoder = StreamDecoder(tokenizer)
 
-    def push(self, token: int) -> list:
+    def push(self, token: int) -> list[TextDelta]:
         text = self.decoder.push(token)
-        return [("text", text)] if text else []
+        return [TextDelta(text)] if text else []
 
-    def close(self) -> list:
+    def close(self) -> list[TextDelta]:
         text = self.decoder.flush()
-        return [("text", text)] if text else []
+        return [TextDelta(text)] if text else []
 
 
 class Reply:
@@ -126,33 +127,34 @@ class Reply:
         self.calls: list[ToolCall] = []
         self.cut = False           # ended early by a stop string or the one allowed call
 
-    def _take(self, events) -> list:
+    def _take(self, events: list[ChatEvent]) -> list[ChatEvent]:
         out = []
-        for kind, value in events:
+        for event in events:
             if self.cut:
                 break
-            if kind == "text":
-                text, self.cut = self.stops.push(value)
+            if isinstance(event, TextDelta):
+                text, self.cut = self.stops.push(event.text)
                 if text:
                     self.text.append(text)
-                    out.append(("text", text))
-            else:
-                value.id = value.id or f"call_{uuid.uuid4().hex[:24]}"
-                self.calls.append(value)
-                out.append(("tool_call", value))
+                    out.append(TextDelta(text))
+            elif isinstance(event, ToolCallEvent):
+                call = event.call
+                call.id = call.id or f"call_{uuid.uuid4().hex[:24]}"
+                self.calls.append(call)
+                out.append(event)
                 self.cut = self.one_call
         return out
 
-    def push(self, token: int) -> list:
+    def push(self, token: int) -> list[ChatEvent]:
         return self._take(self.parser.push(token))
 
-    def close(self) -> list:
+    def close(self) -> list[ChatEvent]:
         out = self._take(self.parser.close())
         if not self.cut:
             tail = self.stops.flush()
             if tail:
                 self.text.append(tail)
-                out.append(("text", tail))
+                out.append(TextDelta(tail))
         return out
 
     @property
@@ -196,7 +198,7 @@ class Generation:
         h = self.handle
         self.metrics.cached_tokens.inc(h.timings.cached_tokens)
         self.metrics.generated.inc(len(h.tokens))
-        if h.finish_reason == "error":
+        if h.finish_reason == FinishReason.ERROR:
             if isinstance(h.error, ContextOverflow):
                 raise ApiError(400, f"'{self.param}': {h.error}", self.param, "context_length_exceeded")
             raise ApiError(500, f"generation failed: {h.error}", type="server_error", code="backend_error")
@@ -210,10 +212,10 @@ class Generation:
         return {"prompt_tokens": n_prompt, "completion_tokens": n_new, "total_tokens": n_prompt + n_new,
                 "prompt_tokens_details": {"cached_tokens": h.timings.cached_tokens}}
 
-    def finish_reason(self, reply: Reply) -> str:
-        if not reply.cut and self.handle.finish_reason == "length":
-            return "length"
-        return "tool_calls" if reply.calls else "stop"
+    def finish_reason(self, reply: Reply) -> FinishReason:
+        if not reply.cut and self.handle.finish_reason == FinishReason.LENGTH:
+            return FinishReason.LENGTH
+        return FinishReason.TOOL_CALLS if reply.calls else FinishReason.STOP
 
 
 class State:
@@ -367,7 +369,7 @@ async def _respond(state: State, request: Request, endpoint: str, gen: Generatio
             raise
         finally:
             watcher.cancel()
-        if gen.handle.finish_reason == "cancelled" and not reply.cut:
+        if gen.handle.finish_reason == FinishReason.CANCELLED and not reply.cut:
             metrics.requests.labels(endpoint, "disconnected").inc()
             return Response(status_code=499)
         metrics.requests.labels(endpoint, "200").inc()
@@ -490,10 +492,10 @@ def create_app(model, name: str, api_key: str | None = None, max_body: int = MAX
         def chunk(event, finish) -> list[dict]:
             if event is None:
                 deltas = [{} if finish else {"role": "assistant", "content": ""}]
-            elif event[0] == "text":
-                deltas = [{"content": event[1]}]
+            elif isinstance(event, TextDelta):
+                deltas = [{"content": event.text}]
             else:                      # as OpenAI streams a call: index, id and name, then the arguments
-                call = _call_json(event[1], next(i for i, c in enumerate(reply.calls) if c is event[1]))
+                call = _call_json(event.call, next(i for i, c in enumerate(reply.calls) if c is event.call))
                 args = call["function"]["arguments"]
                 deltas = [{"tool_calls": [{**call, "function": {"name": call["function"]["name"], "arguments": ""}}]},
                           {"tool_calls": [{"index": call["index"], "function": {"arguments": args}}]}]
@@ -509,7 +511,8 @@ def create_app(model, name: str, api_key: str | None = None, max_body: int = MAX
 
         def store_ids():
             # only a reply sent back whole: one cut by a stop string has generated ids past its text
-            if not reply.cut and not parser.errors and gen.handle.finish_reason in ("stop", "length"):
+            if not reply.cut and not parser.errors and gen.handle.finish_reason in (FinishReason.STOP,
+                                                                                    FinishReason.LENGTH):
                 state.reply_ids.put(as_message(message()), opening + list(gen.handle.tokens))
 
         return await _respond(state, request, "chat", gen, reply, req.stream, include_usage, chunk, final, store_ids)
@@ -532,7 +535,7 @@ def create_app(model, name: str, api_key: str | None = None, max_body: int = MAX
 
         def chunk(event, finish) -> list[dict]:
             out = {"id": cid, "object": "text_completion", "created": created, "model": state.name,
-                   "choices": [{"index": 0, "text": event[1] if event else "", "logprobs": None,
+                   "choices": [{"index": 0, "text": event.text if event else "", "logprobs": None,
                                 "finish_reason": finish}]}
             return [{**out, "usage": None} if include_usage else out]
 

@@ -11,6 +11,7 @@ running cluster instead (its own settings apply); then only this application is 
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import sys
@@ -29,16 +30,15 @@ class Replica:
     """One replica: the model loaded with slots, its scheduler running, and the server's app over it
     (Ray Serve's ingress asks for the app through __serve_build_asgi_app__ after __init__)."""
 
-    def __init__(self, model_dir, backend, options, slots, token_budget, max_queue, api_key, name, max_body,
-                 loopback: bool):
+    def __init__(self, model_dir, backend, options, so, loopback: bool):
         from ..model import load_model
         from .app import create_app
         if loopback:
             _loopback_grpc()
         # (Ray's ingress wrapper owns the attribute names `app` and the like: ours are prefixed)
-        self.glm_model = load_model(model_dir, backend, options, slots=slots, token_budget=token_budget)
-        self.glm_model.scheduler.max_queue = max_queue
-        self.glm_app = create_app(self.glm_model, name, api_key, max_body)
+        self.glm_model = load_model(model_dir, backend, options, slots=so.slots, token_budget=so.token_budget)
+        self.glm_model.scheduler.max_queue = so.max_queue
+        self.glm_app = create_app(self.glm_model, so.name, so.api_key, so.max_body)
         self.glm_model.scheduler.start()
 
     def __serve_build_asgi_app__(self):
@@ -73,16 +73,14 @@ def _require_ray():
     return ray, serve
 
 
-def serve_replicas(model_dir, backend, options, replicas: int = 2, ray_address: str | None = None,
-                   host: str = "127.0.0.1", port: int = 8000, slots: int = 4, token_budget: int = 256,
-                   max_queue: int = 64, api_key: str | None = None, name: str | None = None,
-                   max_body: int | None = None, log_level: str = "warning") -> int:
-    """Deploy `replicas` copies of the engine on Ray Serve and serve until SIGTERM/SIGINT."""
+def serve_replicas(model_dir, backend, options, so) -> int:
+    """Deploy `so.replicas` copies of the model's server on Ray Serve and serve until SIGTERM/SIGINT."""
     from . import _require_stack
     from ..config import ModelConfig
     from ..model import demo_model_dir, resolve_backend
     from .app import MAX_BODY
     _require_stack()
+    replicas, port, log_level, ray_address = so.replicas, so.port, so.log_level, so.ray_address
     if replicas < 1:
         raise GlmcoreError(f"invalid --replicas {replicas}: use 1 or more")
     if not 1 <= port <= 65535:
@@ -105,20 +103,20 @@ def serve_replicas(model_dir, backend, options, replicas: int = 2, ray_address: 
     else:
         ray.init(address=ray_address, namespace=APP, logging_level=log_level.upper())
     try:
-        name = name or os.path.basename(model_dir.rstrip("/"))
+        so = dataclasses.replace(so, name=so.name or os.path.basename(model_dir.rstrip("/")),
+                                 max_body=so.max_body or MAX_BODY)
         deployment = serve.deployment(serve.ingress()(Replica), name=APP, num_replicas=replicas,
                                       ray_actor_options={"num_cpus": per_replica},
-                                      max_ongoing_requests=slots + max_queue)
-        serve.start(http_options={"host": host, "port": port})
+                                      max_ongoing_requests=so.slots + so.max_queue)
+        serve.start(http_options={"host": so.host, "port": port})
         try:
-            serve.run(deployment.bind(model_dir, backend, options, slots, token_budget, max_queue, api_key, name,
-                                      max_body or MAX_BODY, local), name=APP, route_prefix="/")
+            serve.run(deployment.bind(model_dir, backend, options, so, local), name=APP, route_prefix="/")
         except RuntimeError as e:
             raise GlmcoreError(f"Ray Serve could not start the replicas ({str(e).splitlines()[0]}); the replica's "
                                "error is in the log above") from None
-        print(f"glmcore serve: http://{host}:{port}/v1 | model {name} | {replicas} replicas on Ray Serve "
+        print(f"glmcore serve: http://{so.host}:{port}/v1 | model {so.name} | {replicas} replicas on Ray Serve "
               f"({'a local Ray instance' if local else ray_address}) | backend {backend or 'default'}"
-              f"{f' tp={options.tp}' if options.tp > 1 else ''} | {slots} slots per replica",
+              f"{f' tp={options.tp}' if options.tp > 1 else ''} | {so.slots} slots per replica",
               file=sys.stderr, flush=True)
         stop = threading.Event()
         previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGTERM, signal.SIGINT)}

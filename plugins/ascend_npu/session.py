@@ -308,8 +308,6 @@ class AscendBatchSession(BatchSession):
     read once for all of them, and each prefill chunk as a call of its own (prompts are
     compute-bound already)."""
 
-    native = True
-
     def __init__(self, cfg: ModelConfig, weights, options: LoadOptions, caps: Capabilities, device: torch.device,
                  n_slots: int, soc: str | None = None, tp=LOCAL):
         if n_slots < 1:
@@ -334,18 +332,10 @@ class AscendBatchSession(BatchSession):
             raise BackendError(f"slot {slot!r} does not exist: this batch session has slots 0..{self.n_slots - 1}")
         return int(slot)
 
-    def step(self, entries, all_logits: bool = False):
-        entries = [(self._slot(s), check_ids(ids, self.cfg)) for s, ids in entries]
-        if not entries:
-            raise BackendError("a batch step needs at least one (slot, ids) entry")
-        slots = [s for s, _ in entries]
-        if len(set(slots)) != len(slots):
-            raise BackendError(f"slot {next(s for s in slots if slots.count(s) > 1)} appears twice in one step; "
-                               "give each slot at most one entry per step")
-        for s, ids in entries:
-            if self._lens[s] + len(ids) > self.capacity:
-                raise BackendError(f"KV cache overflow in slot {s}: {self._lens[s]}+{len(ids)} > capacity "
-                                   f"{self.capacity} (the core's overflow policy should have prevented this)")
+    def forward(self, entries, all_logits: bool = False):
+        # slots, entry counts and capacity were checked by the core (BatchSession.step); the ids index the
+        # embedding on the device, so their range is checked here
+        entries = [(int(s), check_ids(ids, self.cfg)) for s, ids in entries]
         out: list = [None] * len(entries)
         decodes = [i for i, (_, ids) in enumerate(entries) if len(ids) == 1]
         for i, (s, ids) in enumerate(entries):

@@ -15,7 +15,7 @@ import numpy as np
 
 from glmcore.backend import BatchSession, Capabilities, LoadOptions, SlotSession, default_capacity
 from glmcore.config import ModelConfig
-from glmcore.errors import BackendError, ContextOverflow, GlmcoreError
+from glmcore.errors import BackendError, GlmcoreError
 
 from . import native
 from .quant import QuantOptions, read_packed
@@ -34,7 +34,6 @@ def rope_tables(cfg: ModelConfig, capacity: int) -> tuple[np.ndarray, np.ndarray
 
 
 class Int4BatchSession(BatchSession):
-    native = True
 
     def __init__(self, cfg: ModelConfig, packed_dir: Path, options: LoadOptions, caps: Capabilities,
                  isa: int, threads: int, kv_dtype: str = "f16", n_slots: int = 1):
@@ -105,30 +104,18 @@ class Int4BatchSession(BatchSession):
     def kv_len(self, slot: int) -> int:
         return self._lib.glmi4_kv_len(self._alive(), self._slot(slot))
 
-    def step(self, entries: Sequence[tuple[int, Sequence[int]]], all_logits: bool = False):
+    def forward(self, entries: Sequence[tuple[int, Sequence[int]]], all_logits: bool = False):
         h = self._alive()
         V = self.cfg.vocab_size
         slots, parts = [], []
-        for slot, ids in entries:
-            slot = self._slot(slot)
-            if slot in slots:
-                raise GlmcoreError(f"cpu_int4: slot {slot} appears twice in one step; give each slot one entry")
+        for slot, ids in entries:        # slots, counts and capacity were checked by the core (BatchSession.step)
             arr = np.asarray(ids if isinstance(ids, np.ndarray) else list(ids), dtype=np.int64).reshape(-1)
-            if arr.size == 0:
-                raise GlmcoreError(f"cpu_int4: nothing to append to slot {slot} (empty token list)")
-            if arr.min() < 0 or arr.max() >= V:
+            if arr.min() < 0 or arr.max() >= V:      # the C kernels index the embedding with these
                 bad = int(arr[(arr < 0) | (arr >= V)][0])
                 raise GlmcoreError(f"token id {bad} is outside the vocabulary (0..{V - 1}); "
                                    "the ids come from another tokenizer")
-            have = self._lib.glmi4_kv_len(h, slot)
-            if have + arr.size > self.capacity:
-                raise ContextOverflow(f"{have + arr.size} tokens ({have} cached + {arr.size} new) exceed the "
-                                      f"context of {self.capacity}{self._where(slot)}; raise --ctx or use "
-                                      "--overflow window")
-            slots.append(slot)
+            slots.append(int(slot))
             parts.append(arr)
-        if not parts:
-            return [] if all_logits else np.empty((0, V), np.float32)
         counts = np.array([p.size for p in parts], np.int32)
         ids32 = np.ascontiguousarray(np.concatenate(parts), dtype=np.int32)
         slots32 = np.array(slots, np.int32)

@@ -51,8 +51,6 @@ def paged_model(model: ov.Model) -> ov.Model:
 
 
 class OpenVINOBatchSession(BatchSession):
-    native = True
-
     def __init__(self, cfg: ModelConfig, model: ov.Model, options: LoadOptions, capacity: int, n_slots: int,
                  weights_file: Path | None = None):
         if n_slots < 1:
@@ -93,20 +91,11 @@ class OpenVINOBatchSession(BatchSession):
             raise BackendError(f"slot {slot} out of range 0..{self.n_slots - 1}")
         return slot
 
-    def step(self, entries: Sequence[Entry], all_logits: bool = False):
-        entries = [(self._check(slot), [int(t) for t in ids]) for slot, ids in entries]
-        if not entries:
-            raise BackendError("step() needs at least one entry")
-        if len({slot for slot, _ in entries}) != len(entries):
-            raise BackendError("step(): at most one entry per slot in a call")
+    def forward(self, entries: Sequence[Entry], all_logits: bool = False):
+        entries = [(slot, [int(t) for t in ids]) for slot, ids in entries]   # checked by BatchSession.step
         ids, pos, past, begins, table, table_begins, wanted = [], [], [], [0], [], [0], []
         for slot, chunk in entries:
             start, end = self._len[slot], self._len[slot] + len(chunk)
-            if not chunk:
-                raise BackendError(f"step(): the entry of slot {slot} has no ids")
-            if end > self.capacity:
-                raise BackendError(f"KV cache overflow in slot {slot}: {start}+{len(chunk)} > {self.capacity} "
-                                   "(the core's overflow policy should have prevented this)")
             if min(chunk) < 0 or max(chunk) >= self.cfg.vocab_size:
                 raise BackendError(f"token id out of range 0..{self.cfg.vocab_size - 1}")
             first = len(ids)

@@ -48,8 +48,6 @@ class TorchRefBatch(BatchSession):
     Under tensor parallelism (`tp`, a glmcore.parallel.Shard) cfg and weights are this rank's part and
     the tp hooks join the parts; on one device they are glmcore.parallel.LOCAL and do nothing."""
 
-    native = True
-
     def __init__(self, cfg: ModelConfig, weights, options: LoadOptions, caps: Capabilities, n_slots: int,
                  shared: dict | None = None, tp=LOCAL):
         if options.threads:
@@ -78,15 +76,12 @@ class TorchRefBatch(BatchSession):
         self.w = {}
 
     @torch.inference_mode()
-    def step(self, entries: Sequence[tuple[int, Sequence[int]]], all_logits: bool = False):
+    def forward(self, entries: Sequence[tuple[int, Sequence[int]]], all_logits: bool = False):
         cfg, w = self.cfg, self.w
         spans = []                                   # (slot, start, end, offset in the step's tokens)
         offset = 0
         for slot, ids in entries:
             start, T = self.lens[slot], len(ids)
-            if start + T > self.capacity:
-                raise RuntimeError(f"KV cache overflow in slot {slot}: {start}+{T} > {self.capacity} "
-                                   "(the core should have prevented this)")
             spans.append((slot, start, start + T, offset))
             offset += T
         ids = torch.tensor([t for _, e in entries for t in e])
