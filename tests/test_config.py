@@ -27,14 +27,16 @@ def test_hf_glm_config():
            "max_position_embeddings": 8192, "rms_norm_eps": 1e-5, "attention_bias": True,
            "rope_parameters": {"rope_theta": 5e6, "partial_rotary_factor": 0.5}}
     cfg = ModelConfig.from_dict(raw)
-    assert cfg.family == "glm4" and cfg.rope_base == 5e6 and cfg.num_kv_heads == 2 and cfg.ffn_hidden_size == 160
+    assert cfg.family == "glm-edge" and cfg.rope_base == 5e6 and cfg.num_kv_heads == 2 and cfg.ffn_hidden_size == 160
+    assert cfg.rotary_dim == 8 and not cfg.post_norms
 
 
-def test_hf_glm_mistaken_rope_theta_is_corrected():
+def test_hf_glm_rope_theta_is_trusted():
+    # The stored value is what transformers runs; a suspicious glm-4-9b-chat conversion is only warned about
+    # (tests/test_glm4_0414.py::test_rope_theta_is_trusted).
     raw = {"model_type": "glm", "hidden_size": 64, "num_hidden_layers": 1, "num_attention_heads": 4,
            "intermediate_size": 8, "vocab_size": 64, "max_position_embeddings": 131072, "rope_theta": 10000.0}
-    with pytest.warns(UserWarning, match="rope_theta"):
-        assert ModelConfig.from_dict(raw).rope_base == 5_000_000.0
+    assert ModelConfig.from_dict(raw).rope_base == 10000.0
 
 
 @pytest.mark.parametrize("raw,match", [

@@ -25,8 +25,9 @@ def rotary_tables(cfg: ModelConfig, positions: torch.Tensor) -> tuple[torch.Tens
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [T, heads, head_dim]: rotate the first half of the dims in interleaved pairs (2i, 2i+1)."""
-    rot = x.shape[-1] // 2
+    """x [T, heads, head_dim]: rotate the first rotary_dim (= 2 * cos's last dim) dims in interleaved pairs
+    (2i, 2i+1); the rest pass through (ChatGLM/GLM-4: half the head; GLM-Edge: all of it)."""
+    rot = 2 * cos.shape[-1]
     x_rot, x_pass = x[..., :rot], x[..., rot:]
     x0, x1 = x_rot[..., 0::2], x_rot[..., 1::2]
     c, s = cos[:, None, :], sin[:, None, :]
@@ -111,10 +112,16 @@ class TorchRefBatch(BatchSession):
                 mask = torch.arange(end)[None, :] <= torch.arange(start, end)[:, None]
                 scores = scores.masked_fill(~mask, float("-inf"))
                 attn[o:o + T] = torch.einsum("hts,shd->thd", scores.softmax(-1), values).reshape(T, cfg.q_size)
-            x = x + self.tp.reduce(attn @ w[p + "attn_out.weight"].T)
+            out = self.tp.reduce(attn @ w[p + "attn_out.weight"].T)
+            if cfg.post_norms:      # glm4 (GLM-4-0414): the sublayer's output is normed before the add
+                out = rms_norm(out, w[p + "post_self_attn_norm.weight"], cfg.norm_eps)
+            x = x + out
             h = rms_norm(x, w[p + "post_attn_norm.weight"], cfg.norm_eps)
             gate, up = (h @ w[p + "ffn_up.weight"].T).chunk(2, dim=-1)
-            x = x + self.tp.reduce((torch.nn.functional.silu(gate) * up) @ w[p + "ffn_down.weight"].T)
+            out = self.tp.reduce((torch.nn.functional.silu(gate) * up) @ w[p + "ffn_down.weight"].T)
+            if cfg.post_norms:
+                out = rms_norm(out, w[p + "post_mlp_norm.weight"], cfg.norm_eps)
+            x = x + out
         for slot, _, end, _ in spans:
             self.lens[slot] = end
         # the output layer only where logits are wanted
