@@ -137,15 +137,15 @@ def default_bytes_per_token(config: ModelConfig, options: LoadOptions, kv_len: i
 
 
 def bytes_per_token(backend: Backend, config: ModelConfig, options: LoadOptions, kv_len: int) -> tuple[int, str]:
-    if backend.offers("bytes_per_token"):
-        try:
-            value = backend.bytes_per_token(config, options, kv_len)
-        except Exception as e:     # a broken hook must not lose the measurements
-            print(f"bench: {backend.name}.bytes_per_token failed ({type(e).__name__}: {e}); using the default",
-                  file=sys.stderr)
-        else:
-            if value:
-                return int(value), "stated by the backend"
+    """What one decode step reads: the backend's own figure (Backend.bytes_per_token) where it states one."""
+    try:
+        value = backend.bytes_per_token(config, options, kv_len)
+    except Exception as e:     # a broken hook must not lose the measurements
+        print(f"bench: {backend.name}.bytes_per_token failed ({type(e).__name__}: {e}); using the default",
+              file=sys.stderr)
+        value = None
+    if value:
+        return int(value), "stated by the backend"
     return default_bytes_per_token(config, options, kv_len), "estimated from the weight format"
 
 
