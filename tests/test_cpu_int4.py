@@ -22,7 +22,7 @@ from glmcore.synth import init_tensor
 from glmcore.weights import canonical_shapes, load_weights
 from glmcore_plugins.cpu_int4 import CpuInt4Backend, native, quant
 
-FAMILIES = ("chatglm2", "chatglm3", "glm4")
+from glmcore.config import FAMILIES  # noqa: E402  (every family, the glm4-0414 post norms and GLM-Edge full rotary included)
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -630,6 +630,18 @@ def test_batch_steps_equal_single_sequences(isa, tiny, cache):
     figures = compare(want, got)
     assert not out_of_bounds(figures, TOLERANCES["f32"].bounds()), figures
     assert got.shape[0] == 197          # every position of the all-logits steps, the last of the others
+
+
+@pytest.mark.parametrize("family", ["glm4-0414", "glm-edge"])
+def test_batch_steps_equal_single_sequences_post_norms_and_full_rotary(family, tiny, cache):
+    """glm4's post norms (a row-local norm of each sublayer's output) and GLM-Edge's whole-head rotary
+    (in steps and in the shift) keep a slot's logits those of the single-sequence session."""
+    ready_or_skip()
+    from glmcore_conformance.metrics import compare, out_of_bounds
+    from glmcore_conformance.tolerances import TOLERANCES
+    cfg, w = tiny(family)
+    got, want = mixed_batch_scenario(cfg, w, cache, "auto")
+    assert not out_of_bounds(compare(want, got), TOLERANCES["f32"].bounds())
 
 
 def test_batch_asym_group128_f32_cache(tiny, cache):

@@ -28,7 +28,7 @@ from glmcore.errors import BackendError
 
 HERE = Path(__file__).resolve().parent
 SOURCE = HERE / "csrc" / "glmi4.c"
-ABI = 5
+ABI = 6
 ISAS = ("plain", "avx2", "avx512vnni")
 CFLAGS = ["-O3", "-std=c11", "-fPIC", "-shared", "-pthread"]
 
@@ -51,14 +51,14 @@ class Emb(C.Structure):
 
 class Layer(C.Structure):
     _fields_ = [("input_norm", C.c_void_p), ("qkv_bias", C.c_void_p), ("post_norm", C.c_void_p),
-                ("qkv", Mat), ("attn_out", Mat), ("ffn_up", Mat), ("ffn_down", Mat)]
+                ("post_self_attn_norm", C.c_void_p), ("post_mlp_norm", C.c_void_p), ("qkv", Mat), ("attn_out", Mat), ("ffn_up", Mat), ("ffn_down", Mat)]
 
 
 class Spec(C.Structure):
     _fields_ = [("hidden", C.c_int32), ("n_layers", C.c_int32), ("n_heads", C.c_int32), ("n_kv", C.c_int32),
                 ("head_dim", C.c_int32), ("ffn", C.c_int32), ("vocab", C.c_int32), ("capacity", C.c_int32),
                 ("kv_f16", C.c_int32), ("max_batch", C.c_int32), ("nthreads", C.c_int32), ("isa", C.c_int32),
-                ("n_slots", C.c_int32), ("norm_eps", C.c_float), ("rope_cos", C.c_void_p), ("rope_sin", C.c_void_p),
+                ("n_slots", C.c_int32), ("rot_dim", C.c_int32), ("norm_eps", C.c_float), ("rope_cos", C.c_void_p), ("rope_sin", C.c_void_p),
                 ("inv_freq", C.c_void_p), ("embed", Emb), ("final_norm", C.c_void_p), ("head", Mat),
                 ("layers", C.POINTER(Layer))]
 

@@ -24,7 +24,7 @@ MAX_BATCH = 128      # tokens per native chunk of a step (bounds the work buffer
 
 
 def rope_tables(cfg: ModelConfig, capacity: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """cos/sin [capacity, head_dim/4] in fp32, computed as the reference does; inv_freq [head_dim/4]."""
+    """cos/sin [capacity, rotary_dim/2] in fp32, computed as the reference does; inv_freq [rotary_dim/2]."""
     dim = cfg.rotary_dim
     inv_freq = (np.float32(1.0) / (np.float32(cfg.rope_base) ** (np.arange(0, dim, 2, dtype=np.float32)
                                                                  / np.float32(dim)))).astype(np.float32)
@@ -74,6 +74,9 @@ class Int4BatchSession(BatchSession):
             L = layers[i]
             L.input_norm, L.post_norm = ptr(p + "input_norm.weight"), ptr(p + "post_attn_norm.weight")
             L.qkv_bias = ptr(p + "qkv.bias") if cfg.qkv_bias else None
+            if cfg.post_norms:
+                L.post_self_attn_norm = ptr(p + "post_self_attn_norm.weight")
+                L.post_mlp_norm = ptr(p + "post_mlp_norm.weight")
             L.qkv, L.attn_out = mat(p + "qkv.weight"), mat(p + "attn_out.weight")
             L.ffn_up, L.ffn_down = mat(p + "ffn_up.weight"), mat(p + "ffn_down.weight")
         kp = -(-cfg.hidden_size // o.group_size) * o.group_size
@@ -84,7 +87,7 @@ class Int4BatchSession(BatchSession):
             hidden=cfg.hidden_size, n_layers=cfg.num_layers, n_heads=cfg.num_heads, n_kv=cfg.num_kv_heads,
             head_dim=cfg.head_dim, ffn=cfg.ffn_hidden_size, vocab=cfg.vocab_size, capacity=self.capacity,
             kv_f16=int(self.kv_dtype == "f16"), max_batch=MAX_BATCH, nthreads=self.threads, isa=self.isa,
-            n_slots=self.n_slots, norm_eps=cfg.norm_eps, rope_cos=self._cos.ctypes.data,
+            n_slots=self.n_slots, rot_dim=cfg.rotary_dim, norm_eps=cfg.norm_eps, rope_cos=self._cos.ctypes.data,
             rope_sin=self._sin.ctypes.data, inv_freq=self._inv.ctypes.data, embed=emb,
             final_norm=ptr("final_norm.weight"), head=mat("lm_head.weight"), layers=layers)
         return spec, layers

@@ -41,7 +41,7 @@
 #define GLMI4_X86 0
 #endif
 
-#define GLMI4_ABI 5
+#define GLMI4_ABI 6
 #define QK 32          /* activation block: one int8 scale per 32 inputs */
 #define TILE 16        /* output rows per packed tile */
 #define PREFETCH 4096   /* decode streams weights: prefetch this far ahead into L1 (measured: +40% on one core) */
@@ -73,6 +73,9 @@ typedef struct {               /* row-major quantized embedding table */
 
 typedef struct {
     const float *input_norm, *qkv_bias, *post_norm;
+    /* glm4 (GLM-4-0414): RMSNorm of the attention output and of the MLP output before each residual add;
+     * NULL for the other GLMs, whose sublayer outputs are added as they are */
+    const float *post_self_attn_norm, *post_mlp_norm;
     glmi4_mat qkv, attn_out, ffn_up, ffn_down;
 } glmi4_layer;
 
@@ -80,9 +83,10 @@ typedef struct {
     int32_t hidden, n_layers, n_heads, n_kv, head_dim, ffn, vocab, capacity;
     int32_t kv_f16, max_batch, nthreads, isa;
     int32_t n_slots;                    /* independent sequences, each with its own KV ring of `capacity` */
+    int32_t rot_dim;                    /* dims of each head that rotate (ChatGLM/GLM-4: head_dim/2, GLM-Edge: all) */
     float norm_eps;
-    const float *rope_cos, *rope_sin;   /* [capacity][head_dim/4], fp32 as the reference computes them */
-    const float *inv_freq;              /* [head_dim/4], for shifting cached keys */
+    const float *rope_cos, *rope_sin;   /* [capacity][rot_dim/2], fp32 as the reference computes them */
+    const float *inv_freq;              /* [rot_dim/2], for shifting cached keys */
     glmi4_emb embed;
     const float *final_norm;
     glmi4_mat head;
@@ -1652,11 +1656,11 @@ static void rmsnorm(const float *x, const float *w, int n, float eps, float *out
     for (int i = 0; i < n; i++) out[i] = x[i] * r * w[i];
 }
 
-/* rotate the first half of each head's dims in interleaved pairs (2i, 2i+1) */
-static void rope(float *v, int nheads, int hd, const float *c, const float *sn) {
+/* rotate the first rot dims of each head in interleaved pairs (2i, 2i+1); the rest pass through */
+static void rope(float *v, int nheads, int hd, int rot, const float *c, const float *sn) {
     for (int h = 0; h < nheads; h++) {
         float *x = v + (size_t)h * hd;
-        for (int i = 0; i < hd / 4; i++) {
+        for (int i = 0; i < rot / 2; i++) {
             const float x0 = x[2 * i], x1 = x[2 * i + 1];
             x[2 * i] = x0 * c[i] - x1 * sn[i];
             x[2 * i + 1] = x1 * c[i] + x0 * sn[i];
@@ -1748,6 +1752,23 @@ static void embed_row(const glmi4_emb *E, int id, float *out) {
 
 /* ------------------------------------------------------------------ the forward step */
 
+/* x += W @ a for the T quantized activation rows; with a post norm (glm4), x += rmsnorm(W @ a): the product
+ * goes to m->h first (free here: the activations are already quantized in m->aq) and each row is normed
+ * there on its own, so a token's result is the same in any batch. */
+static void sublayer_out(model *m, const glmi4_mat *W, int T, const float *post_norm) {
+    const int H = m->s.hidden;
+    if (!post_norm) {
+        run_gemm(m->pool, m->isa, W, T, m->aq, m->adx, m->axs, m->ldq, m->x, H, NULL, 1);
+        return;
+    }
+    run_gemm(m->pool, m->isa, W, T, m->aq, m->adx, m->axs, m->ldq, m->h, m->ldq, NULL, 0);
+    for (int t = 0; t < T; t++) {
+        float *y = m->h + (size_t)t * m->ldq, *x = m->x + (size_t)t * H;
+        rmsnorm(y, post_norm, H, m->s.norm_eps, y);
+        for (int i = 0; i < H; i++) x[i] += y[i];
+    }
+}
+
 /* T tokens (of any slots; m->tslot/tpos say where each goes) through every layer; then the logits of the
  * R tokens listed in rows, into R consecutive rows of logits. Each token writes its K/V before attention
  * reads the cache, so a token sees its own slot's positions 0..pos: earlier chunks, earlier tokens of
@@ -1768,9 +1789,10 @@ static void forward_chunk(model *m, const int32_t *ids, int T, const int *rows, 
         for (int t = 0; t < T; t++) {       /* rotary at the token's position, then cache K and V */
             const int pos = m->tpos[t], slot = m->tslot[t];
             float *q = m->qkv + (size_t)t * ldqkv;
-            const float *c = s->rope_cos + (size_t)pos * (hd / 4), *sn = s->rope_sin + (size_t)pos * (hd / 4);
-            rope(q, s->n_heads, hd, c, sn);
-            rope(q + qs, s->n_kv, hd, c, sn);
+            const int half = s->rot_dim / 2;
+            const float *c = s->rope_cos + (size_t)pos * half, *sn = s->rope_sin + (size_t)pos * half;
+            rope(q, s->n_heads, hd, s->rot_dim, c, sn);
+            rope(q + qs, s->n_kv, hd, s->rot_dim, c, sn);
             for (int kh = 0; kh < s->n_kv; kh++) {
                 const size_t off = kv_off(m, slot, l, kh, phys(m, slot, pos));
 #if GLMI4_X86
@@ -1797,11 +1819,11 @@ static void forward_chunk(model *m, const int32_t *ids, int T, const int *rows, 
             else pool_run(m->pool, attn_task, &a);
         }
         run_rows(m, 2, T, NULL, &L->attn_out);
-        run_gemm(m->pool, m->isa, &L->attn_out, T, m->aq, m->adx, m->axs, m->ldq, m->x, H, NULL, 1);
+        sublayer_out(m, &L->attn_out, T, L->post_self_attn_norm);
         run_rows(m, 0, T, L->post_norm, &L->ffn_up);
         run_gemm(m->pool, m->isa, &L->ffn_up, T, m->aq, m->adx, m->axs, m->ldq, m->ff, 2 * s->ffn, NULL, 0);
         run_rows(m, 1, T, NULL, &L->ffn_down);
-        run_gemm(m->pool, m->isa, &L->ffn_down, T, m->aq, m->adx, m->axs, m->ldq, m->x, H, NULL, 1);
+        sublayer_out(m, &L->ffn_down, T, L->post_mlp_norm);
     }
     if (R == 0) return;
     for (int r = 0; r < R; r++) {
@@ -1831,8 +1853,9 @@ void *glmi4_create(const glmi4_spec *spec, char *err, int errlen) {
     if (!m) { if (err) snprintf(err, (size_t)errlen, "out of memory"); return NULL; }
     m->s = *s;
     if (s->n_kv <= 0 || s->n_heads % s->n_kv || s->head_dim % 4 || s->capacity < 1 || s->max_batch < 1 ||
-        s->n_slots < 1)
-        FAIL("unsupported shape: heads %d, kv heads %d, head_dim %d", s->n_heads, s->n_kv, s->head_dim);
+        s->n_slots < 1 || s->head_dim > 1024 || s->rot_dim < 2 || s->rot_dim % 2 || s->rot_dim > s->head_dim)
+        FAIL("unsupported shape: heads %d, kv heads %d, head_dim %d, rotary dims %d", s->n_heads, s->n_kv,
+             s->head_dim, s->rot_dim);
     if (s->isa < 0 || s->isa >= ISA_COUNT || !isa_supported(s->isa))
         FAIL("this CPU cannot run the %s kernels", glmi4_isa_name(s->isa));
     m->isa = s->isa;
@@ -1995,7 +2018,7 @@ static void shift_task(void *arg, int tid, int nth) {
             for (int i = j->n_keep; i < m->len[j->slot]; i++) {
                 const size_t off = kv_off(m, j->slot, l, kh, phys(m, j->slot, i));
                 kv_get(m, m->kc, off, row, s->head_dim);
-                rope(row, 1, s->head_dim, j->c, j->sn);
+                rope(row, 1, s->head_dim, s->rot_dim, j->c, j->sn);
                 kv_put(m, m->kc, off, row, s->head_dim);
             }
 }
@@ -2020,8 +2043,8 @@ int glmi4_shift(void *handle, int slot, int n_keep, int n_discard) {
             }
     m->base[slot] = (m->base[slot] + n_discard) % s->capacity;
     m->len[slot] -= n_discard;
-    float c[256], sn[256];
-    for (int i = 0; i < s->head_dim / 4; i++) {   /* rotate by -n_discard; angles in double */
+    float c[512], sn[512];                        /* rot_dim <= head_dim <= 1024 (checked at create) */
+    for (int i = 0; i < s->rot_dim / 2; i++) {    /* rotate by -n_discard; angles in double */
         const double ang = -(double)n_discard * (double)s->inv_freq[i];
         c[i] = (float)cos(ang);
         sn[i] = (float)sin(ang);
