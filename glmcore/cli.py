@@ -347,7 +347,7 @@ def cmd_serve(a) -> int:
     from .server import ServeOptions, serve    # lazily: the web stack is the optional extra glmcore[server]
     so = ServeOptions(a.host, a.port, a.slots, a.token_budget, a.max_queue,
                       a.api_key or os.environ.get("GLMCORE_API_KEY") or None, a.served_name, a.max_body_mb << 20,
-                      a.grace, a.log_level, a.replicas, a.ray_address)
+                      a.grace, a.read_timeout, a.log_level, a.replicas, a.ray_address)
     if so.replicas != 1 or so.ray_address:       # replicas of the server behind Ray Serve's proxy
         from .server.replicas import serve_replicas
         return serve_replicas(a.model, a.backend, load_options(a), so)
@@ -415,6 +415,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--served-name", help="the model id clients send (default: the model directory's name)")
     p.add_argument("--max-body-mb", type=int, default=4, help="largest request body, MiB (413 above)")
     p.add_argument("--grace", type=float, default=10.0, help="seconds running requests get to finish on SIGTERM")
+    p.add_argument("--read-timeout", type=float, default=30.0,
+                   help="seconds a request's head, and then its body, may take to arrive (slower clients are cut off)")
     p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
     p.add_argument("--replicas", type=int, default=1, metavar="N",
                    help="N copies of the engine behind Ray Serve's HTTP proxy, one process each (glmcore[ray])")

@@ -23,7 +23,7 @@ from glmcore.chat import Message, ToolCallStream, chat_format_for  # noqa: E402
 from glmcore.errors import GlmcoreError  # noqa: E402
 from glmcore.events import TextDelta, ToolCallEvent  # noqa: E402
 from glmcore.model import load_model  # noqa: E402
-from glmcore.server import _bind  # noqa: E402
+from glmcore.server import _bind, uvicorn_config  # noqa: E402
 from glmcore.server.app import StopStrings, create_app  # noqa: E402
 from glmcore.tokenizer import load_tokenizer  # noqa: E402
 
@@ -34,12 +34,13 @@ TOOLS = [{"type": "function", "function": {"name": "get_weather", "description":
 
 
 @contextlib.contextmanager
-def serving(model, name="tiny", **kw):
-    """The app on a free loopback port, served by uvicorn in a thread; yields the base URL."""
-    app = create_app(model, name, **kw)
+def serving(model, name="tiny", read_timeout=30.0, **kw):
+    """The app on a free loopback port, served by uvicorn in a thread as `glmcore serve` configures it (read
+    timeouts included); yields the base URL."""
+    app = create_app(model, name, read_timeout=read_timeout, **kw)
     model.scheduler.start()
     sock = _bind("127.0.0.1", 0)
-    server = uvicorn.Server(uvicorn.Config(app, log_level="error", timeout_graceful_shutdown=2))
+    server = uvicorn.Server(uvicorn_config(app, read_timeout, log_level="critical", timeout_graceful_shutdown=2))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     deadline = time.monotonic() + 30
@@ -580,3 +581,156 @@ def test_serve_command_errors(monkeypatch, capsys):
     with pytest.raises(GlmcoreError, match="cannot listen"):
         server._bind("127.0.0.1", busy.getsockname()[1])
     busy.close()
+
+
+# ----------------------------------------------------------------------------- hostile requests (issue 27)
+
+MSG = [{"role": "user", "content": "x"}]
+CALL = {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": "{}"}}
+HOSTILE_400 = {
+    # wrong JSON types are refused, never coerced
+    "max_tokens string": ({"max_tokens": "4"}, "max_tokens"),
+    "max_tokens bool": ({"max_tokens": True}, "max_tokens"),
+    "stream string": ({"stream": "yes"}, "stream"),
+    "temperature string": ({"temperature": "0.5"}, "temperature"),
+    "seed float": ({"seed": 1.5}, "seed"),
+    "top_k bool": ({"top_k": False}, "top_k"),
+    # values that overflow the sampler
+    "tiny repetition_penalty": ({"repetition_penalty": 1e-300}, "repetition_penalty"),
+    "huge repetition_penalty": ({"repetition_penalty": 1e300}, "repetition_penalty"),
+    # text that is not Unicode
+    "lone surrogate": ({"messages": [{"role": "user", "content": "a\ud800b"}]}, "messages.0.content"),
+    "lone surrogate in a part": ({"messages": [{"role": "user", "content": [{"type": "text", "text": "\udfff"}]}]},
+                                 "messages.0.content.0.text"),
+    # tool calls and tool_choice of the wrong shape
+    "arguments a list": ({"messages": [MSG[0], {"role": "assistant", "tool_calls": [
+        {**CALL, "function": {"name": "f", "arguments": "[1, 2]"}}]}]}, "messages.1.tool_calls.0.function.arguments"),
+    "arguments a number": ({"messages": [MSG[0], {"role": "assistant", "tool_calls": [
+        {**CALL, "function": {"name": "f", "arguments": "5"}}]}]}, "messages.1.tool_calls.0.function.arguments"),
+    "arguments 5000 deep": ({"messages": [MSG[0], {"role": "assistant", "tool_calls": [
+        {**CALL, "function": {"name": "f", "arguments": '{"a": ' + "[" * 5000 + "]" * 5000 + "}"}}]}]},
+        "messages.1.tool_calls.0.function.arguments"),
+    "arguments 1000 deep object": ({"messages": [MSG[0], {"role": "assistant", "tool_calls": [
+        {**CALL, "function": {"name": "f", "arguments": json.loads('{"a":' * 40 + "1" + "}" * 40)}}]}]},
+        "messages.1.tool_calls.0.function.arguments"),
+    "tool_choice function 5": ({"tools": TOOLS, "tool_choice": {"function": 5}}, "tool_choice"),
+    "tool_choice function string": ({"tools": TOOLS, "tool_choice": {"type": "function", "function": "f"}},
+                                    "tool_choice"),
+    "tool_choice unknown name": ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "zz"}}},
+                                 "tool_choice"),
+    "tool not a function": ({"tools": [{"type": "retrieval"}]}, "tools.0.type"),
+    "tool schema 900 deep": ({"tools": [{"type": "function", "function": {
+        "name": "f", "parameters": json.loads('{"a":' * 900 + "1" + "}" * 900)}}]}, None),
+    # tool results out of order
+    "tool message first": ({"messages": [{"role": "tool", "content": "42"}, MSG[0]]}, "messages.0.role"),
+    "tool message without a call": ({"messages": [MSG[0], {"role": "assistant", "content": "hi"},
+                                                  {"role": "tool", "content": "42"}]}, "messages.2.role"),
+    "more results than calls": ({"messages": [MSG[0], {"role": "assistant", "tool_calls": [CALL]},
+                                              {"role": "tool", "content": "1"}, {"role": "tool", "content": "2"}]},
+                                "messages.3.role"),
+}
+
+
+@pytest.mark.parametrize("case", HOSTILE_400)
+def test_hostile_chat_fields_are_400_naming_the_field(url, case):
+    fields, param = HOSTILE_400[case]
+    body = {"model": "tiny", "messages": MSG, "max_tokens": 2, **fields}
+    r = httpx.post(f"{url}/v1/chat/completions", content=json.dumps(body).encode(), timeout=60)  # ASCII: \ud800
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["message"] and (param is None or err["param"] == param), err
+
+
+@pytest.mark.parametrize("prompt", [[True, False], [1.5], "a\ud800", ["\udc00"], [[1]], {"a": 1}])
+def test_hostile_completion_prompts_are_400(url, prompt):
+    body = json.dumps({"model": "tiny", "prompt": prompt, "max_tokens": 2}).encode()
+    r = httpx.post(f"{url}/v1/completions", content=body, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"].startswith("prompt"), r.text
+
+
+def test_a_tool_round_trip_in_order_is_accepted(url):
+    body = {"model": "tiny", "max_tokens": 2, "tools": TOOLS,
+            "messages": [MSG[0], {"role": "assistant", "content": None, "tool_calls": [CALL]},
+                         {"role": "tool", "tool_call_id": "c1", "content": "sunny"}]}
+    assert httpx.post(f"{url}/v1/chat/completions", json=body, timeout=60).status_code == 200
+
+
+def _health_latency(url, seconds):
+    """The slowest /health reply while `seconds` pass."""
+    worst, end = 0.0, time.monotonic() + seconds
+    while time.monotonic() < end:
+        t = time.monotonic()
+        assert httpx.get(f"{url}/health", timeout=30).status_code == 200
+        worst = max(worst, time.monotonic() - t)
+        time.sleep(0.05)
+    return worst
+
+
+def test_expensive_requests_never_stall_health(tiny_model):
+    # a tool schema pretty-printed into a huge prompt, and prompts as long as the body limit allows: refused
+    # before expansion or prepared in worker threads, never on the event loop
+    deep = {"type": "function", "function": {"name": "f", "parameters": json.loads('{"a":' * 30 + "1" + "}" * 30)}}
+    wide = {"type": "function", "function": {"name": "g", "parameters": {f"p{i}": {"a": {"b": {"c": "d" * 20}}}
+                                                                         for i in range(20000)}}}
+    bodies = [json.dumps(b, ensure_ascii=False).encode() for b in ({"model": "tiny", "messages": MSG, "tools": [deep, wide] * 3},
+              {"model": "tiny", "messages": [{"role": "user", "content": "词 " * 900_000}]})]
+    with serving(tiny_model, max_body=4 << 20) as u:
+        errors = []
+
+        def hammer():
+            with httpx.Client(timeout=120) as c:
+                for body in bodies * 3:
+                    r = c.post(f"{u}/v1/chat/completions", content=body)
+                    errors.append(r.status_code)
+        threads = [threading.Thread(target=hammer) for _ in range(2)]
+        for t in threads:
+            t.start()
+        time.sleep(0.2)
+        worst = _health_latency(u, 3)
+        for t in threads:
+            t.join(timeout=300)
+        assert set(errors) == {400} and len(errors) == 12, errors
+        assert worst < 1.0, f"/health took {worst:.2f} s while expensive requests were prepared"
+
+
+def test_slow_drip_connections_are_closed(tiny_model):
+    import socket as socketlib
+    with serving(tiny_model, read_timeout=1.0) as u:
+        port = int(u.rsplit(":", 1)[1])
+        head = socketlib.create_connection(("127.0.0.1", port))
+        head.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n")        # the head never ends
+        body = socketlib.create_connection(("127.0.0.1", port))
+        body.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 1000\r\n\r\n{")                           # the body never ends
+        idle = socketlib.create_connection(("127.0.0.1", port))                  # says nothing at all
+        for s in (head, body, idle):
+            s.settimeout(10)
+        t0 = time.monotonic()
+        for _ in range(3):                # a byte now and then does not keep a connection alive
+            time.sleep(0.5)
+            for s in (head, body):
+                with contextlib.suppress(OSError):
+                    s.sendall(b"x")
+        received = {name: b"" for name in ("head", "body", "idle")}
+        for name, s in (("head", head), ("body", body), ("idle", idle)):
+            with contextlib.suppress(OSError):
+                while chunk := s.recv(4096):
+                    received[name] += chunk
+            s.close()
+        assert time.monotonic() - t0 < 8, "a dripping connection stayed open"
+        assert received["body"].startswith(b"HTTP/1.1 408"), received["body"][:200]
+        assert httpx.get(f"{u}/health").status_code == 200
+
+
+def test_metrics_count_500s(make_tiny, monkeypatch):
+    m = load_model(make_tiny("chatglm3"), "torch", LoadOptions(threads=1), slots=1, token_budget=64)
+    try:
+        with serving(m) as u:
+            def broken(*_a, **_k):
+                raise RuntimeError("a bug")
+            monkeypatch.setattr(m.chat_format, "encode_messages", broken)
+            r = httpx.post(f"{u}/v1/chat/completions", json={"model": "tiny", "messages": MSG}, timeout=60)
+            assert r.status_code == 500 and "a bug" not in r.text
+            assert metric(u, "glmcore_requests_total", endpoint="chat", status="500") == 1
+    finally:
+        m.close()

@@ -29,6 +29,7 @@ class ServeOptions:
     name: str | None = None          # the model id clients send (default: the model directory's name)
     max_body: int | None = None      # largest request body in bytes (default: app.MAX_BODY)
     grace_s: float = 10.0            # running requests get this long to finish on SIGTERM
+    read_timeout: float = 30.0       # seconds a request's head, and then its body, may take to arrive
     log_level: str = "warning"
     replicas: int = 1                # >1 (or a ray_address): replicas on Ray Serve (glmcore[ray])
     ray_address: str | None = None
@@ -43,6 +44,48 @@ def _require_stack() -> None:
             missing.append(module)
     if missing:
         raise GlmcoreError(f"the server needs {', '.join(missing)}, which is not installed; fix: {INSTALL}")
+
+
+def uvicorn_config(app, read_timeout: float = 30.0, **kw):
+    """uvicorn's Config for the app, with a read timeout on request heads: uvicorn has none, so a client that
+    drips a header byte every few seconds would hold its connection forever (the body's timeout is the app's,
+    glmcore.server.app.read_body)."""
+    import uvicorn
+    from uvicorn.protocols.http.auto import AutoHTTPProtocol
+
+    class HeadTimeout(AutoHTTPProtocol):
+        """Closes a connection whose request head is not complete `read_timeout` s after its first byte
+        (or after the connection opened). A new head is complete when the protocol starts a new cycle."""
+        _head_timer = None
+
+        def connection_made(self, transport):
+            super().connection_made(transport)
+            self._arm()
+
+        def _arm(self):
+            self._head_cycle = self.cycle
+            self._head_timer = self.loop.call_later(read_timeout, self._head_late)
+
+        def data_received(self, data):
+            if self._head_timer is None and (self.cycle is None or self.cycle.response_complete):
+                self._arm()          # the first byte of the next request on a kept-alive connection
+            super().data_received(data)
+            if self._head_timer is not None and self.cycle is not self._head_cycle:
+                self._head_timer.cancel()
+                self._head_timer = None
+
+        def _head_late(self):
+            self._head_timer = None
+            if self.cycle is self._head_cycle and not self.transport.is_closing():
+                self.transport.close()
+
+        def connection_lost(self, exc):
+            if self._head_timer is not None:
+                self._head_timer.cancel()
+                self._head_timer = None
+            super().connection_lost(exc)
+
+    return uvicorn.Config(app, http=HeadTimeout, **kw)
 
 
 def _bind(host: str, port: int) -> socket.socket:
@@ -74,12 +117,15 @@ def serve(model_dir, backend, options, so: ServeOptions) -> int:
         raise GlmcoreError(f"invalid --port {so.port}: use 0..65535 (0: any free port)")
     if so.grace_s < 0:
         raise GlmcoreError(f"invalid --grace {so.grace_s}: use 0 or more seconds")
+    if not so.read_timeout > 0:
+        raise GlmcoreError(f"invalid --read-timeout {so.read_timeout}: use a positive number of seconds")
     sock = _bind(so.host, so.port)
     model = load_model(model_dir, backend, options, slots=so.slots, token_budget=so.token_budget)
     model.scheduler.max_queue = so.max_queue
     name = so.name or model.model_dir.name
-    app = create_app(model, name, so.api_key, so.max_body or MAX_BODY)
-    config = uvicorn.Config(app, log_level=so.log_level, timeout_graceful_shutdown=so.grace_s, access_log=False)
+    app = create_app(model, name, so.api_key, so.max_body or MAX_BODY, read_timeout=so.read_timeout)
+    config = uvicorn_config(app, so.read_timeout, log_level=so.log_level, timeout_graceful_shutdown=so.grace_s,
+                            access_log=False)
     server = uvicorn.Server(config)
     model.scheduler.start()
     bound_host, bound_port = sock.getsockname()[:2]

@@ -24,10 +24,13 @@ from ..pipeline import chat_request
 from ..sampling import SamplingParams
 from ..scheduler import QueueFull, Request as SchedRequest
 from ..tokenizer import StreamDecoder
-from .protocol import ApiError, ChatRequest, CompletionRequest, error_body, parse
+from .protocol import ApiError, ChatRequest, CompletionRequest, error_body, parse, parse_arguments
 
 log = logging.getLogger("glmcore.server")
 MAX_BODY = 4 << 20            # bytes; a request body over it is a 413
+READ_TIMEOUT = 30.0           # seconds a request's head, and then its body, may take to arrive (408 after)
+PREPARING = 4                 # requests rendered and tokenized at once, in worker threads
+ENDPOINTS = {"/v1/chat/completions": "chat", "/v1/completions": "completions"}
 REPLY_IDS_KEPT = 4096         # assistant replies whose generated ids are remembered for prefix reuse
 
 
@@ -219,26 +222,57 @@ class Generation:
 
 
 class State:
-    def __init__(self, model, name: str, api_key: str | None, max_body: int, retry_after: int):
+    def __init__(self, model, name: str, api_key: str | None, max_body: int, retry_after: int,
+                 read_timeout: float = READ_TIMEOUT):
         self.model, self.name, self.api_key, self.max_body = model, name, api_key, max_body
         self.scheduler = model.scheduler
-        self.retry_after = retry_after
+        self.retry_after, self.read_timeout = retry_after, read_timeout
         self.metrics = Metrics(self.scheduler)
         self.reply_ids = ReplyIds()
         self.created = int(time.time())
+        # the longest token in bytes: a text of more characters than capacity * this cannot fit the context,
+        # so such a prompt is refused before it is rendered or tokenized
+        tok = model.tokenizer
+        self.max_token_bytes = max(1, max(len(tok.token_bytes(i)) for i in range(tok.n_vocab)))
+        self._preparing: asyncio.Semaphore | None = None
+
+    async def prepare(self, fn, *args):
+        """Run fn (parsing, template rendering, tokenization: CPU work that grows with the request) in a
+        worker thread, a few at a time, so the event loop -- /health, streams, other clients -- never waits on it."""
+        if self._preparing is None:
+            self._preparing = asyncio.Semaphore(PREPARING)
+        async with self._preparing:
+            return await asyncio.to_thread(fn, *args)
+
+    def check_size(self, chars: int, param: str) -> None:
+        """Refuse, before any expansion, a prompt whose text alone is longer than the context could hold."""
+        limit = self.scheduler.capacity * self.max_token_bytes
+        if chars > limit:
+            raise ApiError(400, f"'{param}' has {chars} characters, more than a context of {self.scheduler.capacity} "
+                           f"tokens can hold (at most {self.max_token_bytes} characters a token); shorten it", param,
+                           "context_length_exceeded")
 
 
 # ----------------------------------------------------------------------------- request -> scheduler
 
-async def read_body(request: Request, limit: int) -> bytes:
+async def read_body(request: Request, limit: int, timeout: float = READ_TIMEOUT) -> bytes:
+    """The body, at most `limit` bytes, arrived within `timeout` seconds (a client dripping bytes holds a
+    connection and a task; it gets a 408 and the connection is closed)."""
     size = request.headers.get("content-length")
     if size is not None and size.isdigit() and int(size) > limit:
         raise ApiError(413, f"the request body has {size} bytes; the limit is {limit}", code="request_too_large")
     body = bytearray()
-    async for chunk in request.stream():
-        body += chunk
-        if len(body) > limit:
-            raise ApiError(413, f"the request body exceeds the limit of {limit} bytes", code="request_too_large")
+
+    async def read():
+        async for chunk in request.stream():
+            body.extend(chunk)
+            if len(body) > limit:
+                raise ApiError(413, f"the request body exceeds the limit of {limit} bytes", code="request_too_large")
+    try:
+        await asyncio.wait_for(read(), timeout)
+    except asyncio.TimeoutError:
+        raise ApiError(408, f"the request body did not arrive within {timeout:g} s; send it at once",
+                       code="request_timeout", headers={"Connection": "close"}) from None
     return bytes(body)
 
 
@@ -274,11 +308,25 @@ def to_messages(state: State, req: ChatRequest) -> list[Message]:
     if not req.messages:
         raise ApiError(400, "'messages' is empty; send at least one message", "messages")
     out = []
+    open_calls: list[str] | None = None       # ids of the last assistant turn's calls not yet answered
     for i, m in enumerate(req.messages):
-        calls = [{"id": c.id, "function": {"name": c.function.name, "arguments": c.function.arguments}}
-                 for c in m.tool_calls or []]
+        calls = [{"id": c.id, "function": {"name": c.function.name, "arguments": parse_arguments(
+                  c.function.arguments, f"messages.{i}.tool_calls.{j}.function.arguments")}}
+                 for j, c in enumerate(m.tool_calls or [])]
         if calls and m.role != "assistant":
             raise ApiError(400, f"messages.{i}: only assistant messages have tool_calls", f"messages.{i}.tool_calls")
+        # a tool result answers a call of the assistant turn before it: one result per call, in a row
+        if m.role == "tool":
+            if not open_calls:
+                raise ApiError(400, f"messages.{i}: a tool message must follow an assistant message with "
+                               "tool_calls (one tool message per call); put the call before its result",
+                               f"messages.{i}.role", "invalid_value")
+            if m.tool_call_id and any(open_calls) and m.tool_call_id not in open_calls:
+                raise ApiError(400, f"messages.{i}: tool_call_id {m.tool_call_id[:40]!r} answers no call of the "
+                               "assistant message before it", f"messages.{i}.tool_call_id", "invalid_value")
+            open_calls.remove(m.tool_call_id if m.tool_call_id in open_calls else open_calls[0])
+        else:
+            open_calls = [c["id"] for c in calls] if calls else None
         role = "system" if m.role == "developer" else m.role
         try:
             msg = as_message({"role": role, "content": _text(m.content, f"messages.{i}.content"),
@@ -300,21 +348,22 @@ def tool_setup(fmt, req: ChatRequest) -> tuple[list | None, bool, list[str]]:
             raise ApiError(400, "'tool_choice' asks for a tool call but 'tools' is empty; send the tools",
                            "tool_choice")
         return None, False, []
+    tools = [t.model_dump(exclude_unset=True) for t in req.tools]     # the client's own dicts, as sent
     try:
-        names = [f["name"] for f in fmt.check_tools(req.tools)]
+        names = [f["name"] for f in fmt.check_tools(tools)]
     except GlmcoreError as e:
         raise ApiError(400, str(e), "tools") from None
     if choice in (None, "auto"):
-        return req.tools, True, []
+        return tools, True, []
     if choice == "none":
-        return req.tools, False, []
+        return tools, False, []
     if choice == "required":
-        return req.tools, True, names
-    name = choice.get("function", {}).get("name") if isinstance(choice, dict) else None
-    if choice.get("type") != "function" or name not in names:
-        raise ApiError(400, f"tool_choice {json.dumps(choice)[:80]} names no function of 'tools' "
+        return tools, True, names
+    name = choice.function.name                  # the protocol checked the shape {"type", "function": {"name"}}
+    if name not in names:
+        raise ApiError(400, f"tool_choice names the function {name[:40]!r}, which is not in 'tools' "
                        f"({', '.join(names)})", "tool_choice", "invalid_value")
-    return req.tools, True, [name]
+    return tools, True, [name]
 
 
 def one_of(openings: list[list[int]]):
@@ -397,6 +446,10 @@ async def _respond(state: State, request: Request, endpoint: str, gen: Generatio
         except ApiError as e:          # the generation failed after the stream began: say so in the stream
             status = str(e.status)
             yield _sse(e.body())
+        except Exception as e:         # a bug after the stream began: the log has it, the client a 500 event
+            log.exception("internal error")
+            status = "500"
+            yield _sse(error_body(f"internal error ({type(e).__name__}); see the server log", "server_error"))
         finally:
             if not gen.handle.done:
                 gen.cancel()
@@ -408,12 +461,12 @@ async def _respond(state: State, request: Request, endpoint: str, gen: Generatio
 
 
 def create_app(model, name: str, api_key: str | None = None, max_body: int = MAX_BODY,
-               retry_after: int = 1) -> FastAPI:
+               retry_after: int = 1, read_timeout: float = READ_TIMEOUT) -> FastAPI:
     """The ASGI app over a LoadedModel with a scheduler (load_model(..., slots=N)); the caller starts the
     scheduler's thread (scheduler.start()) and stops it."""
     if model.scheduler is None:
         raise GlmcoreError("the server needs a model loaded with slots (load_model(..., slots=N))")
-    state = State(model, name, api_key, max_body, retry_after)
+    state = State(model, name, api_key, max_body, retry_after, read_timeout)
     app = FastAPI(title="glmcore", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.glmcore = state
 
@@ -428,8 +481,9 @@ def create_app(model, name: str, api_key: str | None = None, max_body: int = MAX
         return JSONResponse(error_body(msg, code=code), status_code=e.status_code, headers=e.headers)
 
     @app.exception_handler(Exception)
-    async def _bug(_request, e):       # never a traceback to the client; the log has it
+    async def _bug(request, e):        # never a traceback to the client; the log has it
         log.exception("internal error")
+        state.metrics.requests.labels(ENDPOINTS.get(request.url.path, "other"), "500").inc()
         return JSONResponse(error_body(f"internal error ({type(e).__name__}); see the server log", "server_error"),
                             status_code=500)
 
@@ -453,25 +507,35 @@ def create_app(model, name: str, api_key: str | None = None, max_body: int = MAX
         check_model(state, model_id)
         return _model_card(state)
 
+    def prepare_chat(body: bytes):
+        """Everything a chat request needs before it is queued; CPU work, run in a worker thread."""
+        req = parse(ChatRequest, body)
+        check_model(state, req.model)
+        fmt = state.model.chat_format
+        messages = to_messages(state, req)
+        tools, calls, must_call = tool_setup(fmt, req)
+        params, stops = sampling(req), req.stops()
+        state.check_size(_prompt_chars(messages, tools), "messages")
+        try:
+            sreq = chat_request(fmt, messages, tools, params)
+        except GlmcoreError as e:
+            raise ApiError(400, str(e), "messages") from None
+        except (ValueError, UnicodeError) as e:     # a tokenizer refusing text the protocol let through
+            raise ApiError(400, f"'messages' cannot be tokenized ({str(e)[:80]}); send plain Unicode text",
+                           "messages") from None
+        # one function: its name line goes into the prompt; several: the model picks one, constrained
+        opening = fmt.call_prefix(must_call[0]) if len(must_call) == 1 else []
+        sreq.prompt = list(sreq.prompt) + opening
+        if len(must_call) > 1:
+            sreq.allowed = one_of([fmt.call_prefix(n) for n in must_call])
+        sreq.max_new_tokens = max_new(state, req, len(sreq.prompt))
+        return req, fmt, tools, calls, opening, sreq, stops
+
     @v1.post("/chat/completions")
     async def chat(request: Request):
         try:
-            req = parse(ChatRequest, await read_body(request, state.max_body))
-            check_model(state, req.model)
-            fmt = state.model.chat_format
-            messages = to_messages(state, req)
-            tools, calls, must_call = tool_setup(fmt, req)
-            params, stops = sampling(req), req.stops()
-            try:
-                sreq = chat_request(fmt, messages, tools, params)
-            except GlmcoreError as e:
-                raise ApiError(400, str(e), "messages") from None
-            # one function: its name line goes into the prompt; several: the model picks one, constrained
-            opening = fmt.call_prefix(must_call[0]) if len(must_call) == 1 else []
-            sreq.prompt = list(sreq.prompt) + opening
-            if len(must_call) > 1:
-                sreq.allowed = one_of([fmt.call_prefix(n) for n in must_call])
-            sreq.max_new_tokens = max_new(state, req, len(sreq.prompt))
+            body = await read_body(request, state.max_body, state.read_timeout)
+            req, fmt, tools, calls, opening, sreq, stops = await state.prepare(prepare_chat, body)
             gen = Generation(state, sreq, "messages")
         except ApiError as e:
             state.metrics.requests.labels("chat", str(e.status)).inc()
@@ -517,14 +581,18 @@ def create_app(model, name: str, api_key: str | None = None, max_body: int = MAX
 
         return await _respond(state, request, "chat", gen, reply, req.stream, include_usage, chunk, final, store_ids)
 
+    def prepare_completion(body: bytes):
+        req = parse(CompletionRequest, body)
+        check_model(state, req.model)
+        ids = prompt_ids(state, req.prompt)
+        sreq = SchedRequest(ids, sampling(req), max_new(state, req, len(ids)), [state.model.tokenizer.eos_id])
+        return req, sreq, req.stops()
+
     @v1.post("/completions")
     async def completions(request: Request):
         try:
-            req = parse(CompletionRequest, await read_body(request, state.max_body))
-            check_model(state, req.model)
-            ids = prompt_ids(state, req.prompt)
-            sreq = SchedRequest(ids, sampling(req), max_new(state, req, len(ids)), [state.model.tokenizer.eos_id])
-            stops = req.stops()
+            body = await read_body(request, state.max_body, state.read_timeout)
+            req, sreq, stops = await state.prepare(prepare_completion, body)
             gen = Generation(state, sreq, "prompt")
         except ApiError as e:
             state.metrics.requests.labels("completions", str(e.status)).inc()
@@ -571,7 +639,12 @@ def prompt_ids(state: State, prompt) -> list[int]:
                            "unsupported_value")
         prompt = prompt[0]
     if isinstance(prompt, str):
-        ids = list(state.model.chat_format.prefix) + tok.encode(prompt)
+        state.check_size(len(prompt), "prompt")
+        try:
+            ids = list(state.model.chat_format.prefix) + tok.encode(prompt)
+        except (ValueError, UnicodeError) as e:     # a tokenizer refusing text the protocol let through
+            raise ApiError(400, f"'prompt' cannot be tokenized ({str(e)[:80]}); send plain Unicode text",
+                           "prompt") from None
     else:
         ids = list(prompt)
         bad = [i for i in ids if not 0 <= i < tok.n_vocab]
@@ -580,6 +653,15 @@ def prompt_ids(state: State, prompt) -> list[int]:
     if len(ids) == 0:
         raise ApiError(400, "'prompt' is empty", "prompt")
     return ids
+
+
+def _prompt_chars(messages: list[Message], tools) -> int:
+    """A lower bound on the rendered prompt's length: every content, call and tool as compact JSON (templates
+    only add to it -- markers, indentation), computed without rendering anything."""
+    def compact(v) -> int:
+        return len(json.dumps(v, ensure_ascii=False, separators=(",", ":")))
+    return (sum(len(m.content) + sum(compact(c.arguments) for c in m.tool_calls) for m in messages)
+            + sum(compact(t.get("function", t)) for t in tools or []))
 
 
 def _model_card(state: State) -> dict:

@@ -1,11 +1,22 @@
 """OpenAI's request shapes, checked, and its error JSON. A field the server does not know, or a value it
-cannot honour (n > 1, logprobs, penalties), is a 400 that names it -- never silently ignored."""
+cannot honour (n > 1, logprobs, penalties), is a 400 that names it -- never silently ignored. Types are
+strict (JSON's types, never coerced: "4" is not a number, true is not 1) and every string is checked to
+be encodable text before any work is queued."""
 from __future__ import annotations
 
 import json
+import re
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+import numpy as np
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+# Nesting a body may have: OpenAI's shapes need < 10 levels, tool schemas a few more. Checked before json.loads,
+# so no request depends on the interpreter's recursion limit (or costs a pretty-printed 900-level schema).
+MAX_DEPTH = 64
+MAX_SCHEMA_DEPTH = 32       # a tool's parameters schema, and a tool call's arguments
+MAX_STOP_CHARS = 256        # one stop string
 
 
 class ApiError(Exception):
@@ -27,15 +38,58 @@ def error_body(message: str, type: str = "invalid_request_error", param: str | N
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=False)
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
 
 class StreamOptions(_Strict):
     include_usage: bool = False
 
 
+def json_depth(text: str) -> int:
+    """The deepest nesting of [ and { in JSON text (strings skipped), found without parsing it: C-speed regex
+    and numpy, so a 4 MB body costs milliseconds and never holds the interpreter for long."""
+    brackets = _STRING.sub("", text).encode("utf-8", "surrogatepass").translate(None, _NOT_BRACKETS)
+    if not brackets:
+        return 0
+    steps = np.frombuffer(brackets, np.uint8)
+    return int(np.cumsum(np.where((steps == 91) | (steps == 123), 1, -1), dtype=np.int64).max())
+
+
+_STRING = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"')       # a JSON string, unrolled (no per-character branching)
+# every byte but [ ] { } (UTF-8 continuation bytes are >= 0x80, never a bracket)
+_NOT_BRACKETS = bytes(sorted(set(range(256)) - set(b"[]{}")))
+
+
+def value_depth(value) -> int:
+    """The nesting depth of a parsed JSON value (through its compact JSON: no recursion limit involved)."""
+    try:
+        return json_depth(json.dumps(value, ensure_ascii=False, separators=(",", ":")))
+    except (RecursionError, ValueError):
+        return 1 << 30              # too deep (or not JSON) even to print
+
+
+def parse_arguments(arguments: str | dict, where: str) -> dict:
+    """A tool call's arguments as a JSON object: an object, or a string holding one (OpenAI sends a string)."""
+    if isinstance(arguments, str):
+        if json_depth(arguments) > MAX_SCHEMA_DEPTH:
+            raise ApiError(400, f"'{where}' is nested deeper than {MAX_SCHEMA_DEPTH} levels; flatten the arguments",
+                           where, "invalid_value")
+        try:
+            arguments = json.loads(arguments) if arguments.strip() else {}
+        except ValueError as e:
+            raise ApiError(400, f"'{where}' is not JSON ({str(e)[:60]}); send a JSON object string", where,
+                           "invalid_value") from None
+    if not isinstance(arguments, dict):
+        raise ApiError(400, f"'{where}' is a JSON {type(arguments).__name__}; tool call arguments are a JSON object",
+                       where, "invalid_value")
+    if value_depth(arguments) > MAX_SCHEMA_DEPTH:
+        raise ApiError(400, f"'{where}' is nested deeper than {MAX_SCHEMA_DEPTH} levels; flatten the arguments",
+                       where, "invalid_value")
+    return arguments
+
+
 class FunctionCall(_Strict):
-    name: str
+    name: str = Field(min_length=1, max_length=256)
     arguments: str | dict = "{}"
 
 
@@ -43,6 +97,34 @@ class ToolCallIn(_Strict):
     id: str = ""
     type: Literal["function"] = "function"
     function: FunctionCall
+
+
+class FunctionName(_Strict):
+    name: str = Field(min_length=1, max_length=256)
+
+
+class ToolChoiceFunction(_Strict):
+    type: Literal["function"]
+    function: FunctionName
+
+
+class FunctionDef(_Strict):
+    name: str = Field(min_length=1, max_length=256)
+    description: str | None = None
+    parameters: dict | None = None
+    strict: bool | None = None
+
+    @field_validator("parameters")
+    @classmethod
+    def _shallow(cls, v):
+        if v is not None and value_depth(v) > MAX_SCHEMA_DEPTH:
+            raise ValueError(f"the schema is nested deeper than {MAX_SCHEMA_DEPTH} levels; flatten it")
+        return v
+
+
+class ToolDef(_Strict):
+    type: Literal["function"]
+    function: FunctionDef
 
 
 class MessageIn(_Strict):
@@ -62,15 +144,16 @@ class _Sampling(_Strict):
     model: str
     stream: bool = False
     stream_options: StreamOptions | None = None
-    max_tokens: int | None = Field(None, ge=1)
+    max_tokens: int | None = Field(None, ge=1, le=2**31 - 1)
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
-    seed: int | None = Field(None, ge=0)
+    seed: int | None = Field(None, ge=0, le=2**64 - 1)
     stop: str | list[str] | None = None
     user: str | None = None                # an end-user id for the caller's own records
     # extensions with vLLM's names (the sampler has them)
-    top_k: int | None = Field(None, ge=0)
-    repetition_penalty: float | None = Field(None, gt=0)
+    top_k: int | None = Field(None, ge=0, le=2**31 - 1)
+    # a penalty divides (or multiplies) logits: far from 1 it overflows float32 into inf/NaN probabilities
+    repetition_penalty: float | None = Field(None, ge=0.01, le=100)
     # only at their defaults (see _ONLY_DEFAULT)
     n: int | None = None
     presence_penalty: float | None = None
@@ -85,45 +168,112 @@ class _Sampling(_Strict):
             raise ApiError(400, f"'stop' has {len(stops)} strings; at most 4 are allowed", "stop")
         if any(not s for s in stops):
             raise ApiError(400, "'stop' holds an empty string; remove it", "stop")
+        if any(len(s) > MAX_STOP_CHARS for s in stops):
+            raise ApiError(400, f"'stop' holds a string longer than {MAX_STOP_CHARS} characters; shorten it", "stop")
         return stops
 
 
 class ChatRequest(_Sampling):
     messages: list[MessageIn]
-    tools: list[dict] | None = None
-    tool_choice: Literal["auto", "none", "required"] | dict | None = None
+    tools: list[ToolDef] | None = None
+    tool_choice: Literal["auto", "none", "required"] | ToolChoiceFunction | None = None
     parallel_tool_calls: bool | None = None
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1, le=2**31 - 1)
     response_format: Any = None
 
 
 class CompletionRequest(_Sampling):
-    prompt: str | list[int] | list[str]
+    prompt: str | list[int] | list[str] = Field(union_mode="left_to_right")
     best_of: int | None = None
     echo: bool | None = None
     suffix: str | None = None
 
 
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
+
+
+def _bad_text(text: str, data) -> str | None:
+    """The path of the first string (or key) that is not encodable text -- a lone surrogate such as
+    "\\ud800", which JSON can carry but UTF-8, and so the tokenizer, cannot -- or None. UTF-8 input holds
+    no surrogate, so only a body with a \\uD800-\\uDFFF escape is walked."""
+    if not _SURROGATE_ESCAPE.search(text):
+        return None
+    try:
+        json.dumps(data, ensure_ascii=False).encode("utf-8")
+        return None                 # escapes of valid pairs only
+    except UnicodeEncodeError:
+        pass
+    todo = [(data, "")]
+    while todo:
+        v, path = todo.pop()
+        items = v.items() if isinstance(v, dict) else enumerate(v) if isinstance(v, list) else ()
+        for k, x in items:
+            here = f"{path}.{k}" if path else str(k)
+            for s in (k, x):
+                if isinstance(s, str):
+                    try:
+                        s.encode("utf-8")
+                    except UnicodeEncodeError:
+                        return here
+            if isinstance(x, (dict, list)):
+                todo.append((x, here))
+    return None
+
+
+def _param(data, loc) -> str | None:
+    """The dotted path of a validation error's location in the request, without pydantic's union member tags
+    ("tool_choice.literal['auto',...]" is the client's "tool_choice")."""
+    path, v = [], data
+    for part in loc:
+        if isinstance(v, dict) and isinstance(part, str) and part in v:
+            v = v[part]
+        elif isinstance(v, list) and isinstance(part, int) and 0 <= part < len(v):
+            v = v[part]
+        elif isinstance(part, str) and not path:
+            path.append(part)           # a missing top-level field
+            break
+        else:
+            continue                    # a union member's tag, not a place in the body
+        path.append(str(part))
+    return ".".join(path) or None
+
+
 def parse(cls: type[_Sampling], body: bytes) -> _Sampling:
     """The request, or an ApiError naming the first field that is wrong."""
     try:
-        data = json.loads(body)
+        text = body.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ApiError(400, f"the request body is not UTF-8 (byte {e.start}); send UTF-8 JSON") from None
+    if json_depth(text) > MAX_DEPTH:
+        raise ApiError(400, f"the request body is nested deeper than {MAX_DEPTH} levels; flatten it")
+    try:
+        data = json.loads(text)
     except (ValueError, RecursionError) as e:
         raise ApiError(400, f"the request body is not valid JSON ({str(e)[:80]}); send a JSON object") from None
     if not isinstance(data, dict):
         raise ApiError(400, f"the request body is a JSON {type(data).__name__}; send a JSON object")
+    bad = _bad_text(text, data)
+    if bad is not None:
+        raise ApiError(400, f"'{bad}' holds a lone UTF-16 surrogate, which is not text; send valid Unicode", bad,
+                       "invalid_value")
     try:
         req = cls.model_validate(data)
     except ValidationError as e:
-        err = e.errors()[0]
-        param = ".".join(str(p) for p in err["loc"]) or None
+        errors = e.errors()
+        err = errors[0]
+        param = _param(data, err["loc"])
         if err["type"] == "extra_forbidden":
             raise ApiError(400, f"unsupported parameter '{param}': this server does not implement it; remove it",
                            param, "unsupported_parameter") from None
         if err["type"] == "missing":
             raise ApiError(400, f"missing required parameter '{param}'", param, "missing_required_parameter") \
                 from None
-        raise ApiError(400, f"invalid value for '{param}': {err['msg']}", param, "invalid_value") from None
+        # a union field fails once per alternative: say what each alternative wanted
+        top = (param or "").split(".")[0]
+        msgs = list(dict.fromkeys((x["msg"] if p == param else f"{p}: {x['msg']}") for x in errors
+                                  if (p := _param(data, x["loc"]) or "").split(".")[0] == top))
+        raise ApiError(400, f"invalid value for '{param}': {'; or '.join(msgs)[:300]}", param, "invalid_value") \
+            from None
     for name, default in _ONLY_DEFAULT.items():
         value = getattr(req, name, None)
         if value not in (None, default, {}) and not (name == "response_format" and value == {"type": "text"}):
