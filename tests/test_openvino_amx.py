@@ -22,7 +22,7 @@ from glmcore_plugins.openvino_amx import graph, session as ovs          # noqa: 
 from glmcore_plugins.openvino_amx.cpu import compressed_matmul_kernel, integer_isa, native_bf16  # noqa: E402
 from glmcore_plugins.openvino_amx.quant import dequantize, dequantize_sym, quantize_asym, quantize_sym  # noqa: E402
 
-FAMILIES = ("chatglm2", "chatglm3", "glm4")
+from glmcore.config import FAMILIES  # noqa: E402
 BACKEND = OpenVINOBackend()
 
 # Conformance tolerances per (precision, weights), teacher-forced against the fp32 torch reference on the
@@ -201,9 +201,11 @@ def _kind(node) -> str:
     return node.get_rt_info()["layerType"].astype(str)
 
 
-@pytest.mark.parametrize("weights", ["f32", "f16", "int8", "int4"])
-def test_cpu_plugin_fuses_attention_rotary_norm_and_dequantization(tiny, weights):
-    cfg, w, _ = tiny["glm4"]
+@pytest.mark.parametrize("family,weights", [("glm4", "f32"), ("glm4", "f16"), ("glm4", "int8"), ("glm4", "int4"),
+                                            ("glm4-0414", "int4"), ("glm-edge", "f32")])
+def test_cpu_plugin_fuses_attention_rotary_norm_and_dequantization(tiny, family, weights):
+    """glm4-0414's post norms fuse like the others; GLM-Edge's whole-head rotary fuses too."""
+    cfg, w, _ = tiny[family]
     s = _load(cfg, w, "f32", weights)
     ops = _runtime(s.compiled)
     kinds = [k for _, k in ops]
@@ -211,7 +213,7 @@ def test_cpu_plugin_fuses_attention_rotary_norm_and_dequantization(tiny, weights
                               "plugins/openvino_amx/graph.py to the one this version recognises")
     assert kinds.count("ScaledDotProductAttention") == L, f"stateful attention: {why}"
     assert kinds.count("RoPE") == 2 * L, f"rotary (query and key of each layer): {why}"
-    assert kinds.count("RMS") == 2 * L + 1, f"RMSNorm: {why}"
+    assert kinds.count("RMS") == (4 if cfg.post_norms else 2) * L + 1, f"RMSNorm: {why}"
     assert "MatMul" not in kinds and "Softmax" not in kinds, f"unfused attention left: {why}"
     assert kinds.count("FullyConnected") == 4 * L + 1, f"linear layers: {why}"
     for op, kind in ops:

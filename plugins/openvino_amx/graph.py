@@ -153,10 +153,13 @@ def _linear(x: ov.Output, w: ov.Output, name: str = "") -> ov.Output:
 
 def _rotary(split: ov.Node, index: int, heads: int, cfg: ModelConfig,
             cos_sin: ov.Output, seq_len: ov.Output) -> ov.Output:
-    """Rotate the first half of each head's dims in interleaved pairs; returns [B, heads, T, head_dim]."""
+    """Rotate the first rotary_dim dims of each head in interleaved pairs (ChatGLM/GLM-4: half the head,
+    GLM-Edge: all of it); returns [B, heads, T, head_dim]."""
     rot, hd = cfg.rotary_dim, cfg.head_dim
     x = ops.reshape(split.output(index), _c([0, 0, heads, hd]), special_zero=True)
     x = ops.transpose(x, _c([0, 2, 1, 3]))
+    # Split even when nothing passes through (GLM-Edge: rot == hd, a zero-width second part): the CPU plugin's
+    # RoPEFusionChatGLM matches this split, and fuses the whole-head rotation too.
     halves = ops.variadic_split(x, _c(3), _c([rot, hd - rot]))
     pairs = ops.reshape(halves.output(0), _c([0, heads, 0, rot // 2, 2]), special_zero=True)
     x_even = ops.gather(pairs, _c(0), _c(-1))
@@ -253,12 +256,18 @@ def build_model(cfg: ModelConfig, weights, fmt: str = "f32", group_size: int = 1
         values = _expand_kv(_kv_cache(v, i, "value", cfg, beam_idx, init, sinks), cfg)
         attn = ops.scaled_dot_product_attention(q, keys, values, mask, causal=False)      # [B, heads, T, hd]
         attn = ops.reshape(ops.transpose(attn, _c([0, 2, 1, 3])), _c([0, 0, cfg.q_size]), special_zero=True)
-        x = ops.add(x, _linear(attn, W.matrix(p + "attn_out.weight"))).output(0)
+        out = _linear(attn, W.matrix(p + "attn_out.weight"))
+        if cfg.post_norms:      # glm4: the sublayer output is normed before the add (the same RMSNorm pattern)
+            out = _rms_norm(out, W.vector(p + "post_self_attn_norm.weight"), cfg.norm_eps)
+        x = ops.add(x, out).output(0)
         h = _rms_norm(x, W.vector(p + "post_attn_norm.weight"), cfg.norm_eps)
         gate_up = ops.variadic_split(_linear(h, W.matrix(p + "ffn_up.weight")), _c(-1),
                                      _c([cfg.ffn_hidden_size, cfg.ffn_hidden_size]))
         act = ops.multiply(ops.swish(gate_up.output(0)), gate_up.output(1))                # silu(gate) * up
-        x = ops.add(x, _linear(act, W.matrix(p + "ffn_down.weight"))).output(0)
+        out = _linear(act, W.matrix(p + "ffn_down.weight"))
+        if cfg.post_norms:
+            out = _rms_norm(out, W.vector(p + "post_mlp_norm.weight"), cfg.norm_eps)
+        x = ops.add(x, out).output(0)
     say("output layer")
     x = _rms_norm(x, W.vector("final_norm.weight"), cfg.norm_eps)
     logits = _linear(x, W.matrix("lm_head.weight"), LM_HEAD)
