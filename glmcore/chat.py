@@ -103,6 +103,7 @@ class ChatFormat:
     family: str
     stop_ids: list[int]
     segmented = True     # a reply is <|assistant|>-separated segments, each opening with a metadata line
+    can_continue = True  # encode_continuation extends a cached conversation (False: re-encode it whole)
 
     def __init__(self, tokenizer):
         self.tok = tokenizer
@@ -372,6 +373,10 @@ class GLM4Format(_RoleFormat):
 
 
 def chat_format_for(tokenizer) -> ChatFormat:
+    if tokenizer.family in ("glm4-0414", "glm-edge"):
+        # tokenizer.json checkpoints: their own template and stop ids (glmcore.template)
+        from .template import TemplateFormat
+        return TemplateFormat(tokenizer)
     cls = {"chatglm2": ChatGLM2Format, "chatglm3": ChatGLM3Format, "glm4": GLM4Format}.get(tokenizer.family)
     if cls is None:
         raise ChatError(f"no chat format for tokenizer family {tokenizer.family!r}")

@@ -145,6 +145,24 @@ def _token_name(v) -> str | None:
     return v if isinstance(v, str) else None
 
 
+def _stop_ids(model_dir: Path, tok) -> list[int]:
+    """generation_config.json's eos_token_id, else config.json's (what transformers' generate stops on), else
+    the tokenizer's eos; ids outside the vocabulary are dropped."""
+    for name in ("generation_config.json", "config.json"):
+        path = model_dir / name
+        if not path.is_file():
+            continue
+        try:
+            eos = json.loads(path.read_text(encoding="utf-8")).get("eos_token_id")
+        except (OSError, UnicodeDecodeError, ValueError, AttributeError, RecursionError):
+            continue            # config.json's own reader reports a broken file; generation_config is optional
+        ids = eos if isinstance(eos, list) else [eos] if eos is not None else []
+        ids = [i for i in ids if isinstance(i, int) and not isinstance(i, bool) and 0 <= i < tok.n_vocab]
+        if ids:
+            return ids
+    return [tok.eos_id]
+
+
 class HFTokenizer(Tokenizer):
     """A byte-level BPE tokenizer.json (every GLM checkpoint that ships one)."""
 
@@ -215,6 +233,7 @@ class HFTokenizer(Tokenizer):
         if tmpl is not None and not isinstance(tmpl, str):
             raise TokenizerError(f"{cfg_path}: chat_template is not a string; copy the file from the original checkpoint")
         self.chat_template: str | None = tmpl
+        self.stop_ids = _stop_ids(model_dir, self)
 
     def encode(self, text: str) -> list[int]:
         """Plain text to ids; text that spells a special token stays text (glmcore's contract)."""

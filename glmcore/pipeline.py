@@ -45,7 +45,7 @@ class Pipeline:
         fmt, n = self.model.chat_format, len(self.cached)
         slot = self.slot
         if (n and slot is not None and tools == self.cached_tools and messages[:n] == self.cached
-                and len(messages) > n):
+                and len(messages) > n and fmt.can_continue):
             held = slot.tokens + ([self.pending] if self.pending is not None else [])
             new = fmt.encode_continuation(messages[n:], sum(m.role == "user" for m in self.cached))
             starts = list(slot.turn_starts) + ([len(held)] if not slot.turn_starts or slot.turn_starts[-1] != len(held)

@@ -26,6 +26,7 @@ import tiktoken
 from .errors import TokenizerError  # re-exported: glmcore.tokenizer.TokenizerError
 
 FAMILIES = ("chatglm2", "chatglm3", "glm4")
+HF_FAMILIES = ("glm4-0414", "glm-edge")    # tokenizer.json + tokenizer_config.json (glmcore.hf_tokenizer)
 DATA_DIR = Path(__file__).resolve().parent / "data"
 
 # Order matters: the ids are assigned in this order after the base vocabulary.
@@ -298,9 +299,16 @@ def read_rank_file(path: Path) -> dict[bytes, int]:
 
 
 def load_tokenizer(model_dir, family: str) -> Tokenizer:
-    """Load model_dir/tokenizer.model as the given family (tokenizer_config.json, if present, is checked)."""
+    """Load model_dir/tokenizer.model as the given family (tokenizer_config.json, if present, is checked);
+    the glm4-0414/glm-edge families read tokenizer.json (glmcore.hf_tokenizer)."""
+    if family in HF_FAMILIES:
+        from .hf_tokenizer import HFTokenizer
+        if not (Path(model_dir) / "tokenizer.json").is_file():
+            raise TokenizerError(f"{Path(model_dir) / 'tokenizer.json'} not found: copy tokenizer.json and "
+                                 f"tokenizer_config.json from the original {family} checkpoint into the model directory")
+        return HFTokenizer(Path(model_dir), family)
     if family not in FAMILIES:
-        raise TokenizerError(f"unknown tokenizer family {family!r}: use one of {', '.join(FAMILIES)}")
+        raise TokenizerError(f"unknown tokenizer family {family!r}: use one of {', '.join(FAMILIES + HF_FAMILIES)}")
     model_dir = Path(model_dir)
     path = model_dir / "tokenizer.model"
     if not path.is_file():

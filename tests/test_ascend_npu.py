@@ -25,7 +25,7 @@ from glmcore_plugins.ascend_npu.model import GLMGraphModel, to_device  # noqa: E
 from glmcore_plugins.ascend_npu.ops import select_ops  # noqa: E402
 from glmcore_plugins.torch_ref import TorchBackend  # noqa: E402
 
-FAMILIES = ("chatglm2", "chatglm3", "glm4")
+from glmcore.config import FAMILIES  # noqa: E402
 CAP = 128
 
 

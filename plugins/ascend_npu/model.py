@@ -47,9 +47,9 @@ def rotary_tables(cfg: ModelConfig, positions: int, device: torch.device) -> tup
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [..., T, heads, head_dim], cos/sin [..., T, rot/2]; rotate the first half of the dims in
-    interleaved pairs, in fp32."""
-    rot = x.shape[-1] // 2
+    """x [..., T, heads, head_dim], cos/sin [..., T, rot/2]; rotate the first rot = rotary_dim dims
+    (ChatGLM/GLM-4: half the head, GLM-Edge: all of it) in interleaved pairs, in fp32."""
+    rot = 2 * cos.shape[-1]
     xf = x.float()
     x0, x1, x_pass = xf[..., 0:rot:2], xf[..., 1:rot:2], xf[..., rot:]
     c, s = cos.unsqueeze(-2), sin.unsqueeze(-2)
@@ -69,6 +69,11 @@ class Layer(nn.Module):
         self.post_attn_norm = to_device(weights[p + "post_attn_norm.weight"], device, torch.float32)
         self.ffn_up = to_device(weights[p + "ffn_up.weight"], device, dtype)
         self.ffn_down = to_device(weights[p + "ffn_down.weight"], device, dtype)
+        # glm4 (GLM-4-0414): norms of the attention and MLP outputs before each residual add
+        post = cfg.post_norms
+        self.post_self_attn_norm = to_device(weights[p + "post_self_attn_norm.weight"], device, torch.float32) \
+            if post else None
+        self.post_mlp_norm = to_device(weights[p + "post_mlp_norm.weight"], device, torch.float32) if post else None
 
 
 class GLMGraphModel(nn.Module):
@@ -120,10 +125,16 @@ class GLMGraphModel(nn.Module):
             vc = v_cache[i] if one_slot else v_cache[i].index_select(0, slots)
             attn = ops.attention(q, kc, vc, allowed, seq_lens)                     # [B, H, T, D]
             attn = attn.transpose(1, 2).reshape(b, t, cfg.q_size)
-            x = x + self.tp.reduce(F.linear(attn, layer.attn_out).float())
+            out = self.tp.reduce(F.linear(attn, layer.attn_out).float())
+            if layer.post_self_attn_norm is not None:     # on the whole (reduced) output, in fp32
+                out = ops.rms_norm(out, layer.post_self_attn_norm, cfg.norm_eps)
+            x = x + out
             h = ops.rms_norm(x, layer.post_attn_norm, cfg.norm_eps).to(dt)
             gate, up = F.linear(h, layer.ffn_up).chunk(2, dim=-1)
-            x = x + self.tp.reduce(F.linear(F.silu(gate) * up, layer.ffn_down).float())
+            out = self.tp.reduce(F.linear(F.silu(gate) * up, layer.ffn_down).float())
+            if layer.post_mlp_norm is not None:
+                out = ops.rms_norm(out, layer.post_mlp_norm, cfg.norm_eps)
+            x = x + out
         x = ops.rms_norm(x, self.final_norm, cfg.norm_eps).to(dt)
         rows = x.gather(1, last[:, None, None].expand(b, 1, x.shape[-1]))[:, 0]     # [B, hidden]
         logits = self.tp.gather(F.linear(rows, self.lm_head).float())
