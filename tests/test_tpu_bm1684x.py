@@ -39,7 +39,7 @@ from glmcore_plugins.tpu_bm1684x.graphs import part_specs  # noqa: E402
 from glmcore_plugins.tpu_bm1684x.session import OrtRunner, StaticGraphSession, decode_mask, prefill_mask  # noqa: E402
 from glmcore_plugins.tpu_bm1684x.spec import MASK_VALUE  # noqa: E402
 
-FAMILIES = ["chatglm2", "chatglm3", "glm4"]
+FAMILIES = ["chatglm2", "chatglm3", "glm4", "glm4-0414", "glm-edge"]
 S = 32                     # SEQ_LEN of most tests: small keeps them fast, the logic is the same at 512
 
 

@@ -73,12 +73,16 @@ class Layer(nn.Module):
         self.cfg, self.td = cfg, _TORCH_DTYPE[dtype]
         self.input_norm = RMSNorm(cfg.norm_eps, self.td)
         self.post_attn_norm = RMSNorm(cfg.norm_eps, self.td)
+        if cfg.post_norms:      # glm4 (GLM-4-0414): norms of the attention and MLP outputs (scoped "...norm/")
+            self.post_self_attn_norm = RMSNorm(cfg.norm_eps, self.td)
+            self.post_mlp_norm = RMSNorm(cfg.norm_eps, self.td)
 
     @staticmethod
     def rope(x, cos, sin):
-        """x [1, T, n, hd]: rotate the first half of the dims in interleaved pairs (2i, 2i+1)."""
+        """x [1, T, n, hd], cos/sin [1, T, rot/2]: rotate the first rot = rotary_dim dims (ChatGLM/GLM-4: half
+        the head, GLM-Edge: all of it) in interleaved pairs (2i, 2i+1)."""
         _, T, n, hd = x.shape
-        rot = hd // 2
+        rot = 2 * cos.shape[-1]
         pairs = x[..., :rot].reshape(1, T, n, rot // 2, 2)
         x0, x1 = pairs[..., 0], pairs[..., 1]
         c, s = cos[:, :, None, :], sin[:, :, None, :]
@@ -113,10 +117,16 @@ class Layer(nn.Module):
         return out.reshape(1, kvh, T, group * hd).transpose(1, 2).reshape(1, T, cfg.q_size)
 
     def finish(self, w, x, attn):
-        x = x + attn @ w["attn_out_w"]
+        out = attn @ w["attn_out_w"]
+        if self.cfg.post_norms:
+            out = self.post_self_attn_norm(out, w["post_self_attn_norm"])
+        x = x + out
         gate_up = self.post_attn_norm(x, w["post_attn_norm"]) @ w["ffn_up_w"]
         F = self.cfg.ffn_hidden_size
-        return x + (torch.nn.functional.silu(gate_up[..., :F]) * gate_up[..., F:]) @ w["ffn_down_w"]
+        out = (torch.nn.functional.silu(gate_up[..., :F]) * gate_up[..., F:]) @ w["ffn_down_w"]
+        if self.cfg.post_norms:
+            out = self.post_mlp_norm(out, w["post_mlp_norm"])
+        return x + out
 
 
 class Block(nn.Module):
@@ -228,6 +238,9 @@ def group_weights(cfg: ModelConfig, weights, group: str, seq_len: int, dtype: st
     w.update(attn_out_w=lin(p + "attn_out.weight"), post_attn_norm=weights.f32(p + "post_attn_norm.weight"),
              ffn_up_w=lin(p + "ffn_up.weight"), ffn_down_w=lin(p + "ffn_down.weight"),
              rope_cos=cos.numpy().astype(dt), rope_sin=sin.numpy().astype(dt))
+    if cfg.post_norms:
+        w.update(post_self_attn_norm=weights.f32(p + "post_self_attn_norm.weight"),
+                 post_mlp_norm=weights.f32(p + "post_mlp_norm.weight"))
     return w
 
 
