@@ -310,7 +310,7 @@ def cmd_cache(a) -> int:
 def cmd_make_model(a) -> int:
     from .synth import make_model
     cfg = make_model(a.family, a.size, a.out, fmt=a.format, shards=a.shards, seed=a.seed,
-                     tokenizer_from=a.tokenizer_from, dtype=a.dtype, progress=progress)
+                     tokenizer_from=a.tokenizer_from, dtype=a.dtype, progress=progress, layers=a.layers)
     print(f"wrote {a.family} {a.size} ({cfg.num_params() / 1e6:.1f}M parameters, random weights) to {a.out}")
     return 0
 
@@ -385,8 +385,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(fn=cmd_cache)
 
     p = sub.add_parser("make-model", help="write a synthetic checkpoint in a family's real layout")
-    p.add_argument("--family", required=True, choices=["chatglm2", "chatglm3", "glm4"])
-    p.add_argument("--size", default="tiny", choices=["tiny", "small", "1b", "6b"], help="architecture size")
+    p.add_argument("--family", required=True, choices=["chatglm2", "chatglm3", "glm4", "glm4-0414", "glm-edge"],
+                   help="glm4-0414: GLM-4-0414/Z1 layout (transformers glm4); glm-edge: GLM-Edge layout (glm)")
+    p.add_argument("--size", default="tiny", choices=["tiny", "small", "1b", "6b", "9b", "32b"],
+                   help="architecture size (6b: chatglm families; 9b/32b: glm4-0414)")
+    p.add_argument("--layers", type=int, help="fewer layers of the size's width (e.g. --size 32b --layers 4)")
     p.add_argument("--out", required=True, help="a new or empty directory")
     p.add_argument("--format", default="safetensors", choices=["safetensors", "bin"], help="weight file format")
     p.add_argument("--shards", type=int, help="number of weight files (default: 2 for tiny, ~2 GiB each otherwise)")
