@@ -80,6 +80,10 @@ def test_optional_hooks_are_declared_with_defaults():
         TensorParallel(b, 2)
     torch = registry().get("torch")
     assert TensorParallel(torch, 2).conformance_variants() == torch.conformance_variants()
+    # resolve fills the defaults and keeps every other field (tp, cache_dir, ...)
+    resolved = b.resolve(LoadOptions(capacity=9, threads=1, tp=2, extra={}))
+    assert (resolved.precision, resolved.weights, resolved.capacity, resolved.threads, resolved.tp) == \
+        ("f32", "f32", 9, 1, 2)
 
 
 def test_a_session_only_plugin_gets_batching_through_the_default_adapter(make_tiny):
