@@ -27,6 +27,7 @@ from .errors import BackendError, GlmcoreError
 ENTRY = "glmcore-entry.json"
 HASHED_BELOW = 16 << 20        # files up to this size are hashed when sealed and checked on every use
 STALE_BUILD_S = 3600           # a temporary build directory older than this is a leftover of a killed build
+BUILD_SUFFIX = ".part"         # build_once's temporary directories: ".NAME-XXXXXXXX.part"
 
 
 def cache_root() -> Path:
@@ -45,7 +46,7 @@ def build_once(final: Path, build: Callable[[Path], object], complete: Callable[
         os.utime(final / ENTRY)       # last use, for `glmcore cache prune`
         return final
     final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=final.parent, prefix=f".{final.name}-"))
+    tmp = Path(tempfile.mkdtemp(dir=final.parent, prefix=f".{final.name}-", suffix=BUILD_SUFFIX))
     try:
         build(tmp)
         seal(tmp, source)
@@ -132,6 +133,13 @@ def new_output_dir(path, flag: str = "--out") -> Path:
     """`path` as the place of a new result: absent or an empty directory. A user's files are never
     overwritten or deleted."""
     p = Path(path)
+    if p.is_symlink():
+        # results are renamed into place, which a symlink would not survive: write into its target instead
+        target = Path(os.path.realpath(p))
+        if not target.exists():
+            raise GlmcoreError(f"{flag} {p} is a symlink to {target}, which does not exist; create that directory "
+                               "or give a new or empty directory")
+        p = target
     if p.exists() and not p.is_dir():
         raise GlmcoreError(f"{flag} {p} is a file; give a new or empty directory")
     if p.is_dir() and any(p.iterdir()):
@@ -153,6 +161,12 @@ class CacheEntry:
     last_used: float     # epoch seconds
     state: str           # "ok", "damaged: why", "incomplete build", "not sealed"
 
+    @property
+    def ours(self) -> bool:
+        """Whether glmcore wrote it (sealed, or one of its own build leftovers): only these are ever removed;
+        a directory without a seal may be the user's own files under GLMCORE_CACHE."""
+        return self.state != "not sealed"
+
 
 def _du(p: Path) -> int:
     return sum(f.stat().st_size for f in p.rglob("*") if f.is_file() and not f.is_symlink())
@@ -173,8 +187,10 @@ def entries(root: Path | None = None) -> list[CacheEntry]:
                 problem = _problem(p)
                 out.append(CacheEntry(name, p, _du(p), (p / ENTRY).stat().st_mtime,
                                       f"damaged: {problem}" if problem else "ok"))
-            elif p.name.startswith("."):
+            elif p.name.startswith(".") and p.name.endswith(BUILD_SUFFIX):
                 out.append(CacheEntry(name, p, _du(p), p.stat().st_mtime, "incomplete build"))
+            elif p.name.startswith("."):
+                continue                  # hidden and not ours (.git, .config): not an entry, never visited
             elif any(f.is_file() for f in p.iterdir()) or depth >= 3:
                 out.append(CacheEntry(name, p, _du(p), p.stat().st_mtime, "not sealed"))
             else:
@@ -185,14 +201,20 @@ def entries(root: Path | None = None) -> list[CacheEntry]:
 
 
 def remove(entry: CacheEntry) -> None:
+    if not entry.ours:
+        raise GlmcoreError(f"cache: {entry.name} has no glmcore seal, so glmcore did not write it and will not "
+                           f"delete it; remove {entry.path} yourself if it is yours to delete")
     shutil.rmtree(entry.path)
 
 
 def prune(older_than_days: float, root: Path | None = None) -> list[CacheEntry]:
     """Remove what is not worth keeping: damaged entries (they would be rebuilt anyway), leftovers of
-    killed builds, and anything unused for older_than_days. Returns what was removed."""
+    killed builds, and anything unused for older_than_days -- of what glmcore wrote only (CacheEntry.ours).
+    Returns what was removed."""
     now, gone = time.time(), []
     for e in entries(root):
+        if not e.ours:
+            continue
         unused = now - e.last_used
         if e.state.startswith("damaged") or (e.state == "incomplete build" and unused > STALE_BUILD_S) \
                 or unused > older_than_days * 86400:

@@ -18,6 +18,8 @@ import json
 import re
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from .errors import ChatError
 from .events import ChatEvent, TextDelta, ToolCallEvent
 
@@ -420,6 +422,8 @@ def parse_chatglm3_call(body: str) -> dict:
 
 
 def parse_glm4_call(body: str) -> dict:
+    if json_depth(body) > MAX_ARGUMENT_DEPTH:     # before json.loads: its limit is the interpreter's, which varies
+        raise ToolCallParseError(f"tool call arguments are nested deeper than {MAX_ARGUMENT_DEPTH} levels")
     try:
         args = json.loads(body.strip())
     except json.JSONDecodeError as e:
@@ -433,11 +437,31 @@ def parse_glm4_call(body: str) -> dict:
 
 def _as_json(args: dict) -> dict:
     """Arguments exactly as JSON can carry them (what a caller will json.dumps): no bytes, sets,
-    complex numbers, NaN, numbers too long to print, or nesting too deep to encode."""
+    complex numbers, NaN, numbers too long to print, or nesting deeper than MAX_ARGUMENT_DEPTH."""
     try:
-        return json.loads(json.dumps(args, allow_nan=False, ensure_ascii=False))
+        text = json.dumps(args, allow_nan=False, ensure_ascii=False)
     except (TypeError, ValueError, RecursionError, MemoryError) as e:
         raise ToolCallParseError(f"tool call arguments are not JSON values ({type(e).__name__})") from None
+    # an explicit bound: how deep json.dumps/loads can go depends on sys.getrecursionlimit(), which other
+    # libraries raise -- the same reply must parse the same way in every process
+    if json_depth(text) > MAX_ARGUMENT_DEPTH:
+        raise ToolCallParseError(f"tool call arguments are nested deeper than {MAX_ARGUMENT_DEPTH} levels")
+    return json.loads(text)
+
+
+MAX_ARGUMENT_DEPTH = 32        # tool call arguments (and the server's tool schemas): far beyond any real one
+_STRING = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"')       # a JSON string, unrolled (no per-character branching)
+_NOT_BRACKETS = bytes(sorted(set(range(256)) - set(b"[]{}")))     # UTF-8 continuation bytes are never brackets
+
+
+def json_depth(text: str) -> int:
+    """The deepest nesting of [ and { in JSON text (strings skipped), without parsing it: C-speed regex and
+    numpy, so megabytes cost milliseconds and no recursion limit is involved."""
+    brackets = _STRING.sub("", text).encode("utf-8", "surrogatepass").translate(None, _NOT_BRACKETS)
+    if not brackets:
+        return 0
+    steps = np.frombuffer(brackets, np.uint8)
+    return int(np.cumsum(np.where((steps == 91) | (steps == 123), 1, -1), dtype=np.int64).max())
 
 
 class ToolCallStream:

@@ -15,6 +15,7 @@ from .backend import registry
 from .events import TextDelta, ToolCallEvent
 from .scheduler import OVERFLOW_POLICIES, WindowPolicy
 from .errors import ContextOverflow, ChatError, GlmcoreError
+from .files import check_text, decode_text, read_bounded
 from .options import add_load_args, load_options
 from .sampling import SamplingParams
 
@@ -81,11 +82,9 @@ def _run_batch(a) -> int:
     from .chat import as_message
     from .model import load_model
     from .pipeline import chat_request, reply_message
-    try:
-        prompts = [line for line in Path(a.prompts).read_text(encoding="utf-8").splitlines() if line.strip()]
-    except (OSError, UnicodeDecodeError) as e:
-        raise GlmcoreError(f"cannot read --prompts {a.prompts!r}: {e}; give a UTF-8 text file, one prompt a line") \
-            from None
+    fix = "give a UTF-8 text file, one prompt a line"
+    data = read_bounded(a.prompts, MAX_PROMPTS_BYTES, "--prompts", fix)
+    prompts = [line for line in decode_text(data, f"--prompts {a.prompts!r}", fix).splitlines() if line.strip()]
     if not prompts:
         raise GlmcoreError(f"--prompts {a.prompts!r} has no prompt; write one prompt a line")
     params, window = sampling(a), WindowPolicy(a.overflow, a.n_keep, a.n_discard)
@@ -136,16 +135,19 @@ def _stream_reply(pipe, messages, tools, params, max_new_tokens, shown: list | N
               "raise --ctx or use --overflow window", file=sys.stderr)
 
 
-CHAT_HELP = "commands: /system TEXT, /tools FILE.json, /reset, /quit"
+CHAT_HELP = "commands: /system TEXT (none: clear it), /tools FILE.json (/tools none: clear them), /reset, /quit"
+MAX_PROMPTS_BYTES = 64 << 20     # run --prompts: far more than one batch can hold, and never an endless read
+MAX_TOOLS_BYTES = 4 << 20        # chat /tools: the server's body limit
 
 
 def _load_tools(arg: str, chat_format) -> tuple[list, list[str]]:
     """The tools of `/tools FILE.json` (a list of OpenAI tools, or one tool object) and their names."""
+    fix = "give a JSON file with a list of tools"
+    data = read_bounded(arg, MAX_TOOLS_BYTES, "tools from", fix, ChatError)
     try:
-        tools = json.loads(Path(arg).read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as e:
-        raise ChatError(f"cannot read tools from {arg!r} ({type(e).__name__}: {str(e)[:80]}); give a JSON file "
-                        "with a list of tools") from None
+        tools = json.loads(decode_text(data, f"/tools {arg!r}", fix, ChatError))
+    except (ValueError, RecursionError) as e:
+        raise ChatError(f"cannot read tools from {arg!r} ({type(e).__name__}: {str(e)[:80]}); {fix}") from None
     if isinstance(tools, dict):
         tools = [tools]
     return tools, [f["name"] for f in chat_format.check_tools(tools)]
@@ -158,40 +160,70 @@ class ChatState:
     tools: list | None = None
     history: list = field(default_factory=list)
 
+    setup_overflows: bool = False    # the system prompt and tools alone do not fit the context
+
     def messages(self) -> list:
         return _messages(self.system) + self.history
+
+
+def _read_line(prompt: str) -> str | None:
+    """One line of stdin (None at EOF); bytes that are not UTF-8 are an error for that line only."""
+    while True:
+        line = input(prompt)
+        try:
+            return check_text(line, "the line", "type it again as UTF-8 text")
+        except GlmcoreError as e:
+            print(f"error: {e}", file=sys.stderr)
 
 
 def cmd_chat(a) -> int:
     params = sampling(a)
     pipe = _pipeline(a)
     state = ChatState(a.system)
+    # undecodable bytes arrive as surrogates and are refused per line, instead of ending the session
+    if hasattr(sys.stdin, "reconfigure"):
+        sys.stdin.reconfigure(errors="surrogateescape")
     print(f"glmcore chat on {pipe.model.backend.name} ({pipe.model.config.family}); {CHAT_HELP}", file=sys.stderr)
     while True:
         try:
-            line = input("user> ")
+            line = _read_line("user> ")
         except EOFError:
             return 0
         if not line.strip():
             continue
         if line.startswith("/"):
             cmd, _, arg = line.partition(" ")
+            arg = arg.strip()
             if cmd == "/quit":
                 return 0
             if cmd == "/reset":
                 state.history = []
                 pipe.reset()
-                print("(conversation cleared)", file=sys.stderr)
+                if state.setup_overflows:    # keeping them would fail the next turn again
+                    state.system, state.tools, state.setup_overflows = None, None, False
+                    print("(conversation, system prompt and tools cleared: they alone overflowed the context)",
+                          file=sys.stderr)
+                else:
+                    print("(conversation cleared)", file=sys.stderr)
             elif cmd == "/system":
-                state.system, state.history = arg or None, []
-                print("(system prompt set; conversation cleared)", file=sys.stderr)
+                state.system = None if arg.lower() in ("", "none") else arg
+                state.history, state.setup_overflows = [], False
+                print(f"(system prompt {'set' if state.system else 'cleared'}; conversation cleared)",
+                      file=sys.stderr)
+            elif cmd == "/tools" and arg.lower() == "none":
+                state.tools, state.history, state.setup_overflows = None, [], False
+                print("(tools cleared; conversation cleared)", file=sys.stderr)
+            elif cmd == "/tools" and not arg:
+                names = [f["name"] for f in pipe.model.chat_format.check_tools(state.tools)] if state.tools else []
+                print(f"({len(names)} tools loaded{': ' + ', '.join(names) if names else ''}) usage: /tools FILE.json "
+                      "loads tools, /tools none clears them", file=sys.stderr)
             elif cmd == "/tools":
                 try:
                     tools, names = _load_tools(arg, pipe.model.chat_format)
                 except GlmcoreError as e:
                     print(f"error: {e}", file=sys.stderr)
                     continue
-                state.tools, state.history = tools, []
+                state.tools, state.history, state.setup_overflows = tools, [], False
                 print(f"({len(names)} tools loaded: {', '.join(names)}; conversation cleared)", file=sys.stderr)
             else:
                 print(f"unknown command {cmd}; {CHAT_HELP}", file=sys.stderr)
@@ -219,7 +251,12 @@ def _chat_turn(pipe, state: ChatState, params, max_new_tokens) -> bool:
         except ContextOverflow as e:
             # the conversation no longer fits: say so and keep the session (the user can /reset)
             history.pop()
-            print(f"\nerror: {e}; /reset starts a new conversation", file=sys.stderr)
+            if _setup_overflows(pipe, state):
+                state.setup_overflows = True
+                print(f"\nerror: {e}; the system prompt and tools alone fill the context: /reset clears them "
+                      "(or shorten them: /system TEXT, /tools none)", file=sys.stderr)
+            else:
+                print(f"\nerror: {e}; /reset starts a new conversation", file=sys.stderr)
             return True
         reply = pipe.cached[-1]
         history.append(reply)
@@ -228,7 +265,7 @@ def _chat_turn(pipe, state: ChatState, params, max_new_tokens) -> bool:
             return True
         for call in reply.tool_calls:
             try:
-                result = input(f"tool result for {call.name}> ")
+                result = _read_line(f"tool result for {call.name}> ")
             except EOFError:
                 return False
             if result.strip() == "/quit":
@@ -239,6 +276,16 @@ def _chat_turn(pipe, state: ChatState, params, max_new_tokens) -> bool:
                 print("(conversation cleared)", file=sys.stderr)
                 return True
             history.append({"role": "tool", "content": result})
+
+
+def _setup_overflows(pipe, state: ChatState) -> bool:
+    """Whether the system prompt and tools alone, with an empty user turn, leave no room in the context."""
+    if not (state.system or state.tools):
+        return False
+    from .chat import as_message
+    messages = [as_message(m) for m in _messages(state.system) + [{"role": "user", "content": ""}]]
+    n = len(pipe.model.chat_format.encode_messages(messages, tools=state.tools))
+    return n >= pipe.model.scheduler.capacity
 
 
 def cmd_backends(a) -> int:
@@ -289,11 +336,15 @@ def cmd_cache(a) -> int:
             raise GlmcoreError("cache remove: name the entries to remove (as `glmcore cache list` shows them), "
                                "or `all`")
         found = {e.name: e for e in cache.entries()}
-        chosen = list(found.values()) if a.names == ["all"] else []
+        chosen = [e for e in found.values() if e.ours] if a.names == ["all"] else []
         for name in [] if a.names == ["all"] else a.names:
             if name.rstrip("/") not in found:
                 raise GlmcoreError(f"cache remove: no entry {name!r}; see `glmcore cache list`")
             chosen.append(found[name.rstrip("/")])
+        foreign = [e.name for e in chosen if not e.ours]
+        if foreign:
+            raise GlmcoreError(f"cache remove: {foreign[0]} has no glmcore seal, so glmcore did not write it and "
+                               "will not delete it; remove it yourself if it is yours to delete")
         for e in chosen:
             cache.remove(e)
             print(f"removed {e.name} ({e.size / 2**20:.1f} MiB)")
@@ -439,6 +490,15 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
+def _check_args(a) -> None:
+    """Every text argument is UTF-8: argv bytes that are not arrive as surrogates (surrogateescape) and would
+    crash a tokenizer or a file name later; refuse them here, naming the option."""
+    for dest, value in vars(a).items():
+        for v in value if isinstance(value, list) else [value]:
+            if isinstance(v, str):
+                check_text(v, f"--{dest.replace('_', '-')}", "pass UTF-8 text")
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     ap = build_parser()
@@ -457,6 +517,7 @@ def main(argv: list[str] | None = None) -> int:
             from .evaluate.cli import main as eval_main
             return eval_main(argv[1:])
         a = ap.parse_args(argv)
+        _check_args(a)
         return a.fn(a)
     except GlmcoreError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -24,10 +24,12 @@ import sentencepiece as spm
 import tiktoken
 
 from .errors import TokenizerError  # re-exported: glmcore.tokenizer.TokenizerError
+from .files import is_regular, read_bounded
 
 FAMILIES = ("chatglm2", "chatglm3", "glm4")
 HF_FAMILIES = ("glm4-0414", "glm-edge")    # tokenizer.json + tokenizer_config.json (glmcore.hf_tokenizer)
 DATA_DIR = Path(__file__).resolve().parent / "data"
+MAX_TOKENIZER_BYTES = 256 << 20   # GLM-4's rank file is 2.6 MB; a bound so a huge or endless file is refused
 
 # Order matters: the ids are assigned in this order after the base vocabulary.
 SP_SPECIALS = {
@@ -261,6 +263,8 @@ class StreamDecoder:
 
 
 def is_tiktoken_file(path: Path) -> bool:
+    if not is_regular(path):       # a FIFO would block open() forever; a device never ends
+        return False
     try:
         with open(path, "rb") as f:
             line = f.readline(200)
@@ -272,10 +276,10 @@ def is_tiktoken_file(path: Path) -> bool:
 def read_rank_file(path: Path) -> dict[bytes, int]:
     """Parse a tiktoken rank file; ranks must be 0..n-1 and include all 256 single bytes."""
     ranks: dict[bytes, int] = {}
-    try:
-        data = Path(path).read_bytes()
-    except OSError as e:
-        raise TokenizerError(f"cannot read {path}: {e.strerror}; check the path and permissions") from None
+    if not is_regular(path):
+        raise TokenizerError(f"{path} is not a regular file; copy tokenizer.model from the original checkpoint")
+    data = read_bounded(path, MAX_TOKENIZER_BYTES, "the tokenizer file", "copy tokenizer.model from the original "
+                        "checkpoint", TokenizerError)
     if data[:1] == b"\n" and not is_tiktoken_file(path):   # a protobuf: SentencePiece's ModelProto
         raise TokenizerError(f"{path} is not a tiktoken rank file (it looks like a SentencePiece model: "
                              "use family chatglm2/chatglm3, or copy GLM-4's tokenizer.model)")
@@ -311,8 +315,8 @@ def load_tokenizer(model_dir, family: str) -> Tokenizer:
         raise TokenizerError(f"unknown tokenizer family {family!r}: use one of {', '.join(FAMILIES + HF_FAMILIES)}")
     model_dir = Path(model_dir)
     path = model_dir / "tokenizer.model"
-    if not path.is_file():
-        raise TokenizerError(f"{path} not found: copy tokenizer.model from the original {family} checkpoint "
+    if not is_regular(path):        # missing, or a FIFO/device that would hang or never end
+        raise TokenizerError(f"{path} not found (or not a regular file): copy tokenizer.model from the original {family} checkpoint "
                              "into the model directory (or write a synthetic one with `glmcore make-model`)")
     cfg = _read_config(model_dir / "tokenizer_config.json")
     cls = cfg.get("tokenizer_class")
@@ -339,11 +343,12 @@ def load_tokenizer(model_dir, family: str) -> Tokenizer:
 
 
 def _read_config(path: Path) -> dict:
-    if not path.is_file():
+    if not is_regular(path):
         return {}
     try:
-        cfg = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        cfg = json.loads(read_bounded(path, MAX_TOKENIZER_BYTES, "tokenizer_config.json", "copy it from the "
+                                      "original checkpoint", TokenizerError).decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
         raise TokenizerError(f"{path} is not valid JSON ({e}); copy it from the original checkpoint "
                              "or delete it") from None
     if not isinstance(cfg, dict):

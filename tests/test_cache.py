@@ -131,14 +131,14 @@ def test_cache_list_remove_prune(tmp_path, monkeypatch, capsys):
     old = tmp_path / "models" / "chatglm3-tiny-seed9"
     build_once(old, lambda d: (d / "done").write_text("x"), done)
     os.utime(old / ENTRY, (0, 0))                                           # last used long ago
-    leftover = tmp_path / "converted" / ".cpu_int4-ccc-xyz"
+    leftover = tmp_path / "converted" / ".cpu_int4-ccc-xyz.part"
     leftover.mkdir()
     (leftover / "weights.bin.part").write_bytes(b"0" * 100)
     os.utime(leftover, (0, 0))
     rc, out, _ = _cli(capsys, "cache", "list")
     assert rc == 0
     for name in ("converted/cpu_int4-aaa", "converted/openvino_amx/x-int8-bbb", "models/chatglm3-tiny-seed9",
-                 "converted/.cpu_int4-ccc-xyz"):
+                 "converted/.cpu_int4-ccc-xyz.part"):
         assert name in out
     assert "1.0 MiB" in out and "incomplete build" in out and "4 entries" in out
     rc, out, _ = _cli(capsys, "cache", "remove", "converted/cpu_int4-aaa")

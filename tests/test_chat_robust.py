@@ -149,3 +149,21 @@ def test_commands_at_the_tool_result_prompt_are_not_sent_to_the_model(monkeypatc
     monkeypatch.setattr("builtins.input", lambda prompt="": answer)
     assert cli._chat_turn(pipe, state, None, 4) is goes_on
     assert pipe.calls == 1 and not any(m.get("role") == "tool" for m in state.history if isinstance(m, dict))
+
+
+@pytest.mark.parametrize("family,body", HOSTILE, ids=range(len(HOSTILE)))
+def test_an_unparsable_call_is_refused_whatever_the_recursion_limit(formats, family, body):
+    # torch and others raise sys.setrecursionlimit at import: a 1000-deep call once parsed after such an
+    # import (a full-suite-only failure); the depth bound must not depend on the interpreter's limit
+    old = sys.getrecursionlimit()
+    sys.setrecursionlimit(20000)
+    try:
+        test_an_unparsable_call_is_content_with_error(formats, family, body)
+    finally:
+        sys.setrecursionlimit(old)
+
+
+def test_arguments_within_the_depth_bound_still_parse(formats):
+    nested = '{"a": ' + "[" * 30 + "]" * 30 + "}"
+    m = formats["glm4"].parse_reply("get_weather\n" + nested)
+    assert m.tool_calls and not m.error

@@ -396,3 +396,105 @@ def test_a_damaged_onnx_manifest_means_rebuild(tmp_path, text):
     from glmcore_plugins.tpu_bm1684x.export import MANIFEST, is_current, read_manifest
     (tmp_path / MANIFEST).write_text(text)
     assert read_manifest(tmp_path) is None and not is_current(tmp_path, {"k": 1})
+
+
+# ------------------------------------------------------------------ issue 27: bytes, special files, the cache
+
+def _one_line_error(r, match):
+    err = r.stderr if isinstance(r.stderr, str) else r.stderr.decode("utf-8", "replace")
+    assert r.returncode == 2, err
+    assert err.startswith("error: ") and len(err.strip().splitlines()) == 1 and match in err, err
+
+
+def test_argv_bytes_that_are_not_utf8_are_one_line(ckpt):
+    # Python hands undecodable argv bytes over as lone surrogates; SentencePiece raised on them
+    r = subprocess.run([sys.executable, "-m", "glmcore.cli", "run", "--backend", "torch", "--model", str(ckpt),
+                        "--prompt", b"a\xffb", "--max-new-tokens", "2"], capture_output=True, timeout=300)
+    _one_line_error(r, "--prompt is not valid UTF-8 text (byte 0xff")
+
+
+@pytest.mark.parametrize("kind,match", [("/dev/zero", "larger than"), ("fifo", "pipe"), ("dir", "is a directory"),
+                                        ("latin1", "not UTF-8 text (byte 0xff")])
+def test_prompts_files_are_read_bounded_and_checked(ckpt, tmp_path, kind, match):
+    import os
+    path = {"/dev/zero": "/dev/zero", "fifo": tmp_path / "fifo", "dir": tmp_path, "latin1": tmp_path / "p.txt"}[kind]
+    if kind == "fifo":
+        os.mkfifo(path)                    # no writer: opening it would block forever
+    if kind == "latin1":
+        path.write_bytes(b"caf\xff\n")
+    r = _cli("run", "--backend", "torch", "--model", str(ckpt), "--prompts", str(path), "--max-new-tokens", "2")
+    _one_line_error(r, match)
+
+
+def _chat_bytes(model, script: bytes, *extra):
+    return subprocess.run([sys.executable, "-m", "glmcore.cli", "chat", "--backend", "torch", "--model", str(model),
+                           "--max-new-tokens", "2", "--threads", "1", *extra], input=script, capture_output=True,
+                          timeout=300)
+
+
+def test_chat_survives_bad_bytes_endless_tool_files_and_a_bare_tools(ckpt):
+    r = _chat_bytes(ckpt, b"a\xffb\n/tools /dev/zero\n/tools\n/tools none\nhello\n/quit\n")
+    err = r.stderr.decode("utf-8", "replace")
+    assert r.returncode == 0 and "Traceback" not in err, err
+    assert "error: the line is not valid UTF-8 text (byte 0xff" in err
+    assert "error: tools from '/dev/zero' is larger than" in err
+    assert "usage: /tools FILE.json" in err and "Is a directory" not in err
+    assert "(tools cleared" in err and r.stdout.count(b"assistant> ") == 1
+
+
+def test_reset_clears_a_system_prompt_that_alone_overflows(ckpt):
+    r = _chat_bytes(ckpt, b"hello\n/reset\nhello\n/quit\n", "--ctx", "64", "--system", "long " * 200)
+    err = r.stderr.decode()
+    assert r.returncode == 0 and "Traceback" not in err, err
+    assert "alone fill the context: /reset clears them" in err
+    assert "system prompt and tools cleared" in err
+    assert err.count("error:") == 1, err                      # the turn after /reset fits
+
+
+@pytest.mark.parametrize("family", ["chatglm3", "glm4"])
+def test_a_fifo_tokenizer_never_hangs_the_load(make_tiny, tmp_path, family):
+    import os
+    d = tmp_path / "m"
+    shutil.copytree(make_tiny(family), d)
+    (d / "tokenizer.model").unlink()
+    os.mkfifo(d / "tokenizer.model")
+    r = _cli("run", "--backend", "torch", "--model", str(d), "--prompt", "hi", "--max-new-tokens", "2")
+    _one_line_error(r, "tokenizer.model")
+
+
+def test_out_symlinks(make_tiny, tmp_path):
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "link").symlink_to(tmp_path / "empty")
+    (tmp_path / "dangling").symlink_to(tmp_path / "missing")
+    r = _cli("make-model", "--family", "chatglm3", "--out", str(tmp_path / "link"))
+    assert r.returncode == 0 and (tmp_path / "empty" / "config.json").is_file(), r.stderr
+    assert (tmp_path / "link").is_symlink()
+    _one_line_error(_cli("make-model", "--family", "chatglm3", "--out", str(tmp_path / "dangling")), "does not exist")
+    _one_line_error(_cli("convert", "--backend", "cpu_int4", "--model", str(make_tiny("chatglm3")), "--out",
+                         str(tmp_path / "dangling")), "does not exist")
+    assert not (tmp_path / "missing").exists()
+
+
+def test_cache_prune_removes_only_what_glmcore_wrote(tmp_path, capsys, monkeypatch):
+    import os
+
+    from glmcore.cache import ENTRY, build_once
+    from glmcore.cli import main
+    monkeypatch.setenv("GLMCORE_CACHE", str(tmp_path))
+    mine = {"photos/2019/a.jpg": b"jpeg", ".git/config": b"[core]", ".hidden-thing/x": b"x", "notes/todo.txt": b"1"}
+    for name, data in mine.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_bytes(data)
+    for d in tmp_path.rglob("*"):
+        os.utime(d, (0, 0))                                    # the user's files: untouched for decades
+    build_once(tmp_path / "models" / "x", lambda d: (d / "w").write_bytes(b"0"), lambda d: (d / "w").is_file())
+    os.utime(tmp_path / "models" / "x" / ENTRY, (0, 0))
+    leftover = tmp_path / "models" / ".x-abcdefgh.part"
+    leftover.mkdir()
+    os.utime(leftover, (0, 0))
+    assert main(["cache", "prune", "--older-than", "0"]) == 0
+    assert not (tmp_path / "models" / "x").exists() and not leftover.exists()
+    assert {n: (tmp_path / n).read_bytes() for n in mine} == mine
+    assert main(["cache", "remove", "all"]) == 0 and (tmp_path / "photos/2019/a.jpg").is_file()
+    assert main(["cache", "remove", "notes"]) == 2 and (tmp_path / "notes/todo.txt").is_file()
+    assert "no glmcore seal" in capsys.readouterr().err
