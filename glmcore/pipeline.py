@@ -11,6 +11,7 @@ from .events import ChatEvent, FinishReason
 from .model import LoadedModel, load_model
 from .sampling import SamplingParams
 from .scheduler import Request, Slot, Timings, WindowPolicy
+from .structured import Grammar, reply_constraint
 
 
 class Pipeline:
@@ -41,25 +42,35 @@ class Pipeline:
     def reset(self) -> None:
         self.cached, self.cached_tools, self.slot, self.pending = [], None, None, None
 
-    def _request(self, messages: list[Message], tools, params: SamplingParams, max_new_tokens: int) -> Request:
+    def _request(self, messages: list[Message], tools, params: SamplingParams, max_new_tokens: int,
+                 grammar: Grammar | None = None) -> tuple[Request, list[int]]:
+        """The scheduler Request, and the ids forced at the start of the reply (the end of its prompt)."""
         fmt, n = self.model.chat_format, len(self.cached)
         slot = self.slot
+        opening, constraint = reply_constraint(fmt, self.model.config.vocab_size, grammar, tools)
         if (n and slot is not None and tools == self.cached_tools and messages[:n] == self.cached
                 and len(messages) > n and fmt.can_continue):
             held = slot.tokens + ([self.pending] if self.pending is not None else [])
             new = fmt.encode_continuation(messages[n:], sum(m.role == "user" for m in self.cached))
             starts = list(slot.turn_starts) + ([len(held)] if not slot.turn_starts or slot.turn_starts[-1] != len(held)
                                                else [])
-            return Request(held + new, params, max_new_tokens, fmt.stop_ids, self.window, turn_starts=starts,
-                           n_pinned=slot.n_pinned)
-        self.reset()
-        return chat_request(fmt, messages, tools, params, max_new_tokens, self.window)
+            request = Request(held + new, params, max_new_tokens, fmt.stop_ids, self.window, turn_starts=starts,
+                              n_pinned=slot.n_pinned)
+        else:
+            self.reset()
+            request = chat_request(fmt, messages, tools, params, max_new_tokens, self.window)
+        request.prompt = list(request.prompt) + opening
+        request.constraint = constraint
+        return request, opening
 
     def chat(self, messages, tools: list[dict] | None = None, stream: bool = False,
-             params: SamplingParams | None = None, max_new_tokens: int = 256):
+             params: SamplingParams | None = None, max_new_tokens: int = 256, grammar: Grammar | None = None):
         """Returns the assistant Message, or with stream=True an iterator of ChatEvents (TextDelta,
-        ToolCallEvent); the Message is then in self.cached[-1]."""
-        events = self._events([as_message(m) for m in messages], tools, params or SamplingParams(), max_new_tokens)
+        ToolCallEvent); the Message is then in self.cached[-1]. `grammar` (glmcore.structured.Grammar): what
+        the reply's text must match (a JSON Schema, a regex, ...), enforced token by token; tools marked
+        "strict": true get arguments that match their parameters schema."""
+        events = self._events([as_message(m) for m in messages], tools, params or SamplingParams(), max_new_tokens,
+                              grammar)
         if stream:
             return events
         for _ in events:
@@ -67,14 +78,16 @@ class Pipeline:
         return self.cached[-1]
 
     def _events(self, messages: list[Message], tools, params: SamplingParams,
-                max_new_tokens: int) -> Iterator[ChatEvent]:
+                max_new_tokens: int, grammar: Grammar | None = None) -> Iterator[ChatEvent]:
         m = self.model
-        request = self._request(messages, tools, params, max_new_tokens)
+        request, opening = self._request(messages, tools, params, max_new_tokens, grammar)
         self.finish_reason, self.context_full, self.pending = None, False, None
         handle = m.scheduler.submit(request)
         # Token ids, not text, go to the parser: ChatGLM3 may put <|assistant|> between a text
         # segment and a tool call inside one reply, and decoded text drops that special token.
         parser = ToolCallStream(m.chat_format, tools)
+        for token in opening:           # the forced opening (an empty metadata line) is part of the reply
+            parser.push(token)
         try:
             for token in handle:
                 yield from parser.push(token)

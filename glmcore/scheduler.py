@@ -21,13 +21,19 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 
+from . import structured
 from .backend import BatchSession, Capabilities
 from .errors import ContextOverflow, GlmcoreError
 from .events import FinishReason
 from .sampling import Sampler, SamplingParams, sample_batch
+from .structured import GrammarError
+
+if TYPE_CHECKING:
+    from .structured import Constraint
 
 OVERFLOW_POLICIES = ("error", "window")
 
@@ -88,8 +94,10 @@ class Request:
     window: WindowPolicy = field(default_factory=WindowPolicy)
     turn_starts: Sequence[int] = ()      # chat turn starts in prompt: the window discards whole turns
     n_pinned: int | None = None          # how many prompt tokens the window never discards (prefix + system turn)
-    # constrained decoding: the ids the next token may be, given the ids generated so far (None: any)
-    allowed: Callable[[list[int]], Sequence[int] | None] | None = None
+    # constrained decoding (glmcore.structured): each token is masked to what the grammar allows next, and
+    # the request ends when the grammar is complete
+    constraint: "Constraint | None" = None
+    min_tokens: int = 0                  # stop ids are masked until this many tokens are generated
 
 
 class Slot:
@@ -116,6 +124,7 @@ class Handle:
         self.id = next(self._ids)
         self.scheduler, self.request = scheduler, request
         self.sampler = Sampler(request.params, n_vocab)
+        self.matcher = request.constraint.start() if request.constraint is not None else None
         self.on_token = on_token
         self.tokens: list[int] = []
         self.finish_reason: FinishReason | None = None
@@ -207,6 +216,7 @@ class Scheduler:
         self._wake = threading.Event()
         self._stop = False
         self._thread: threading.Thread | None = None
+        self._executor = None                # llguidance's, for a batch of constrained requests' masks
 
     @property
     def capacity(self) -> int:
@@ -237,6 +247,9 @@ class Scheduler:
             raise GlmcoreError("nothing to generate from: the prompt encodes to zero tokens")
         if request.max_new_tokens < 1:
             raise GlmcoreError(f"invalid max-new-tokens {request.max_new_tokens}: use a positive integer")
+        if not 0 <= request.min_tokens <= request.max_new_tokens:
+            raise GlmcoreError(f"invalid min-tokens {request.min_tokens}: use 0..max-new-tokens "
+                               f"({request.max_new_tokens})")
         keep = request.n_pinned if request.n_pinned is not None else request.window.n_keep
         if n > self.capacity and (request.window.policy == "error" or keep >= self.capacity):
             raise ContextOverflow(f"the prompt has {n} tokens, which exceed the context of {self.capacity}; shorten "
@@ -361,13 +374,7 @@ class Scheduler:
         now = time.perf_counter()
         picks = [h for h in sampled if h.slot is not None]
         picked = [logits[rows[h.slot.index]] for h in picks]     # views: no copy of [B, vocab] per step
-        for i, h in enumerate(picks):
-            ids = h.request.allowed(h.tokens) if h.request.allowed is not None else None
-            if ids is not None:                                  # constrained: a masked copy of this row
-                ids = list(ids)
-                row = np.full_like(picked[i], -np.inf)
-                row[ids] = picked[i][ids]
-                picked[i] = row
+        picks, picked = self._constrain(picks, picked)
         tokens = sample_batch([h.sampler for h in picks], picked, [h._history for h in picks])
         for h, token in zip(picks, tokens):
             if isinstance(token, GlmcoreError):      # this request's logits were broken; the others go on
@@ -382,14 +389,54 @@ class Scheduler:
             if token in h.request.stop_ids:
                 self._finish(h, FinishReason.STOP)
                 continue
+            if h.matcher is not None and (why := h.matcher.advance(token)) is not None:
+                h.error = GrammarError(f"the sampled token {token} does not continue the grammar ({why}); please "
+                                       "report")
+                self._finish(h, FinishReason.ERROR)
+                continue
             h.tokens.append(token)
             h._history.append(token)
             t.new_tokens += 1
             h._emit(token)
-            if len(h.tokens) >= h.request.max_new_tokens:
+            if h.matcher is not None and h.matcher.stopped:
+                self._finish(h, FinishReason.STOP)       # the grammar is complete: nothing may follow
+            elif len(h.tokens) >= h.request.max_new_tokens:
                 self._finish(h, FinishReason.LENGTH)     # the last token is not fed: a continuation feeds it
             else:
                 h._pending = token
+
+    def _constrain(self, picks: list[Handle], rows: list[np.ndarray]) -> tuple[list[Handle], list[np.ndarray]]:
+        """Mask the logits rows of constrained requests (their grammar's next-token bitmask; stop ids only
+        where the grammar is complete) and of requests under min_tokens (no stop ids yet). A request whose
+        grammar allows nothing more ends: "stop" when what it wrote is complete, else an error."""
+        con = [i for i, h in enumerate(picks) if h.matcher is not None]
+        dead: set[int] = set()
+        if con:
+            if self._executor is None and len(con) > 1:
+                self._executor = structured.executor()
+            masked, alive = structured.mask_rows(
+                [picks[i].matcher for i in con], [rows[i] for i in con], [picks[i].request.stop_ids for i in con],
+                [len(picks[i].tokens) >= picks[i].request.min_tokens for i in con], self._executor)
+            for j, i in enumerate(con):
+                rows[i] = masked[j]
+                if not alive[j]:
+                    dead.add(i)
+        for i, h in enumerate(picks):
+            if h.matcher is None and len(h.tokens) < h.request.min_tokens and h.request.stop_ids:
+                rows[i] = rows[i].copy()
+                rows[i][[s for s in h.request.stop_ids if 0 <= s < rows[i].shape[0]]] = -np.inf
+        for i in sorted(dead):
+            h = picks[i]
+            if h.matcher.accepting:
+                self._finish(h, FinishReason.STOP)
+            else:
+                h.error = GrammarError(f"the grammar dead-ended after {len(h.tokens)} tokens: no token of the "
+                                       "vocabulary continues it; check the grammar")
+                self._finish(h, FinishReason.ERROR)
+        if dead:
+            keep = [i for i in range(len(picks)) if i not in dead]
+            picks, rows = [picks[i] for i in keep], [rows[i] for i in keep]
+        return picks, rows
 
     def _make_room(self, h: Handle, n_new: int) -> bool:
         """Apply h's overflow policy before n_new ids go into its slot. False: h has ended ("length")."""

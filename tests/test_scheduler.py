@@ -296,18 +296,3 @@ def test_a_failing_callback_drops_only_its_request_and_a_scheduler_bug_fails_req
         del sched._admit
     finally:
         sched.stop()
-
-
-def test_allowed_constrains_each_token_to_the_ids_it_names():
-    """Constrained decoding (the server's tool_choice): the next token is the likeliest of the allowed ids;
-    None leaves the rest free and equal to an unconstrained run from the same ids."""
-    forced = {0: [7, 9], 1: [3]}
-    sched = make(PureBatch(n_slots=2))
-    h = sched.submit(Request([1, 2, 3], GREEDY, 6, allowed=lambda gen: forced.get(len(gen))))
-    free = sched.submit(Request([1, 2, 3], GREEDY, 6))
-    sched.run()
-    first = held_logits([1, 2, 3])
-    assert h.tokens[0] == [7, 9][int(np.argmax(first[[7, 9]]))]
-    assert h.tokens[1] == 3
-    assert h.tokens[2:] == alone([1, 2, 3] + h.tokens[:2], max_new=4)
-    assert free.tokens == alone([1, 2, 3], max_new=6) != h.tokens

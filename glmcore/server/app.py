@@ -23,7 +23,9 @@ from ..events import ChatEvent, FinishReason, TextDelta, ToolCallEvent
 from ..pipeline import chat_request
 from ..sampling import SamplingParams
 from ..scheduler import QueueFull, Request as SchedRequest
+from ..structured import GrammarError
 from ..tokenizer import StreamDecoder
+from .outputs import constrain_chat, constrain_completion, load_test_fields
 from .protocol import ApiError, ChatRequest, CompletionRequest, error_body, parse, parse_arguments
 
 log = logging.getLogger("glmcore.server")
@@ -202,6 +204,8 @@ class Generation:
         self.metrics.cached_tokens.inc(h.timings.cached_tokens)
         self.metrics.generated.inc(len(h.tokens))
         if h.finish_reason == FinishReason.ERROR:
+            if isinstance(h.error, GrammarError):       # the request's grammar allows no next token
+                raise ApiError(400, f"'{self.param}': {h.error}", self.param, "grammar_dead_end")
             if isinstance(h.error, ContextOverflow):
                 raise ApiError(400, f"'{self.param}': {h.error}", self.param, "context_length_exceeded")
             raise ApiError(500, f"generation failed: {h.error}", type="server_error", code="backend_error")
@@ -366,16 +370,6 @@ def tool_setup(fmt, req: ChatRequest) -> tuple[list | None, bool, list[str]]:
     return tools, True, [name]
 
 
-def one_of(openings: list[list[int]]):
-    """Request.allowed for a reply that must open with one of `openings` (each tool's "name\n" ids)."""
-    def allowed(generated: list[int]) -> list[int] | None:
-        n = len(generated)
-        if any(len(o) <= n and generated[:len(o)] == o for o in openings):
-            return None                      # a name line is complete: the arguments are the model's
-        return sorted({o[n] for o in openings if len(o) > n and o[:n] == generated})
-    return allowed
-
-
 def check_model(state: State, name: str) -> None:
     if name != state.name:
         raise ApiError(404, f"the model {name!r} does not exist here; this server serves {state.name!r} "
@@ -523,12 +517,10 @@ def create_app(model, name: str, api_key: str | None = None, max_body: int = MAX
         except (ValueError, UnicodeError) as e:     # a tokenizer refusing text the protocol let through
             raise ApiError(400, f"'messages' cannot be tokenized ({str(e)[:80]}); send plain Unicode text",
                            "messages") from None
-        # one function: its name line goes into the prompt; several: the model picks one, constrained
-        opening = fmt.call_prefix(must_call[0]) if len(must_call) == 1 else []
-        sreq.prompt = list(sreq.prompt) + opening
-        if len(must_call) > 1:
-            sreq.allowed = one_of([fmt.call_prefix(n) for n in must_call])
+        # one function: its name line goes into the prompt; several, strict tools, response_format: a grammar
+        opening = constrain_chat(state.model, req, sreq, tools, must_call, calls)
         sreq.max_new_tokens = max_new(state, req, len(sreq.prompt))
+        load_test_fields(req, sreq)
         return req, fmt, tools, calls, opening, sreq, stops
 
     @v1.post("/chat/completions")
@@ -541,7 +533,7 @@ def create_app(model, name: str, api_key: str | None = None, max_body: int = MAX
             state.metrics.requests.labels("chat", str(e.status)).inc()
             raise
         parser = ToolCallStream(fmt, tools, calls=calls)
-        for t in opening:              # the forced "name\n" opens the call in the parser too
+        for t in opening:              # the forced opening (a name line, an empty metadata line) goes to the parser too
             parser.push(t)
         reply = Reply(parser, stops, one_call=req.parallel_tool_calls is False)
         cid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
@@ -586,6 +578,8 @@ def create_app(model, name: str, api_key: str | None = None, max_body: int = MAX
         check_model(state, req.model)
         ids = prompt_ids(state, req.prompt)
         sreq = SchedRequest(ids, sampling(req), max_new(state, req, len(ids)), [state.model.tokenizer.eos_id])
+        constrain_completion(state.model, req, sreq)
+        load_test_fields(req, sreq)
         return req, sreq, req.stops()
 
     @v1.post("/completions")

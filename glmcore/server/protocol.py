@@ -135,9 +135,29 @@ class MessageIn(_Strict):
     tool_call_id: str | None = None
 
 
+class JsonSchemaSpec(_Strict):
+    name: str = Field("response", min_length=1, max_length=64)
+    description: str | None = None
+    schema_: dict | bool = Field(default_factory=dict, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaSpec | None = None
+
+
+class StructuredOutputs(_Strict):
+    """vLLM's extension (glmcore.server.outputs): exactly one of these."""
+    json_: dict | bool | str | None = Field(None, alias="json")
+    regex: str | None = None
+    grammar: str | None = None
+    choice: list[str] | None = None
+
+
 # Parameters OpenAI defines that this server accepts only at the value that means "off".
 _ONLY_DEFAULT = {"n": 1, "presence_penalty": 0, "frequency_penalty": 0, "logprobs": False, "top_logprobs": None,
-                 "logit_bias": None, "best_of": 1, "echo": False, "suffix": None, "response_format": None}
+                 "logit_bias": None, "best_of": 1, "echo": False, "suffix": None}
 
 
 class _Sampling(_Strict):
@@ -154,6 +174,11 @@ class _Sampling(_Strict):
     top_k: int | None = Field(None, ge=0, le=2**31 - 1)
     # a penalty divides (or multiplies) logits: far from 1 it overflows float32 into inf/NaN probabilities
     repetition_penalty: float | None = Field(None, ge=0.01, le=100)
+    ignore_eos: bool = False
+    min_tokens: int = Field(0, ge=0, le=2**31 - 1)
+    # constrained decoding (glmcore.server.outputs)
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
     # only at their defaults (see _ONLY_DEFAULT)
     n: int | None = None
     presence_penalty: float | None = None
@@ -179,7 +204,6 @@ class ChatRequest(_Sampling):
     tool_choice: Literal["auto", "none", "required"] | ToolChoiceFunction | None = None
     parallel_tool_calls: bool | None = None
     max_completion_tokens: int | None = Field(None, ge=1, le=2**31 - 1)
-    response_format: Any = None
 
 
 class CompletionRequest(_Sampling):
@@ -276,7 +300,7 @@ def parse(cls: type[_Sampling], body: bytes) -> _Sampling:
             from None
     for name, default in _ONLY_DEFAULT.items():
         value = getattr(req, name, None)
-        if value not in (None, default, {}) and not (name == "response_format" and value == {"type": "text"}):
+        if value not in (None, default, {}):
             raise ApiError(400, f"unsupported value for '{name}': {json.dumps(value)[:40]}; this server supports only "
                            f"{json.dumps(default)}", name, "unsupported_value")
     return req

@@ -1,0 +1,396 @@
+"""Constrained decoding: a request's grammar (JSON Schema, json_object, regex, Lark, a choice of strings)
+becomes a per-step bitmask of the token ids that may come next, computed by llguidance.
+
+glmcore's tokenizers give llguidance its token table: each id's bytes (SentencePiece's "▁" as a space,
+byte-fallback pieces as their byte), special tokens ([gMASK], <sop>, <|user|>, <unk>, ...) marked with
+llguidance's 0xFF prefix so text can never match them, and ids past the real vocabulary (the padded
+rows of the output layer) empty, which llguidance never allows. llguidance over xgrammar: measured on
+both tokenizer kinds (benchmarks/bench_structured.py), its per-request matcher is created in about a
+millisecond where xgrammar compiles a schema for 0.1-0.4 s, and its slow mask steps are shorter.
+
+The scheduler owns the loop: per step it asks every constrained request's Matcher for its bitmask
+(`mask_rows`), sets the disallowed logits to -inf before sampling, advances the Matcher with the sampled
+token, and ends the request when the grammar is complete (`Matcher.stopped`) or dead-ended.
+"""
+from __future__ import annotations
+
+import json
+import re
+import threading
+import weakref
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from .errors import GlmcoreError
+
+
+class GrammarError(GlmcoreError):
+    """A grammar that cannot be compiled, or a JSON Schema that uses what the compiler does not support."""
+
+
+KINDS = ("json_schema", "json_object", "regex", "lark", "choice")
+# Compact JSON: a model (and certainly a random-weight one) may otherwise spend its whole budget on
+# whitespace; "," and ":" without spaces are what json.dumps(separators=...) writes.
+JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ",", "key_separator": ":"}
+SPECIAL_MARK = b"\xff"       # llguidance's prefix of a special token's bytes: never matched by text
+
+
+def _llg():
+    try:
+        import llguidance
+    except ImportError:
+        raise GrammarError("constrained decoding needs llguidance: pip install llguidance") from None
+    return llguidance
+
+
+@dataclass(frozen=True)
+class Grammar:
+    """What a reply must match. kind: json_schema (spec: the schema dict), json_object (any JSON object),
+    regex (spec: the pattern, whole-reply match), lark (spec: a Lark grammar in llguidance's dialect, rule
+    `start`), choice (spec: a list of strings, the reply is exactly one of them)."""
+    kind: str
+    spec: object = None
+
+    def __post_init__(self):
+        if self.kind not in KINDS:
+            raise GrammarError(f"unknown grammar kind {self.kind!r}: use one of {', '.join(KINDS)}")
+        ok = {"json_schema": lambda s: isinstance(s, (dict, bool)), "json_object": lambda s: s is None,
+              "regex": lambda s: isinstance(s, str) and s, "lark": lambda s: isinstance(s, str) and s.strip(),
+              "choice": lambda s: isinstance(s, (list, tuple)) and s and all(isinstance(c, str) for c in s)}
+        if not ok[self.kind](self.spec):
+            want = {"json_schema": "a JSON Schema object", "json_object": "nothing", "regex": "a non-empty pattern",
+                    "lark": "a non-empty Lark grammar", "choice": "a non-empty list of strings"}[self.kind]
+            raise GrammarError(f"a {self.kind} grammar takes {want}, not {json.dumps(self.spec)[:60]}")
+
+    @classmethod
+    def json_schema(cls, schema) -> "Grammar":
+        return cls("json_schema", schema)
+
+    @classmethod
+    def json_object(cls) -> "Grammar":
+        return cls("json_object")
+
+    @classmethod
+    def regex(cls, pattern: str) -> "Grammar":
+        return cls("regex", pattern)
+
+    @classmethod
+    def lark(cls, text: str) -> "Grammar":
+        return cls("lark", text)
+
+    @classmethod
+    def choice(cls, options: Sequence[str]) -> "Grammar":
+        return cls("choice", tuple(options))
+
+    def part(self, name: str) -> dict:
+        """This grammar as a named entry of llguidance's grammar list (referenced as @name from Lark)."""
+        if self.kind == "json_schema":
+            schema = self.spec if isinstance(self.spec, dict) else {} if self.spec else {"not": {}}
+            return {"name": name, "json_schema": {**schema, "x-guidance": JSON_OPTIONS}}
+        if self.kind == "json_object":
+            return {"name": name, "json_schema": {"type": "object", "x-guidance": JSON_OPTIONS}}
+        if self.kind == "regex":
+            return {"name": name, "lark_grammar": f"start: {regex_terminal(self.spec)}"}
+        if self.kind == "choice":
+            return {"name": name, "lark_grammar": "start: " + " | ".join(lark_string(c) for c in self.spec)}
+        return {"name": name, "lark_grammar": self.spec}
+
+
+def regex_terminal(pattern: str) -> str:
+    """A regex as a Lark /.../ terminal (a "/" inside must be escaped)."""
+    return "/" + re.sub(r"(?<!\\)/", r"\\/", pattern) + "/"
+
+
+def lark_string(text: str) -> str:
+    """A literal as a Lark string (JSON escapes are Lark's)."""
+    return json.dumps(text, ensure_ascii=False)
+
+
+# ----------------------------------------------------------------------------- token table
+
+class TokenTable:
+    """llguidance's view of one glmcore tokenizer at one logits width (the padded vocabulary)."""
+
+    def __init__(self, tokenizer, n_logits: int | None = None):
+        llg = _llg()
+        n_logits = max(n_logits or tokenizer.n_vocab, tokenizer.n_vocab)
+        self.tokenizer, self.n_logits = tokenizer, n_logits
+        self.sentencepiece = hasattr(tokenizer, "sp")
+        tokens: list[bytes] = []
+        specials = []
+        for i in range(tokenizer.n_vocab):
+            if tokenizer.is_special(i):
+                name = tokenizer.special_names.get(i) or (tokenizer.sp.id_to_piece(i) if self.sentencepiece else "")
+                tokens.append(SPECIAL_MARK + (name or f"<[{i}]>").encode())
+                specials.append(i)
+            else:
+                tokens.append(tokenizer.token_bytes(i))
+        tokens += [b""] * (n_logits - len(tokens))       # padded rows: llguidance never allows an empty token
+        self.special_ids = specials
+        self.words = (n_logits + 31) // 32
+
+        tok = tokenizer
+
+        class _Vocab:      # what llguidance.TokenizerWrapper reads
+            eos_token_id = tok.eos_id
+            bos_token_id = None
+            special_token_ids = specials
+
+            def __init__(self):
+                self.tokens = tokens
+
+            def __call__(self, text: str) -> list[int]:
+                return encode_plain(tok, text)
+
+        self.ll = llg.LLTokenizer(llg.TokenizerWrapper(_Vocab()), n_vocab=n_logits)
+
+
+def encode_plain(tokenizer, text: str) -> list[int]:
+    """Ids of text as a continuation (SentencePiece without its dummy-prefix "▁"): llguidance
+    tokenizes forced text with this."""
+    if hasattr(tokenizer, "sp"):
+        # "\n" is a byte-fallback piece that never merges: encode("\n" + text) = dummy? + [\n] + text's ids
+        lead = tokenizer.sp.encode("\n")
+        ids = tokenizer.sp.encode("\n" + text)
+        return ids[len(lead):]
+    return tokenizer.encode(text)
+
+
+_tables: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+_tables_lock = threading.Lock()
+
+
+def token_table(tokenizer, n_logits: int | None = None) -> TokenTable:
+    """The TokenTable of a tokenizer, built once per tokenizer and logits width (it takes ~0.1-1 s)."""
+    with _tables_lock:
+        per = _tables.setdefault(tokenizer, {})
+        key = max(n_logits or 0, tokenizer.n_vocab)
+        if key not in per:
+            per[key] = TokenTable(tokenizer, key)
+        return per[key]
+
+
+# ----------------------------------------------------------------------------- compiled grammars
+
+class Constraint:
+    """A compiled grammar bound to a token table; `start()` gives a request its own Matcher. Compiling
+    checks the grammar, so a bad one is a GrammarError when the request is made, never mid-generation."""
+
+    def __init__(self, table: TokenTable, grammar: str, what: str):
+        llg = _llg()
+        self.table, self.grammar, self.what = table, grammar, what
+        is_error, messages = llg.LLMatcher.validate_grammar_with_warnings(grammar, table.ll)
+        if is_error:
+            raise GrammarError(f"the {what} cannot be compiled: {_clean(messages[0])}")
+        first = llg.LLMatcher(table.ll, grammar, log_level=0)
+        if first.is_error():
+            raise GrammarError(f"the {what} cannot be compiled: {_clean(first.get_error())}")
+        self._first = first
+
+    def start(self) -> "Matcher":
+        return Matcher(self._first.deep_copy(), self)
+
+
+def _clean(msg: str) -> str:
+    return " ".join(msg.split())[:300]
+
+
+def compile_grammar(tokenizer, grammar: Grammar, n_logits: int | None = None,
+                    leading_space: bool | None = None) -> Constraint:
+    """A Constraint for a whole reply that must match `grammar`. leading_space (default: the tokenizer is
+    SentencePiece) lets the reply open with one space: SentencePiece's first piece of a text carries the
+    dummy-prefix "▁", which decoding drops."""
+    table = token_table(tokenizer, n_logits)
+    space = table.sentencepiece if leading_space is None else leading_space
+    top = ('start: " "? @g' if space else "start: @g")
+    return Constraint(table, grammar_json(top, {"g": grammar}), f"{grammar.kind} grammar")
+
+
+def grammar_json(top_lark: str, parts: dict[str, Grammar]) -> str:
+    """llguidance's grammar list: the top Lark grammar, then each part under its name."""
+    return json.dumps({"grammars": [{"name": "top", "lark_grammar": top_lark}]
+                       + [g.part(name) for name, g in parts.items()]}, ensure_ascii=False)
+
+
+class Matcher:
+    """One request's position in its grammar."""
+
+    def __init__(self, ll, constraint: Constraint):
+        self.ll, self.constraint = ll, constraint
+
+    @property
+    def stopped(self) -> bool:
+        """The grammar is complete and nothing may follow: the request ends here."""
+        return self.ll.is_stopped()
+
+    @property
+    def accepting(self) -> bool:
+        """The text so far is a complete match (a stop token may end it)."""
+        return self.ll.is_accepting()
+
+    def fill(self, words: np.ndarray) -> None:
+        """Write the allowed-ids bitmask (int32 words, bit i%32 of word i//32) into words."""
+        self.ll.unsafe_compute_mask_ptr(words.ctypes.data, words.nbytes)
+
+    def advance(self, token: int) -> str | None:
+        """Consume a sampled token; the reason it was refused, or None."""
+        if not self.ll.consume_token(int(token)):
+            return _clean(self.ll.get_error()) or f"token {token} does not continue the grammar"
+        return None
+
+
+def mask_rows(matchers: Sequence[Matcher], rows: Sequence[np.ndarray], stop_ids: Sequence[Sequence[int]],
+              stops_open: Sequence[bool], executor=None) -> tuple[list[np.ndarray], list[bool]]:
+    """Masked copies of each request's logits row (disallowed ids -inf), and per row whether any id at
+    all is allowed (False: the grammar dead-ended). A request's stop ids (and only they, never the
+    tokenizer's eos on its own) are allowed where its grammar is complete or names them, and stops_open
+    (min_tokens reached). Bitmasks are computed in llguidance (in parallel with an LLExecutor for a batch) and
+    expanded with numpy: no per-id Python work."""
+    n = len(matchers)
+    table = matchers[0].constraint.table if n else None
+    bits = np.zeros((n, table.words if n else 0), dtype=np.int32)
+    if executor is not None and n > 1:
+        executor.unsafe_compute_mask_ptr([(m.ll, i) for i, m in enumerate(matchers)], bits.ctypes.data,
+                                         bits.shape[1] * 4, n)
+    else:
+        for i, m in enumerate(matchers):
+            m.fill(bits[i])
+    allowed = np.unpackbits(bits.view(np.uint8), axis=1, bitorder="little").view(bool)   # [n, words*32]
+    out, alive = [], []
+    for i, (m, row) in enumerate(zip(matchers, rows)):
+        ok = allowed[i, :row.shape[0]]
+        stops = [s for s in stop_ids[i] if 0 <= s < ok.shape[0]]
+        eos = table.tokenizer.eos_id
+        ok[eos] = eos in stops and ok[eos]
+        if stops:                               # a stop the grammar names itself, or one after a complete match
+            ok[stops] = (ok[stops] | m.accepting) & stops_open[i]
+        alive.append(bool(ok.any()))
+        out.append(np.where(ok, row, np.float32(-np.inf)).astype(np.float32, copy=False))
+    return out, alive
+
+
+def executor(threads: int | None = None):
+    """An llguidance executor for computing a batch's masks in parallel (None without llguidance)."""
+    try:
+        import llguidance
+    except ImportError:
+        return None
+    return llguidance.LLExecutor(threads)
+
+
+# ----------------------------------------------------------------------------- JSON Schema checks
+
+# What llguidance's JSON compiler implements (it refuses the rest with a message; this list gives the
+# client one message naming every unsupported keyword at once).
+SUPPORTED_KEYWORDS = frozenset("""
+$schema $id $defs definitions $ref $comment $anchor title description default examples deprecated readOnly
+writeOnly type enum const anyOf oneOf allOf properties required additionalProperties patternProperties
+propertyNames minProperties maxProperties items prefixItems minItems maxItems uniqueItems contains
+minLength maxLength pattern format minimum maximum exclusiveMinimum exclusiveMaximum multipleOf
+x-guidance
+""".split())
+_SUBSCHEMA_MAPS = ("properties", "$defs", "definitions", "patternProperties")
+_SUBSCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
+_SUBSCHEMAS = ("additionalProperties", "items", "propertyNames", "contains")
+
+
+def unsupported_keywords(schema, path: str = "#") -> list[str]:
+    """'path: keyword' for each keyword of a JSON Schema that constrained decoding cannot honour."""
+    out: list[str] = []
+    if not isinstance(schema, dict):
+        return out
+    for key, value in schema.items():
+        if key not in SUPPORTED_KEYWORDS:
+            out.append(f"{path}: {key}")
+            continue
+        if key in _SUBSCHEMA_MAPS and isinstance(value, dict):
+            for k, v in value.items():
+                out += unsupported_keywords(v, f"{path}/{key}/{k}")
+        elif key in _SUBSCHEMA_LISTS and isinstance(value, list):
+            for i, v in enumerate(value):
+                out += unsupported_keywords(v, f"{path}/{key}/{i}")
+        elif key in _SUBSCHEMAS:
+            out += unsupported_keywords(value, f"{path}/{key}")
+    return out
+
+
+def check_schema(schema) -> None:
+    """GrammarError naming every unsupported keyword of a JSON Schema (never silently ignored)."""
+    if isinstance(schema, bool):
+        return
+    if not isinstance(schema, dict):
+        raise GrammarError(f"a JSON Schema is an object, not {type(schema).__name__}")
+    bad = unsupported_keywords(schema)
+    if bad:
+        raise GrammarError(f"the JSON Schema uses keywords constrained decoding does not support "
+                           f"({'; '.join(bad[:8])}{'; ...' if len(bad) > 8 else ''}); remove them")
+
+
+# ----------------------------------------------------------------------------- chat replies
+
+def strict_schemas(functions: list[dict]) -> dict[str, dict]:
+    """name -> parameters schema of the tools marked "strict": true (their arguments are constrained)."""
+    out = {}
+    for f in functions:
+        if f.get("strict"):
+            schema = f.get("parameters") or {"type": "object", "properties": {}}
+            try:
+                check_schema(schema)
+            except GrammarError as e:
+                raise GrammarError(f"tool {f['name']!r}: {e}") from None
+            out[f["name"]] = schema
+    return out
+
+
+def reply_constraint(fmt, n_logits: int | None = None, grammar: Grammar | None = None, tools=None,
+                     must_call: Sequence[str] = (), calls: bool = True) -> tuple[list[int], Constraint | None]:
+    """(ids forced at the start of the reply, the Constraint of the rest, or None) for a chat reply.
+
+    grammar: what a text reply must match (response_format); tools: the request's tools, whose "strict"
+    ones get arguments matching their parameters schema; must_call: the reply must call one of these
+    (OpenAI's tool_choice "required" or a named function); calls: whether the reply may call tools at all.
+    A ChatGLM3/GLM-4 reply is segments, each opening with a metadata line (empty for text, a tool name for
+    a call); one forced choice goes into the prompt, a choice among several is a Lark grammar over them."""
+    if grammar is not None and grammar.kind == "json_schema":
+        check_schema(grammar.spec)
+    functions = fmt.check_tools(tools) if tools else []
+    strict = strict_schemas(functions) if calls else {}
+    if strict and fmt.family == "chatglm3":
+        raise GrammarError(f"strict tools need JSON arguments, and {fmt.family} writes tool calls as Python; "
+                           "remove \"strict\" or use a GLM-4 model")
+    tok = fmt.tok
+    if not fmt.segmented:                        # ChatGLM2: the reply is plain text (it has no tools)
+        return [], compile_grammar(tok, grammar, n_logits) if grammar is not None else None
+    table = token_table(tok, n_logits)
+    if len(must_call) == 1:                      # its name line goes into the prompt
+        name = must_call[0]
+        if name not in strict:
+            return fmt.call_prefix(name), None
+        return fmt.call_prefix(name), Constraint(
+            table, grammar_json("start: @args", {"args": Grammar.json_schema(strict[name])}),
+            f"parameters schema of tool {name!r}")
+    if not must_call and not strict:
+        if grammar is None:
+            return [], None
+        if not (calls and functions):            # text only: the empty metadata line, then the grammar
+            return fmt.call_prefix(""), compile_grammar(tok, grammar, n_logits)
+    sp = '" "? ' if table.sentencepiece else ""   # a SentencePiece metadata line opens with the dummy "▁"
+    names = list(must_call) or [f["name"] for f in functions]
+    alts, parts = [], {}
+    for i, name in enumerate(names):
+        if name in strict:
+            parts[f"args{i}"] = Grammar.json_schema(strict[name])
+            alts.append(f"{sp}{lark_string(name + chr(10))} @args{i}")
+        else:
+            alts.append(f"{sp}{lark_string(name + chr(10))} BODY")
+    if not must_call:
+        if grammar is not None:
+            parts["text"] = grammar
+            alts.append(f'{sp}"\\n" {sp}@text')
+        else:
+            alts.append(f'{sp}"\\n" BODY')
+    top = "start: seg (<|assistant|> seg)*\nseg: " + " | ".join(alts) + "\nBODY: /(?s:.*)/\n"
+    what = "tool_choice" if must_call else "strict tools"
+    return [], Constraint(table, grammar_json(top, parts), f"grammar of the {what}")
