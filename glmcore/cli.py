@@ -14,6 +14,7 @@ from . import __version__
 from .backend import registry
 from .events import TextDelta, ToolCallEvent
 from .scheduler import OVERFLOW_POLICIES, WindowPolicy
+from .structured import grammar_from_files, reply_constraint
 from .errors import ContextOverflow, ChatError, GlmcoreError
 from .files import check_text, decode_text, read_bounded
 from .options import add_load_args, load_options
@@ -68,9 +69,10 @@ def cmd_run(a) -> int:
     if a.prompts is not None:
         return _run_batch(a)
     params = sampling(a)
+    grammar = grammar_from_files(a.json_schema, a.grammar)
     pipe = _pipeline(a)
     messages = _messages(a.system) + [{"role": "user", "content": a.prompt}]
-    _stream_reply(pipe, messages, None, params, a.max_new_tokens)
+    _stream_reply(pipe, messages, None, params, a.max_new_tokens, grammar=grammar)
     print(f"[{pipe.model.backend.name}] {pipe.timings.line()}", file=sys.stderr)
     return 0
 
@@ -88,18 +90,22 @@ def _run_batch(a) -> int:
     if not prompts:
         raise GlmcoreError(f"--prompts {a.prompts!r} has no prompt; write one prompt a line")
     params, window = sampling(a), WindowPolicy(a.overflow, a.n_keep, a.n_discard)
+    grammar = grammar_from_files(a.json_schema, a.grammar)
     m = load_model(a.model, a.backend, load_options(a), slots=min(a.slots or len(prompts), len(prompts)),
                    token_budget=a.token_budget)
     sched = m.scheduler
     start = time.perf_counter()
     handles = []
+    opening, constraint = reply_constraint(m.chat_format, m.config.vocab_size, grammar)
     for text in prompts:
         messages = [as_message(x) for x in _messages(a.system) + [{"role": "user", "content": text}]]
-        handles.append(sched.submit(chat_request(m.chat_format, messages, None, params, a.max_new_tokens, window)))
+        request = chat_request(m.chat_format, messages, None, params, a.max_new_tokens, window)
+        request.prompt, request.constraint = list(request.prompt) + opening, constraint
+        handles.append(sched.submit(request))
     sched.run()
     wall = time.perf_counter() - start
     for i, (text, h) in enumerate(zip(prompts, handles), 1):
-        reply = reply_message(m.chat_format, h.tokens)
+        reply = reply_message(m.chat_format, opening + h.tokens)
         calls = "".join(f"\n[tool call] {c.name}({json.dumps(c.arguments, ensure_ascii=False)})" for c in reply.tool_calls)
         print(f"--- [{i}] {text}\n{reply.content}{calls}")
         if h.error is not None:
@@ -117,9 +123,10 @@ def _run_batch(a) -> int:
     return 1 if any(h.error is not None for h in handles) else 0
 
 
-def _stream_reply(pipe, messages, tools, params, max_new_tokens, shown: list | None = None) -> None:
+def _stream_reply(pipe, messages, tools, params, max_new_tokens, shown: list | None = None, grammar=None) -> None:
     """Stream one reply to stdout; `shown` collects the text written (what the user saw if interrupted)."""
-    for event in pipe.chat(messages, tools=tools, stream=True, params=params, max_new_tokens=max_new_tokens):
+    for event in pipe.chat(messages, tools=tools, stream=True, params=params, max_new_tokens=max_new_tokens,
+                           grammar=grammar):
         if isinstance(event, TextDelta):
             sys.stdout.write(event.text)
             sys.stdout.flush()
@@ -415,6 +422,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt", help="the user message")
     p.add_argument("--prompts", metavar="FILE", help="a file of prompts, one a line, run together as one batch")
     p.add_argument("--slots", type=int, help="with --prompts: sequences in flight at once (default: all prompts)")
+    p.add_argument("--json-schema", metavar="FILE", help="the reply is JSON matching this JSON Schema (constrained)")
+    p.add_argument("--grammar", metavar="FILE", help="the reply matches this Lark grammar (llguidance's dialect)")
     p.add_argument("--token-budget", type=int, default=256,
                    help="with --prompts: tokens per batched step (decode tokens + prefill chunks) (default: %(default)s)")
     p.set_defaults(fn=cmd_run)

@@ -394,3 +394,29 @@ def reply_constraint(fmt, n_logits: int | None = None, grammar: Grammar | None =
     top = "start: seg (<|assistant|> seg)*\nseg: " + " | ".join(alts) + "\nBODY: /(?s:.*)/\n"
     what = "tool_choice" if must_call else "strict tools"
     return [], Constraint(table, grammar_json(top, parts), f"grammar of the {what}")
+
+
+MAX_GRAMMAR_FILE = 1 << 20      # bytes of a --json-schema / --grammar file
+
+
+def grammar_from_files(json_schema: str | None = None, lark: str | None = None) -> Grammar | None:
+    """The Grammar of `glmcore run --json-schema FILE` / `--grammar FILE` (a Lark grammar, llguidance's
+    dialect: `start: ...`, %json {...} and /regex/ terminals), checked before any model is loaded."""
+    from .files import decode_text, read_bounded
+    if json_schema and lark:
+        raise GrammarError("give --json-schema or --grammar, not both")
+    if json_schema:
+        fix = "give a JSON Schema file"
+        text = decode_text(read_bounded(json_schema, MAX_GRAMMAR_FILE, "--json-schema", fix, GrammarError),
+                           f"--json-schema {json_schema!r}", fix, GrammarError)
+        try:
+            schema = json.loads(text)
+        except (ValueError, RecursionError) as e:
+            raise GrammarError(f"--json-schema {json_schema!r} is not JSON ({str(e)[:80]}); {fix}") from None
+        check_schema(schema)
+        return Grammar.json_schema(schema)
+    if lark:
+        fix = "give a Lark grammar file (rule start)"
+        return Grammar.lark(decode_text(read_bounded(lark, MAX_GRAMMAR_FILE, "--grammar", fix, GrammarError),
+                                        f"--grammar {lark!r}", fix, GrammarError))
+    return None

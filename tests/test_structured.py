@@ -267,3 +267,23 @@ def test_replies_validate_against_their_schemas(make_tiny, backend, family):
                 n += 1
     assert n == 100
     m.close()
+
+
+def test_cli_run_takes_a_json_schema_or_a_grammar_file(make_tiny, tmp_path, capsys):
+    from glmcore.cli import main
+    schema = tmp_path / "s.json"
+    schema.write_text(json.dumps(SCHEMAS[6]))
+    model = str(make_tiny("glm4"))
+    assert main(["run", "--model", model, "--backend", "cpu_int4", "--prompt", "hi", "--json-schema", str(schema),
+                 "--temperature", "0"]) == 0
+    jsonschema.validate(json.loads(capsys.readouterr().out), SCHEMAS[6])
+    lark, prompts = tmp_path / "g.lark", tmp_path / "p.txt"
+    lark.write_text('start: "id-" /[0-9]{3}/\n')
+    prompts.write_text("one\ntwo\n")
+    assert main(["run", "--model", model, "--backend", "cpu_int4", "--prompts", str(prompts), "--grammar",
+                 str(lark)]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert [line for line in out if not line.startswith("---")] and all(
+        __import__("re").fullmatch(r"id-[0-9]{3}", line) for line in out if not line.startswith("---"))
+    assert main(["run", "--model", model, "--prompt", "x", "--json-schema", str(lark)]) != 0
+    assert "is not JSON" in capsys.readouterr().err
