@@ -32,9 +32,13 @@ class SamplingParams:
             if not ok:
                 raise SamplingError(f"invalid {what}: {fix}")
 
+    # Below this a temperature only divides logits into inf/NaN (5e-324 did): it samples the argmax anyway,
+    # so it is greedy, as vLLM's _SAMPLING_EPS treats it.
+    GREEDY_BELOW = 1e-5
+
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0 or self.top_k == 1
+        return self.temperature < self.GREEDY_BELOW or self.top_k == 1
 
 
 class Sampler:

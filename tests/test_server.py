@@ -734,3 +734,12 @@ def test_metrics_count_500s(make_tiny, monkeypatch):
             assert metric(u, "glmcore_requests_total", endpoint="chat", status="500") == 1
     finally:
         m.close()
+
+
+@pytest.mark.parametrize("temperature", [5e-324, 1e-300, 1e-6])
+def test_a_vanishing_temperature_is_greedy_not_a_500(url, temperature):
+    # dividing logits by a denormal made inf - inf = NaN probabilities (found by tests/test_fuzz_server.py)
+    body = {"model": "tiny", "prompt": "hi", "max_tokens": 3, "temperature": temperature}
+    r = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
+    greedy = httpx.post(f"{url}/v1/completions", json={**body, "temperature": 0}, timeout=60)
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == greedy.json()["choices"][0]["text"], r.text
