@@ -66,6 +66,8 @@ def _messages(system: str | None) -> list[dict]:
 def cmd_run(a) -> int:
     if (a.prompt is None) == (a.prompts is None):
         raise GlmcoreError("give either --prompt TEXT or --prompts FILE (one prompt a line)")
+    if a.slots is not None and a.slots < 1:     # as `serve --slots 0`: an error, not a hidden meaning
+        raise GlmcoreError(f"invalid --slots {a.slots}: use a positive number (omit it for one slot per prompt)")
     if a.prompts is not None:
         return _run_batch(a)
     params = sampling(a)

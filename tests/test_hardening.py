@@ -498,3 +498,9 @@ def test_cache_prune_removes_only_what_glmcore_wrote(tmp_path, capsys, monkeypat
     assert main(["cache", "remove", "all"]) == 0 and (tmp_path / "photos/2019/a.jpg").is_file()
     assert main(["cache", "remove", "notes"]) == 2 and (tmp_path / "notes/todo.txt").is_file()
     assert "no glmcore seal" in capsys.readouterr().err
+
+
+def test_run_slots_zero_is_an_error_as_in_serve(ckpt, tmp_path):
+    (tmp_path / "p.txt").write_text("a\nb\n")
+    r = _cli("run", "--backend", "torch", "--model", str(ckpt), "--prompts", str(tmp_path / "p.txt"), "--slots", "0")
+    _one_line_error(r, "invalid --slots 0")
