@@ -21,7 +21,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .errors import ChatError
-from .events import ChatEvent, TextDelta, ToolCallEvent
+from .events import ChatEvent, ReasoningDelta, TextDelta, ToolCallEvent
+from .reasoning import ThinkSplitter
 
 ROLES = ("system", "user", "assistant", "tool")
 ASSISTANT_MARK = "<|assistant|>"     # separates the segments of a ChatGLM3/GLM-4 reply
@@ -45,6 +46,8 @@ class Message:
     # An assistant turn's token ids as generated (after <|assistant|>): re-encoding the text may give other
     # ids, so a server that sends them keeps the cached conversation a prefix of the next prompt.
     ids: list[int] | None = field(default=None, compare=False, repr=False)
+    # A reasoning model's thinking (the <think> span of its reply, GLM-Z1); the answer is `content`.
+    reasoning: str = ""
 
     def __post_init__(self):
         if self.role == "observation":
@@ -55,6 +58,7 @@ class Message:
             self.content = ""
         self.tool_calls = [_as_tool_call(c) for c in self.tool_calls or []]
         self.metadata = self.metadata or ""
+        self.reasoning = self.reasoning or ""
 
 
 def _as_tool_call(c) -> ToolCall:
@@ -78,7 +82,8 @@ def as_message(m) -> Message:
     if isinstance(m, Message):
         return m
     return Message(role=m["role"], content=m.get("content") or "", metadata=m.get("metadata") or "",
-                   tool_calls=list(m.get("tool_calls") or []))
+                   tool_calls=list(m.get("tool_calls") or []),
+                   reasoning=m.get("reasoning_content") or m.get("reasoning") or "")
 
 
 def _functions(tools) -> list[dict]:
@@ -106,6 +111,18 @@ class ChatFormat:
     stop_ids: list[int]
     segmented = True     # a reply is <|assistant|>-separated segments, each opening with a metadata line
     can_continue = True  # encode_continuation extends a cached conversation (False: re-encode it whole)
+    thinking = False     # replies may open with <think>...</think> (split off as Message.reasoning)
+    opens_thinking = False   # the generation prompt itself ends with <think> (GLM-Z1): replies start thinking
+
+    def configured(self, template_kwargs: dict | None) -> "ChatFormat":
+        """This format with a request's chat_template_kwargs (vLLM's name). glmcore's native formats render no
+        template: they take only enable_thinking, which their models (none of them thinks) satisfy as they are."""
+        extra = sorted(set(template_kwargs or {}) - {"enable_thinking"})
+        if extra:
+            raise ChatError(f"chat_template_kwargs {', '.join(map(repr, extra))} apply to checkpoints that ship a chat "
+                            f"template (tokenizer.json); this {self.family} checkpoint uses glmcore's native format: "
+                            "drop them")
+        return self
 
     def __init__(self, tokenizer):
         self.tok = tokenizer
@@ -464,6 +481,13 @@ def json_depth(text: str) -> int:
     return int(np.cumsum(np.where((steps == 91) | (steps == 123), 1, -1), dtype=np.int64).max())
 
 
+def _release(held: str, text: str) -> tuple[str, str]:
+    """(what can be emitted, the trailing whitespace held back until more text follows) of held + text."""
+    text = held + text
+    body = text.rstrip()
+    return body, text[len(body):]
+
+
 class ToolCallStream:
     """Turns a streamed reply into ChatEvents: TextDelta as soon as text is certain, and ToolCallEvent
     when a call is complete (at the next segment or at close()).
@@ -490,6 +514,9 @@ class ToolCallStream:
         self._calls: list[ToolCall] = []
         self._raw: list[str] = []       # each finished segment as generated
         self._decoder = None
+        # thinking goes out as ReasoningDelta before the segment parser sees the answer
+        self._think = ThinkSplitter(chat_format.opens_thinking) if chat_format.thinking else None
+        self._reasoning = self._r_held = ""
         self._pending = ""              # fed text that may be the start of a split "<|assistant|>"
         self._new_segment()
 
@@ -531,13 +558,33 @@ class ToolCallStream:
         events += self._end_segment(new=False)
         if self.errors:
             raw = "\n".join(r.strip() for r in self._raw if r.strip())
-            self.message = Message("assistant", content=raw, error="; ".join(self.errors))
+            self.message = Message("assistant", content=raw, error="; ".join(self.errors), reasoning=self._reasoning)
         else:
-            self.message = Message("assistant", content=self._content, tool_calls=list(self._calls))
+            self.message = Message("assistant", content=self._content, tool_calls=list(self._calls),
+                                   reasoning=self._reasoning)
         return events
 
     # -- routing
     def _text(self, text: str) -> list:
+        if self._think is not None and self._think.state != "answer":
+            return self._split(self._think.feed(text))
+        return self._route(text)
+
+    def _split(self, parts) -> list:
+        events = []
+        for kind, part in parts:
+            events += self._route(part) if kind == "answer" else self._reason(part)
+        return events
+
+    def _reason(self, text: str) -> list:
+        # stripped at both ends like the answer: the template writes "<think>\n", the model "\n</think>\n\n"
+        body, self._r_held = _release(self._r_held, text.lstrip() if not self._reasoning else text)
+        if not body:
+            return []
+        self._reasoning += body
+        return [ReasoningDelta(body)]
+
+    def _route(self, text: str) -> list:
         if not text:
             return []
         self._seg += text
@@ -575,16 +622,15 @@ class ToolCallStream:
             self._started = True
             if self._content:               # a second text segment: on a new line
                 text = "\n" + text
-        text = self._held + text
-        body = text.rstrip()
-        self._held = text[len(body):]
+        body, self._held = _release(self._held, text)
         if not body:
             return []
         self._content += body
         return [TextDelta(body)]
 
     def _end_segment(self, new: bool) -> list:
-        events = []
+        # thinking never spans segments: one not closed by </think> ends with its segment
+        events = self._split(self._think.close()) if self._think is not None else []
         if self._state == "head" and self._meta.strip():
             self._state = "text"            # ended inside the metadata line: a one-line text reply
             events += self._emit(self._meta)

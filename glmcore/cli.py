@@ -12,7 +12,7 @@ from pathlib import Path
 
 from . import __version__
 from .backend import registry
-from .events import TextDelta, ToolCallEvent
+from .events import ReasoningDelta, TextDelta, ToolCallEvent
 from .scheduler import OVERFLOW_POLICIES, WindowPolicy
 from .structured import grammar_from_files, reply_constraint
 from .errors import ContextOverflow, ChatError, GlmcoreError
@@ -47,6 +47,50 @@ def add_gen_args(p: argparse.ArgumentParser) -> None:
                    help="when the context is full: error, or slide a StreamingLLM window")
     p.add_argument("--n-keep", type=int, default=4, help="window: tokens kept as attention sinks")
     p.add_argument("--n-discard", type=int, help="window: tokens discarded per slide (default half)")
+    p.add_argument("--show-thinking", action="store_true",
+                   help="print a reasoning model's thinking (GLM-Z1): dimmed on a terminal, in <think> tags otherwise "
+                        "(default: hidden; a terminal shows a dim 'thinking...' while it lasts)")
+    p.add_argument("--no-thinking", action="store_true",
+                   help="ask the chat template for a reply without thinking (enable_thinking=false); only where the "
+                        "template has that switch (GLM-Z1's has none: it always thinks)")
+
+
+class ThinkingView:
+    """How a reply's thinking reaches stdout: hidden (a terminal shows a dim "thinking..." until the answer
+    starts), or shown dimmed on a terminal and between <think> tags in a pipe, so a script can strip it."""
+
+    MARK = "thinking..."
+
+    def __init__(self, show: bool, tty: bool):
+        self.show, self.tty, self.state = show, tty, None      # None | "thinking" | "answer"
+
+    def reasoning(self, text: str) -> str:
+        first, self.state = self.state is None, "thinking"
+        if not self.show:
+            return f"\x1b[2m{self.MARK}\x1b[0m" if first and self.tty else ""
+        if self.tty:                    # dim from the first piece until the answer resets it
+            return ("\x1b[2m" if first else "") + text
+        return ("<think>\n" if first else "") + text
+
+    def answer(self) -> str:
+        """What goes out before the first answer text or tool call."""
+        was, self.state = self.state, "answer"
+        if was != "thinking":
+            return ""
+        if not self.show:
+            return f"\x1b[{len(self.MARK)}D\x1b[K" if self.tty else ""    # erase the mark
+        return "\x1b[0m\n\n" if self.tty else "\n</think>\n\n"
+
+    def end(self) -> str:
+        return self.answer() if self.state == "thinking" else ""
+
+
+def thinking_view(a) -> ThinkingView:
+    return ThinkingView(a.show_thinking, sys.stdout.isatty())
+
+
+def template_kwargs(a) -> dict | None:
+    return {"enable_thinking": False} if a.no_thinking else None
 
 
 def sampling(a) -> SamplingParams:
@@ -74,7 +118,8 @@ def cmd_run(a) -> int:
     grammar = grammar_from_files(a.json_schema, a.grammar)
     pipe = _pipeline(a)
     messages = _messages(a.system) + [{"role": "user", "content": a.prompt}]
-    _stream_reply(pipe, messages, None, params, a.max_new_tokens, grammar=grammar)
+    _stream_reply(pipe, messages, None, params, a.max_new_tokens, grammar=grammar, view=thinking_view(a),
+                  template_kwargs=template_kwargs(a))
     print(f"[{pipe.model.backend.name}] {pipe.timings.line()}", file=sys.stderr)
     return 0
 
@@ -101,15 +146,17 @@ def _run_batch(a) -> int:
     opening, constraint = reply_constraint(m.chat_format, m.config.vocab_size, grammar)
     for text in prompts:
         messages = [as_message(x) for x in _messages(a.system) + [{"role": "user", "content": text}]]
-        request = chat_request(m.chat_format, messages, None, params, a.max_new_tokens, window)
+        request = chat_request(m.chat_format.configured(template_kwargs(a)), messages, None, params, a.max_new_tokens,
+                               window)
         request.prompt, request.constraint = list(request.prompt) + opening, constraint
         handles.append(sched.submit(request))
     sched.run()
     wall = time.perf_counter() - start
     for i, (text, h) in enumerate(zip(prompts, handles), 1):
-        reply = reply_message(m.chat_format, opening + h.tokens)
+        reply = reply_message(m.chat_format.configured(template_kwargs(a)), opening + h.tokens)
         calls = "".join(f"\n[tool call] {c.name}({json.dumps(c.arguments, ensure_ascii=False)})" for c in reply.tool_calls)
-        print(f"--- [{i}] {text}\n{reply.content}{calls}")
+        thought = f"<think>\n{reply.reasoning}\n</think>\n\n" if a.show_thinking and reply.reasoning else ""
+        print(f"--- [{i}] {text}\n{thought}{reply.content}{calls}")
         if h.error is not None:
             print(f"error in prompt {i}: {h.error}", file=sys.stderr)
         elif h.context_full:
@@ -125,10 +172,18 @@ def _run_batch(a) -> int:
     return 1 if any(h.error is not None for h in handles) else 0
 
 
-def _stream_reply(pipe, messages, tools, params, max_new_tokens, shown: list | None = None, grammar=None) -> None:
+def _stream_reply(pipe, messages, tools, params, max_new_tokens, shown: list | None = None, grammar=None,
+                  view: ThinkingView | None = None, template_kwargs: dict | None = None) -> None:
     """Stream one reply to stdout; `shown` collects the text written (what the user saw if interrupted)."""
+    view = view or ThinkingView(False, False)
+    view.state = None                   # a new reply
     for event in pipe.chat(messages, tools=tools, stream=True, params=params, max_new_tokens=max_new_tokens,
-                           grammar=grammar):
+                           grammar=grammar, template_kwargs=template_kwargs):
+        if isinstance(event, ReasoningDelta):
+            sys.stdout.write(view.reasoning(event.text))
+            sys.stdout.flush()
+            continue
+        sys.stdout.write(view.answer())
         if isinstance(event, TextDelta):
             sys.stdout.write(event.text)
             sys.stdout.flush()
@@ -137,7 +192,7 @@ def _stream_reply(pipe, messages, tools, params, max_new_tokens, shown: list | N
         elif isinstance(event, ToolCallEvent):
             call = event.call
             sys.stdout.write(f"\n[tool call] {call.name}({json.dumps(call.arguments, ensure_ascii=False)})")
-    sys.stdout.write("\n")
+    sys.stdout.write(view.end() + "\n")
     sys.stdout.flush()
     if pipe.context_full:
         print(f"note: the reply stopped because the context of {pipe.model.scheduler.capacity} tokens is full; "
@@ -238,18 +293,20 @@ def cmd_chat(a) -> int:
                 print(f"unknown command {cmd}; {CHAT_HELP}", file=sys.stderr)
             continue
         state.history.append({"role": "user", "content": line})
-        if not _chat_turn(pipe, state, params, a.max_new_tokens):
+        if not _chat_turn(pipe, state, params, a.max_new_tokens, thinking_view(a), template_kwargs(a)):
             return 0
 
 
-def _chat_turn(pipe, state: ChatState, params, max_new_tokens) -> bool:
+def _chat_turn(pipe, state: ChatState, params, max_new_tokens, view: ThinkingView | None = None,
+               template_kwargs: dict | None = None) -> bool:
     """One user turn: replies, and the tool results they ask for. Returns whether the session goes on."""
     history = state.history
     while True:
         print("assistant> ", end="", flush=True)
         shown: list[str] = []
         try:
-            _stream_reply(pipe, state.messages(), state.tools, params, max_new_tokens, shown)
+            _stream_reply(pipe, state.messages(), state.tools, params, max_new_tokens, shown, view=view,
+                          template_kwargs=template_kwargs)
         except KeyboardInterrupt:
             # Ctrl-C ends this reply, not the session. The cache holds a half-generated turn, so the
             # next turn starts from the conversation (with the text shown so far) again.

@@ -33,11 +33,14 @@ GLM4_0414_TEMPLATE = (
     "{%- elif role == 'assistant' and meta %}<|assistant|>{{ meta }} \n{{ content }}"
     "{%- elif role == 'observation' %}<|observation|>\n{{ content }}{%- endif %}{%- endfor %}"
     "{% if add_generation_prompt %}<|assistant|>{% endif %}")
-# GLM-Z1-0414: as GLM-4-0414, but earlier replies keep only what follows their </think>.
+# GLM-Z1-0414: as GLM-4-0414, but earlier replies keep only what follows their </think>, and the generation
+# prompt opens the thinking ("<|assistant|>\n<think>": Z1 always thinks; its maintainers' advice for a reply
+# without thinking is to delete that <think> from the template's last line, zai-org/GLM-4#770).
 GLM_Z1_TEMPLATE = GLM4_0414_TEMPLATE.replace(
     "{%- set content = message['content'] %}",
     "{%- set content = message['content'] %}{%- if role == 'assistant' %}"
-    "{%- set content = content.split('</think>')[-1].strip() %}{%- endif %}")
+    "{%- set content = content.split('</think>')[-1].strip() %}{%- endif %}").replace(
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}", "{% if add_generation_prompt %}<|assistant|>\n<think>{% endif %}")
 # GLM-Edge: no [gMASK]<sop>; the generation prompt is "<|assistant|>\n".
 GLM_EDGE_TEMPLATE = (
     "{% for item in messages %}{% if item['role'] == 'system' %}<|system|>\n{{ item['content'] }}"

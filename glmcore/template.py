@@ -8,6 +8,7 @@ special tokens matched and no post-processor tokens (apply_chat_template(tokeniz
 """
 from __future__ import annotations
 
+import copy
 import json
 from datetime import datetime
 
@@ -70,8 +71,37 @@ class TemplateFormat(ChatFormat):
         # A template that rewrites earlier replies (GLM-Z1 drops their thinking) cannot extend a cached
         # conversation with the reply as generated: the pipeline then builds the whole prompt again.
         self.can_continue = "</think>" not in self.template
+        # A template that speaks of <think> is a reasoning model's: its replies' thinking is split off.
+        self.thinking = "<think>" in self.template or "</think>" in self.template
+        self.variables: dict = {}       # a request's chat_template_kwargs (configured)
+        self._derive()
+
+    def _derive(self) -> None:
         # what the template writes before any turn ([gMASK]<sop> for GLM-4-0414, nothing for GLM-Edge)
         self.prefix = self.tok.encode_rendered(self.render([], None, False))
+        # GLM-Z1's generation prompt is "<|assistant|>\n<think>": its replies start inside the thinking
+        probe = [{"role": "user", "content": "?"}]
+        self.opens_thinking = self.thinking and self.render(probe, None, True).rstrip().endswith("<think>")
+
+    def configured(self, template_kwargs: dict | None) -> "TemplateFormat":
+        """This format rendering with a request's chat_template_kwargs as template variables (as vLLM and
+        transformers pass them). enable_thinking=False is refused where the template cannot honour it: GLM-Z1's
+        template has no such switch and opens every reply with <think> (its models were trained only to think)."""
+        if not template_kwargs:
+            return self
+        reserved = sorted(set(template_kwargs) & {"messages", "tools", "documents", "add_generation_prompt"})
+        if reserved:
+            raise ChatError(f"chat_template_kwargs cannot set {', '.join(reserved)}: send them as the request's own "
+                            "fields")
+        if (template_kwargs.get("enable_thinking") is False and "enable_thinking" not in self.template
+                and self.thinking):
+            raise ChatError("this checkpoint's chat template always thinks (it has no enable_thinking switch and "
+                            "opens every reply with <think>, as GLM-Z1's does); drop enable_thinking=false, or use "
+                            "a non-reasoning checkpoint such as GLM-4-0414")
+        out = copy.copy(self)
+        out.variables = {**self.variables, **template_kwargs}
+        out._derive()
+        return out
 
     def _dicts(self, messages: list[Message]) -> list[dict]:
         out = []
@@ -81,15 +111,17 @@ class TemplateFormat(ChatFormat):
                 content = self.tok.decode(m.ids, skip_special=False)
                 out.append({"role": role, "content": content.lstrip("\n") if self.glm_roles else content})
                 continue
+            # thinking as transformers' templates take it (GLM-Z1's drops it from earlier replies anyway)
+            extra = {"reasoning_content": m.reasoning} if m.role == "assistant" and m.reasoning else {}
             if not self.glm_roles:
-                d = {"role": role, "content": m.content}
+                d = {"role": role, "content": m.content, **extra}
                 if m.tool_calls:
                     d["tool_calls"] = [{"type": "function", "id": c.id, "function": {"name": c.name,
                                         "arguments": c.arguments}} for c in m.tool_calls]
                 out.append(d)
                 continue
             if m.content or not m.tool_calls:
-                d = {"role": role, "content": m.content}
+                d = {"role": role, "content": m.content, **extra}
                 if m.metadata:
                     d["metadata"] = m.metadata
                 out.append(d)
@@ -102,7 +134,7 @@ class TemplateFormat(ChatFormat):
         functions = _functions(tools)
         tools_json = [{"type": "function", "function": f} for f in functions] or None
         return render(self.template, self._dicts([as_message(m) for m in messages]), tools_json,
-                      add_generation_prompt, **{**self.tok.template_vars, **variables})
+                      add_generation_prompt, **{**self.tok.template_vars, **self.variables, **variables})
 
     def _build(self, messages, tools, add_generation_prompt):
         ids = self.tok.encode_rendered(self.render(messages, tools, add_generation_prompt))

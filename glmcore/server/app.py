@@ -19,13 +19,14 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..chat import Message, ToolCall, ToolCallStream, as_message
 from ..errors import ContextOverflow, GlmcoreError
-from ..events import ChatEvent, FinishReason, TextDelta, ToolCallEvent
+from ..events import ChatEvent, FinishReason, ReasoningDelta, TextDelta, ToolCallEvent
 from ..pipeline import chat_request
 from ..sampling import SamplingParams
 from ..scheduler import QueueFull, Request as SchedRequest
 from ..structured import GrammarError
 from ..tokenizer import StreamDecoder
 from .outputs import constrain_chat, constrain_completion, load_test_fields
+from .page import add_chat_page
 from .protocol import ApiError, ChatRequest, CompletionRequest, error_body, parse, parse_arguments
 
 log = logging.getLogger("glmcore.server")
@@ -129,6 +130,7 @@ class Reply:
     def __init__(self, parser, stops: list[str], one_call: bool = False):
         self.parser, self.stops, self.one_call = parser, StopStrings(stops), one_call
         self.text: list[str] = []
+        self.thought: list[str] = []      # a thinking model's reasoning (stop strings apply to the answer only)
         self.calls: list[ToolCall] = []
         self.cut = False           # ended early by a stop string or the one allowed call
 
@@ -142,6 +144,9 @@ class Reply:
                 if text:
                     self.text.append(text)
                     out.append(TextDelta(text))
+            elif isinstance(event, ReasoningDelta):
+                self.thought.append(event.text)
+                out.append(event)
             elif isinstance(event, ToolCallEvent):
                 call = event.call
                 call.id = call.id or f"call_{uuid.uuid4().hex[:24]}"
@@ -165,6 +170,10 @@ class Reply:
     @property
     def content(self) -> str:
         return "".join(self.text)
+
+    @property
+    def reasoning(self) -> str:
+        return "".join(self.thought)
 
 
 class Generation:
@@ -334,7 +343,7 @@ def to_messages(state: State, req: ChatRequest) -> list[Message]:
         role = "system" if m.role == "developer" else m.role
         try:
             msg = as_message({"role": role, "content": _text(m.content, f"messages.{i}.content"),
-                              "tool_calls": calls})
+                              "tool_calls": calls, "reasoning_content": m.reasoning_content})
         except GlmcoreError as e:
             raise ApiError(400, f"messages.{i}: {e}", f"messages.{i}") from None
         if role == "assistant":
@@ -505,7 +514,10 @@ def create_app(model, name: str, api_key: str | None = None, max_body: int = MAX
         """Everything a chat request needs before it is queued; CPU work, run in a worker thread."""
         req = parse(ChatRequest, body)
         check_model(state, req.model)
-        fmt = state.model.chat_format
+        try:
+            fmt = state.model.chat_format.configured(req.chat_template_kwargs)
+        except GlmcoreError as e:
+            raise ApiError(400, str(e), "chat_template_kwargs", "invalid_value") from None
         messages = to_messages(state, req)
         tools, calls, must_call = tool_setup(fmt, req)
         params, stops = sampling(req), req.stops()
@@ -541,6 +553,8 @@ def create_app(model, name: str, api_key: str | None = None, max_body: int = MAX
 
         def message() -> dict:
             msg = {"role": "assistant", "content": reply.content or (None if reply.calls else "")}
+            if fmt.thinking:           # vLLM's reasoning-parser field: the thinking, null when there was none
+                msg["reasoning_content"] = reply.reasoning or None
             if reply.calls:
                 msg["tool_calls"] = [_call_json(c) for c in reply.calls]
             return msg
@@ -550,6 +564,8 @@ def create_app(model, name: str, api_key: str | None = None, max_body: int = MAX
                 deltas = [{} if finish else {"role": "assistant", "content": ""}]
             elif isinstance(event, TextDelta):
                 deltas = [{"content": event.text}]
+            elif isinstance(event, ReasoningDelta):
+                deltas = [{"reasoning_content": event.text}]
             else:                      # as OpenAI streams a call: index, id and name, then the arguments
                 call = _call_json(event.call, next(i for i, c in enumerate(reply.calls) if c is event.call))
                 args = call["function"]["arguments"]
@@ -610,6 +626,7 @@ def create_app(model, name: str, api_key: str | None = None, max_body: int = MAX
         return await _respond(state, request, "completions", gen, reply, req.stream, include_usage, chunk, final)
 
     app.include_router(v1)
+    add_chat_page(app)
 
     @app.get("/health")
     async def health():

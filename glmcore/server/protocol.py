@@ -133,6 +133,7 @@ class MessageIn(_Strict):
     name: str | None = None                # a participant's name; the GLM formats have no place for it
     tool_calls: list[ToolCallIn] | None = None
     tool_call_id: str | None = None
+    reasoning_content: str | None = None   # a thinking model's reasoning as this server returned it (vLLM's name)
 
 
 class JsonSchemaSpec(_Strict):
@@ -204,6 +205,8 @@ class ChatRequest(_Sampling):
     tool_choice: Literal["auto", "none", "required"] | ToolChoiceFunction | None = None
     parallel_tool_calls: bool | None = None
     max_completion_tokens: int | None = Field(None, ge=1, le=2**31 - 1)
+    # variables for the checkpoint's chat template (vLLM/SGLang's extension), e.g. {"enable_thinking": false}
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class CompletionRequest(_Sampling):
