@@ -131,7 +131,8 @@ def serve(model_dir, backend, options, so: ServeOptions) -> int:
     bound_host, bound_port = sock.getsockname()[:2]
     url_host = f"[{bound_host}]" if ":" in bound_host else bound_host
     batch = model.scheduler.batch
-    print(f"glmcore serve: http://{url_host}:{bound_port}/v1 | model {name} ({model.config.family}, {model.model_dir}) "
+    base = f"http://{url_host}:{bound_port}"
+    print(f"glmcore serve: chat page {base}/ | API {base}/v1 | model {name} ({model.config.family}, {model.model_dir}) "
           f"| backend {model.backend.name} ({'native batched steps' if model.scheduler.native else 'core adapter'}) | "
           f"{batch.n_slots} slots, context {batch.capacity}, token budget {so.token_budget}"
           + (" | API key required" if so.api_key else ""), file=sys.stderr, flush=True)
