@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pluggy
 
-from .config import ModelConfig
+from .config import FAMILIES, ModelConfig
 from .errors import BackendError, StepError
 
 hookspec = pluggy.HookspecMarker("glmcore")
@@ -52,6 +52,10 @@ class Capabilities:
     native_batch: bool = False                      # load_batch returns a native BatchSession: one step reads
                                                     # the weights once for all entries, and copy_prefix copies
     max_slots: int | None = None                    # sequences one BatchSession can hold; None: memory-bound
+    # Checkpoint families the backend runs. The default is the 2023-24 GLM block (rotary over half the head, no
+    # post norms, an untied output layer), all a plugin written before glm4-0414/glm-edge can run correctly;
+    # one that honours ModelConfig's rotary_dim, post_norms and tie_embeddings declares config.FAMILIES.
+    families: tuple[str, ...] = ("chatglm2", "chatglm3", "glm4")
 
 
 @dataclass

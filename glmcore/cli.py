@@ -365,7 +365,7 @@ def cmd_backends(a) -> int:
             "backend": name, "ready": pr.ready, "device": pr.device,
             "precisions": list(caps.precisions) if caps else [], "weights": list(caps.weight_formats) if caps else [],
             "why not": pr.reason, "install": pr.install, "details": pr.details,
-            "batching": _batching(caps),
+            "batching": _batching(caps), "families": list(caps.families) if caps else [],
         })
     if a.json:
         print(json.dumps(rows, indent=2, default=str))
@@ -376,7 +376,7 @@ def cmd_backends(a) -> int:
               f"weights={','.join(r['weights'])}")
         if not r["ready"]:
             print(f"{'':<14} why: {r['why not']}" + (f"  fix: {r['install']}" if r["install"] else ""))
-        for k, v in {**r["details"], "batching": r["batching"]}.items():
+        for k, v in {**r["details"], "batching": r["batching"], "families": ", ".join(r["families"])}.items():
             print(f"{'':<14} {k}: {v}")
     return 0
 

@@ -10,7 +10,7 @@ from .backend import Backend, LoadOptions, registry
 from .cache import cache_root
 from .config import ModelConfig
 from .scheduler import Scheduler
-from .errors import GlmcoreError
+from .errors import BackendError, GlmcoreError
 from .weights import load_weights
 
 DEMO_FAMILY, DEMO_SIZE, DEMO_SEED = "chatglm3", "tiny", 0
@@ -70,6 +70,10 @@ def load_model(model: str | Path | None = None, backend: str | None = None, opti
         raise GlmcoreError(f"model directory {model_dir} does not exist; pass --model DIR of a checkpoint, "
                            "or create one with `glmcore make-model`")
     config = ModelConfig.from_dir(model_dir)
+    caps = b.capabilities()
+    if config.family not in caps.families:
+        raise BackendError(f"backend {b.name!r} does not run {config.family} checkpoints (it runs "
+                           f"{', '.join(caps.families)}); pick another with --backend (see `glmcore backends`)")
     tokenizer = load_tokenizer(model_dir, config.family)
     if tokenizer.n_vocab > config.vocab_size:
         raise GlmcoreError(f"{model_dir}: tokenizer.model has {tokenizer.n_vocab} ids but the model only "
@@ -78,7 +82,6 @@ def load_model(model: str | Path | None = None, backend: str | None = None, opti
     if opts.cache_dir is None:
         opts.cache_dir = cache_root() / "converted"
     weights = load_weights(model_dir, config)
-    caps = b.capabilities()
     if slots < 1 or (caps.max_slots is not None and slots > caps.max_slots):
         most = f"1..{caps.max_slots}" if caps.max_slots else "a positive number"
         raise GlmcoreError(f"invalid number of slots {slots} for backend {b.name!r}: use {most}")

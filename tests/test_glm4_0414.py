@@ -155,3 +155,36 @@ def test_make_model_32b_width_with_few_layers(tmp_path, monkeypatch):
     assert raw["num_hidden_layers"] == 1 and raw["model_type"] == "glm4"
     w = load_weights(tmp_path / "m", cfg)
     assert w["layers.0.qkv.weight"].shape == (48 * 128 + 2 * 2 * 128, 6144)
+
+
+def test_backends_declare_the_families_they_run(make_tiny, capsys, monkeypatch):
+    """A plugin written before glm4-0414/glm-edge (rotary_dim, post_norms, tie_embeddings) keeps the default
+    families and is refused their checkpoints in one line; every built-in backend runs all five."""
+    from glmcore.backend import Backend, Capabilities, Probe
+    from glmcore.cli import main
+    from glmcore.config import FAMILIES
+    from glmcore.errors import BackendError
+    from glmcore.model import load_model
+
+    class Old(Backend):
+        name = "old-plugin"
+
+        def probe(self):
+            return Probe(True, device="none")
+
+        def capabilities(self):
+            return Capabilities()
+
+        def load(self, config, weights, options):
+            raise AssertionError("never reached: the family is refused before the weights load")
+
+    monkeypatch.setattr("glmcore.model.resolve_backend", lambda name: Old())
+    for family in ("glm4-0414", "glm-edge"):
+        with pytest.raises(BackendError, match=f"does not run {family} checkpoints .*--backend") as e:
+            load_model(make_tiny(family), "old-plugin")
+        assert "\n" not in str(e.value)
+    assert main(["backends", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert {r["backend"] for r in rows} >= {"torch", "cpu_int4", "openvino_amx", "tpu_bm1684x", "ascend_npu"}
+    assert all(r["families"] == list(FAMILIES) for r in rows if r["backend"] in ("torch", "cpu_int4", "openvino_amx",
+                                                                               "tpu_bm1684x", "ascend_npu"))

@@ -13,6 +13,7 @@ import pytest
 
 from glmcore.backend import Backend, Capabilities, Probe, Session, hookimpl, registry
 from glmcore.chat import Message, ToolCall, ToolCallStream, chat_format_for
+from glmcore.config import FAMILIES
 from glmcore.errors import ChatError
 from glmcore.events import ReasoningDelta, TextDelta, ToolCallEvent
 from glmcore.hf_tokenizer import GLM_Z1_TEMPLATE
@@ -188,7 +189,7 @@ class ThinkingBackend(Backend):
         return Probe(True, device="none (test double)")
 
     def capabilities(self):
-        return Capabilities(speed_rank=-100)
+        return Capabilities(speed_rank=-100, families=FAMILIES)
 
     def load(self, config, weights, options):
         return ScriptedSession(self, config.vocab_size)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import importlib.util
 
 from glmcore.backend import Backend, Capabilities, LoadOptions, Probe, hookimpl
+from glmcore.config import FAMILIES
 
 
 class TorchBackend(Backend):
@@ -24,7 +25,8 @@ class TorchBackend(Backend):
                                                   "runs on": "this machine's CPU"})
 
     def capabilities(self) -> Capabilities:
-        return Capabilities(precisions=("f32",), weight_formats=("f32",), speed_rank=0, native_batch=True)
+        return Capabilities(precisions=("f32",), weight_formats=("f32",), speed_rank=0, native_batch=True,
+                            families=FAMILIES)
 
     def load(self, config, weights, options: LoadOptions):
         from .model import TorchRefSession
