@@ -127,10 +127,12 @@ def measure_bandwidth(threads: int | None = None, seconds: float = 0.5) -> float
 # ---------------------------------------------------------------- roofline
 
 def default_bytes_per_token(config: ModelConfig, options: LoadOptions, kv_len: int) -> int:
-    """Weights read by one decode step in the stored format (the embedding: one row) + the KV cache
-    read at kv_len (f32 when computing in f32, else 2 bytes)."""
+    """Weights read by one decode step in the stored format (the embedding: one row; tied to the output layer,
+    GLM-Edge's is read whole for the logits anyway) + the KV cache read at kv_len (f32 when computing in f32,
+    else 2 bytes)."""
     per_weight = WEIGHT_BYTES.get(options.weights or "f32", 4.0)
-    weights = (config.num_params() - (config.vocab_size - 1) * config.hidden_size) * per_weight
+    unread = 0 if config.tie_embeddings else (config.vocab_size - 1) * config.hidden_size
+    weights = (config.num_params() - unread) * per_weight
     kv_item = 4 if (options.precision or "f32") == "f32" else 2
     kv = 2 * config.num_layers * kv_len * config.kv_size * kv_item
     return int(weights + kv)

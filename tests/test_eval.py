@@ -176,7 +176,7 @@ def test_importing_registers_the_harness_model():
     assert get_model("glmcore") is GlmcoreLM
 
 
-@pytest.mark.parametrize("family", ["chatglm2", "chatglm3", "glm4"])
+@pytest.mark.parametrize("family", ["chatglm2", "chatglm3", "glm4", "glm4-0414", "glm-edge"])
 def test_chat_text_encodes_to_the_chat_format_ids(make_tiny, family):
     from glmcore.chat import chat_format_for
     from glmcore.evaluate.harness import ChatText

@@ -45,9 +45,17 @@ class ChatText:
         self.prefix_text = "".join(names)
         roles = [n for n in self.ids if n.startswith("<|") and n.endswith("|>")]
         self.split = re.compile("(" + "|".join(map(re.escape, roles)) + ")") if roles else None
+        # tokenizer.json checkpoints render with their own template; GLM-Edge's writes no prefix, so a rendered
+        # prompt cannot be told from text by its start: the texts rendered here are remembered instead
+        self.template = getattr(chat_format, "template", None) is not None
+        self._rendered: set[str] = set()
 
     def render(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         msgs = [as_message(m) for m in messages]
+        if self.template:
+            text = self.fmt.render(msgs, None, add_generation_prompt)
+            self._rendered.add(text)
+            return text
         if self.family == "chatglm2":
             system, rounds = self.fmt._rounds(msgs, 1)
             if rounds and add_generation_prompt and msgs[-1].role == "user":
@@ -62,7 +70,9 @@ class ChatText:
     def encode(self, text: str, prefix: bool = True) -> list[int]:
         """Ids of `text`: a rendered chat prompt (it starts with the prefix's names) as glmcore.chat
         builds it; other text as the tokenizer encodes it, after the prefix when `prefix`."""
-        if not text.startswith(self.prefix_text):
+        if self.template and text in self._rendered:
+            return self.tok.encode_rendered(text)
+        if self.template or not text.startswith(self.prefix_text):
             return (self.prefix if prefix else []) + self.tok.encode(text)
         rest = text[len(self.prefix_text):]
         if self.family == "chatglm2" or self.split is None:
