@@ -7,10 +7,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Union
-
-if TYPE_CHECKING:
-    from .chat import ToolCall
+from typing import Union
 
 
 class FinishReason(str, enum.Enum):
@@ -36,10 +33,18 @@ class ReasoningDelta:
     text: str
 
 
+@dataclass
+class ToolCall:
+    """A function call the model made: its name and JSON arguments (the server gives it an id)."""
+    name: str
+    arguments: dict
+    id: str = ""
+
+
 @dataclass(frozen=True)
 class ToolCallEvent:
     """One complete, parsed tool call."""
-    call: "ToolCall"
+    call: ToolCall
 
 
 ChatEvent = Union[TextDelta, ReasoningDelta, ToolCallEvent]

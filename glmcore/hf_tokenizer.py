@@ -16,7 +16,7 @@ from functools import lru_cache
 from pathlib import Path
 
 from .errors import TokenizerError
-from .tokenizer import GLM4_PAT, GLM4_SPECIALS, Tokenizer
+from .vocabulary import GLM4_PAT, Tokenizer
 
 # Templates modelled on the published files (the real files are not in this workspace; see the tests).
 # GLM-4-0414: [gMASK]<sop>, system messages first, tools without GLM-4's built-in system text.

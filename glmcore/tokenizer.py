@@ -25,6 +25,7 @@ import tiktoken
 
 from .errors import TokenizerError  # re-exported: glmcore.tokenizer.TokenizerError
 from .files import is_regular, read_bounded
+from .vocabulary import GLM4_PAT, GLM4_SPECIALS, Tokenizer  # re-exported: the interface every tokenizer has
 
 FAMILIES = ("chatglm2", "chatglm3", "glm4")
 HF_FAMILIES = ("glm4-0414", "glm-edge")    # tokenizer.json + tokenizer_config.json (glmcore.hf_tokenizer)
@@ -37,59 +38,10 @@ SP_SPECIALS = {
     "chatglm3": ["[MASK]", "[gMASK]", "[sMASK]", "sop", "eop",
                  "<|system|>", "<|user|>", "<|assistant|>", "<|observation|>"],
 }
-GLM4_SPECIALS = ["<|endoftext|>", "[MASK]", "[gMASK]", "[sMASK]", "<sop>", "<eop>", "<|system|>",
-                 "<|user|>", "<|assistant|>", "<|observation|>", "<|begin_of_image|>", "<|end_of_image|>",
-                 "<|begin_of_video|>", "<|end_of_video|>"]
-# GLM-4's pre-tokenizer pattern, as in ChatGLM4Tokenizer.
-GLM4_PAT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
-            r"|\s*[\r\n]+|\s+(?!\S)|\s+")
-
 DEFAULT_SP_PIECES = 1000     # synthetic SentencePiece vocabulary (incl. 3 control + 256 byte pieces)
 DEFAULT_GLM4_RANKS = 2048    # synthetic GLM-4 ranks (a prefix of the shipped rank file)
 CORPUS_FILE = DATA_DIR / "corpus.txt"
 GLM4_RANKS_FILE = DATA_DIR / "glm4_ranks.tiktoken"
-
-
-class Tokenizer:
-    """Common interface; see SentencePieceTokenizer and TiktokenTokenizer."""
-
-    family: str
-    n_vocab: int                 # number of valid ids, special tokens included
-    eos_id: int
-    pad_id: int
-    special_ids: dict[str, int]  # the family's registered special tokens, name -> id
-
-    def __init__(self, family: str, n_base: int, special_names: list[str], eos_id: int, pad_id: int,
-                 path: Path):
-        self.family, self.path = family, path
-        self.n_base = n_base     # ids below this are ordinary vocabulary entries
-        self.special_ids = {name: n_base + i for i, name in enumerate(special_names)}
-        self.special_names = {i: name for name, i in self.special_ids.items()}
-        self.n_vocab = n_base + len(special_names)
-        self.eos_id, self.pad_id = eos_id, pad_id
-
-    def __repr__(self) -> str:
-        return f"<{type(self).__name__} {self.family} n_vocab={self.n_vocab} from {self.path}>"
-
-    def is_special(self, id: int) -> bool:
-        return id in self.special_names
-
-    def _check_ids(self, ids) -> list[int]:
-        out = [int(i) for i in ids]
-        for i in out:
-            if not 0 <= i < self.n_vocab:
-                raise TokenizerError(f"token id {i} is out of range for the {self.family} vocabulary of "
-                                     f"{self.n_vocab} ids ({self.path}); check the model/tokenizer pairing")
-        return out
-
-    def encode(self, text: str) -> list[int]:
-        raise NotImplementedError
-
-    def decode(self, ids, skip_special: bool = True) -> str:
-        raise NotImplementedError
-
-    def token_bytes(self, id: int) -> bytes:
-        raise NotImplementedError
 
 
 class SentencePieceTokenizer(Tokenizer):

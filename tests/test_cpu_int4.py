@@ -443,7 +443,7 @@ def test_bits_per_weight_on_real_shapes():
                       sz["kv_channels"], sz["ffn_hidden_size"], 65024, 8192, 10000.0, 1e-5)
     for o, bpw in ((quant.QuantOptions(32, True), 4.5), (quant.QuantOptions(128, False), 4.25),
                    (quant.QuantOptions(128, True), 4.125)):
-        stats = quant._stats(cfg, quant._layout(cfg, o), 0)
+        stats = quant.packed_stats(cfg, quant.packed_layout(cfg, o), 0)
         assert abs(stats["linear_bits_per_weight"] - bpw) < 1e-9
 
 

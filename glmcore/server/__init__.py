@@ -35,7 +35,7 @@ class ServeOptions:
     ray_address: str | None = None
 
 
-def _require_stack() -> None:
+def require_stack() -> None:
     missing = []
     for module in ("fastapi", "uvicorn", "prometheus_client"):
         try:
@@ -105,7 +105,7 @@ def _bind(host: str, port: int) -> socket.socket:
 def serve(model_dir, backend, options, so: ServeOptions) -> int:
     """Load the model with `so.slots` sequences, serve until SIGTERM/SIGINT: then stop accepting, let running
     requests finish for so.grace_s, cancel the rest and return 0."""
-    _require_stack()
+    require_stack()
     import uvicorn
 
     from ..model import load_model

@@ -75,11 +75,11 @@ def _require_ray():
 
 def serve_replicas(model_dir, backend, options, so) -> int:
     """Deploy `so.replicas` copies of the model's server on Ray Serve and serve until SIGTERM/SIGINT."""
-    from . import _require_stack
+    from . import require_stack
     from ..config import ModelConfig
     from ..model import demo_model_dir, resolve_backend
     from .app import MAX_BODY
-    _require_stack()
+    require_stack()
     replicas, port, log_level, ray_address = so.replicas, so.port, so.log_level, so.ray_address
     if replicas < 1:
         raise GlmcoreError(f"invalid --replicas {replicas}: use 1 or more")

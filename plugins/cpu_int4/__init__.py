@@ -122,9 +122,9 @@ class CpuInt4Backend(Backend):
 
     def bytes_per_token(self, config, options: LoadOptions, kv_len: int) -> int:
         """What one decode step reads: every layer's packed matrices, the output layer, the KV cache."""
-        from .quant import QuantOptions, _layout, _stats
+        from .quant import QuantOptions, packed_layout, packed_stats
         q = QuantOptions.from_extra({k: v for k, v in options.extra.items() if k in QUANT_OPTIONS})
-        weights = _stats(config, _layout(config, q), 0)["bytes_per_token"]
+        weights = packed_stats(config, packed_layout(config, q), 0)["bytes_per_token"]
         kv_elt = 4 if options.extra.get("kv_dtype") == "f32" else 2
         return int(weights + config.num_layers * 2 * config.kv_size * kv_elt * kv_len)
 

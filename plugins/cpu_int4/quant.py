@@ -210,7 +210,7 @@ def untile(buf: np.ndarray, n: int, k: int, bits: int, group: int, asym: bool, s
 LINEAR = ("qkv.weight", "attn_out.weight", "ffn_up.weight", "ffn_down.weight")
 
 
-def _layout(cfg: ModelConfig, o: QuantOptions) -> dict[str, dict]:
+def packed_layout(cfg: ModelConfig, o: QuantOptions) -> dict[str, dict]:
     """Every tensor of the packed file: kind, shape, offset (64-byte aligned), size."""
     from glmcore.weights import canonical_shapes
     shapes = canonical_shapes(cfg)
@@ -258,7 +258,7 @@ def write_packed(cfg: ModelConfig, weights, o: QuantOptions, out: Path, progress
     so memory stays bounded, and drops the source pages it has read (they are memory-mapped)."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    lay = _layout(cfg, o)
+    lay = packed_layout(cfg, o)
     total = max(i["offset"] + i["nbytes"] for i in lay.values())
     sd = o.scale_dtype
     names = [n for n in lay if lay[n]["kind"] != "raw"]
@@ -308,7 +308,7 @@ def write_packed(cfg: ModelConfig, weights, o: QuantOptions, out: Path, progress
                     _release(src[r0:r0 + step])
             if progress and (i + 1 == len(names) or name.endswith("ffn_down.weight")):
                 progress(f"quantizing {_bar(i + 1, len(names))} {name}")
-    stats = _stats(cfg, lay, total)
+    stats = packed_stats(cfg, lay, total)
     meta = {"format": FORMAT, "version": VERSION, "fingerprint": fingerprint, "options": asdict(o),
             "config": cfg.to_dict(), "tensors": lay, "stats": stats}
     os.replace(tmp, out / "weights.bin")
@@ -320,7 +320,7 @@ def write_packed(cfg: ModelConfig, weights, o: QuantOptions, out: Path, progress
     return meta
 
 
-def _stats(cfg: ModelConfig, lay: dict, total: int) -> dict:
+def packed_stats(cfg: ModelConfig, lay: dict, total: int) -> dict:
     lin_bytes = sum(v["nbytes"] for k, v in lay.items() if k.endswith(LINEAR))
     lin_params = sum(v["n"] * v["k"] for k, v in lay.items() if k.endswith(LINEAR))
     head = lay["lm_head.weight"]
@@ -385,7 +385,7 @@ def read_packed(path: Path, cfg: ModelConfig | None = None) -> tuple[dict, np.me
         raise BackendError(f"{path}: meta.json has invalid options or config; convert the model again")
     if cfg is not None and packed_cfg != cfg:
         raise BackendError(f"{path}: packed from a different model (config differs); convert this model again")
-    layout = _layout(packed_cfg, o)
+    layout = packed_layout(packed_cfg, o)
     total = max(i["offset"] + i["nbytes"] for i in layout.values())
     if meta.get("tensors") != layout or not isinstance(meta.get("stats"), dict) \
             or meta["stats"].get("file_bytes") != total:
@@ -394,7 +394,7 @@ def read_packed(path: Path, cfg: ModelConfig | None = None) -> tuple[dict, np.me
     size = (path / "weights.bin").stat().st_size if (path / "weights.bin").is_file() else -1
     if size != total:
         raise BackendError(f"{path}: weights.bin is missing or truncated; delete the directory and convert again")
-    meta["stats"] = _stats(packed_cfg, layout, total)
+    meta["stats"] = packed_stats(packed_cfg, layout, total)
     return meta, np.memmap(path / "weights.bin", dtype=np.uint8, mode="r")
 
 
