@@ -130,7 +130,7 @@ def _run_batch(a) -> int:
 
     from .chat import as_message
     from .model import load_model
-    from .pipeline import chat_request, reply_message
+    from .pipeline import chat_request
     fix = "give a UTF-8 text file, one prompt a line"
     data = read_bounded(a.prompts, MAX_PROMPTS_BYTES, "--prompts", fix)
     prompts = [line for line in decode_text(data, f"--prompts {a.prompts!r}", fix).splitlines() if line.strip()]
@@ -153,7 +153,7 @@ def _run_batch(a) -> int:
     sched.run()
     wall = time.perf_counter() - start
     for i, (text, h) in enumerate(zip(prompts, handles), 1):
-        reply = reply_message(m.chat_format.configured(template_kwargs(a)), opening + h.tokens)
+        reply = m.chat_format.configured(template_kwargs(a)).decode_reply(opening + h.tokens)
         calls = "".join(f"\n[tool call] {c.name}({json.dumps(c.arguments, ensure_ascii=False)})" for c in reply.tool_calls)
         thought = f"<think>\n{reply.reasoning}\n</think>\n\n" if a.show_thinking and reply.reasoning else ""
         print(f"--- [{i}] {text}\n{thought}{reply.content}{calls}")

@@ -122,10 +122,3 @@ def chat_request(chat_format, messages: list[Message], tools=None, params: Sampl
                    turn_starts=starts[1:], n_pinned=starts[1] if pin else None)
 
 
-def reply_message(chat_format, tokens, tools=None) -> Message:
-    """The assistant Message (text and tool calls) of generated ids, parsed as the stream parses them."""
-    parser = ToolCallStream(chat_format, tools)
-    for t in tokens:
-        parser.push(t)
-    parser.close()
-    return parser.message
