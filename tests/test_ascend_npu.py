@@ -154,10 +154,14 @@ def test_to_device_converts_without_changing_values():
 
 # ---------------------------------------------------------------- graph mode (one shared compiled session)
 
+COMPILES_AT_LOAD: list[int] = []     # the shared session's compile count right after load (tests run in any order)
+
+
 @pytest.fixture(scope="module")
 def graph(make_tiny):
     cfg, w = model(make_tiny, "chatglm3")
     s = ascend(cfg, w, buckets="8,32")                  # no mode given: graph is the default
+    COMPILES_AT_LOAD.append(s.compiles)
     yield cfg, w, s
     s.close()
 
@@ -165,7 +169,7 @@ def graph(make_tiny):
 def test_graph_matches_reference_through_buckets_chunks_and_appends(graph):
     cfg, w, s = graph
     assert s.mode == "graph" and s.report()["compiler"] == "inductor" and s.report()["prefill buckets"] == [8, 32]
-    assert s.compiles <= 1          # the decode graph, compiled at load (0: this process compiled it before)
+    assert COMPILES_AT_LOAD[-1] <= 1     # the decode graph, compiled at load (0: this process compiled it before)
     # 5 -> bucket 8; 20 appended -> bucket 32; 70 appended -> chunks 32+32+6; decode in between
     script = ["r", ("p", ids(5, 11)), ("d", ids(6, 12)), ("p", ids(20, 13)), ("d", ids(3, 14)),
               ("p", ids(70, 15)), ("d", ids(4, 16))]
@@ -191,11 +195,12 @@ def test_graph_near_capacity_pads_into_the_spare_slots(graph):
 def test_graph_compiles_once_per_shape_not_per_step(graph):
     _, _, s = graph
     s.reset()
+    before = s.compiles                                # other tests of the shared session may have run first
     s.prefill(ids(5, 31))                              # bucket 8
     s.prefill(ids(20, 32))                             # bucket 32
     s.decode(7)                                        # decode
     warm = s.compiles
-    assert warm <= 3                                   # buckets 8 and 32, and decode: nothing else, ever
+    assert warm - before <= 3                          # buckets 8 and 32, and decode: nothing else, ever
     for n in (1, 3, 8, 9, 17, 32):
         s.prefill(ids(n, 40 + n))
     for t in ids(30, 33):

@@ -666,7 +666,16 @@ def _health_latency(url, seconds):
     return worst
 
 
-def test_expensive_requests_never_stall_health(tiny_model):
+@pytest.fixture
+def own_model(make_tiny):
+    """A model for a test that serves it itself: serving() stops its scheduler at the end, which must never
+    be the module's shared tiny_model (tests run in random order)."""
+    m = load_model(make_tiny("chatglm3"), "torch", LoadOptions(threads=1), slots=2, token_budget=64)
+    yield m
+    m.close()
+
+
+def test_expensive_requests_never_stall_health(own_model):
     # a tool schema pretty-printed into a huge prompt, and prompts as long as the body limit allows: refused
     # before expansion or prepared in worker threads, never on the event loop
     deep = {"type": "function", "function": {"name": "f", "parameters": json.loads('{"a":' * 30 + "1" + "}" * 30)}}
@@ -674,7 +683,7 @@ def test_expensive_requests_never_stall_health(tiny_model):
                                                                          for i in range(20000)}}}
     bodies = [json.dumps(b, ensure_ascii=False).encode() for b in ({"model": "tiny", "messages": MSG, "tools": [deep, wide] * 3},
               {"model": "tiny", "messages": [{"role": "user", "content": "词 " * 900_000}]})]
-    with serving(tiny_model, max_body=4 << 20) as u:
+    with serving(own_model, max_body=4 << 20) as u:
         errors = []
 
         def hammer():
@@ -693,9 +702,9 @@ def test_expensive_requests_never_stall_health(tiny_model):
         assert worst < 1.0, f"/health took {worst:.2f} s while expensive requests were prepared"
 
 
-def test_slow_drip_connections_are_closed(tiny_model):
+def test_slow_drip_connections_are_closed(own_model):
     import socket as socketlib
-    with serving(tiny_model, read_timeout=1.0) as u:
+    with serving(own_model, read_timeout=1.0) as u:
         port = int(u.rsplit(":", 1)[1])
         head = socketlib.create_connection(("127.0.0.1", port))
         head.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n")        # the head never ends
@@ -722,18 +731,14 @@ def test_slow_drip_connections_are_closed(tiny_model):
         assert httpx.get(f"{u}/health").status_code == 200
 
 
-def test_metrics_count_500s(make_tiny, monkeypatch):
-    m = load_model(make_tiny("chatglm3"), "torch", LoadOptions(threads=1), slots=1, token_budget=64)
-    try:
-        with serving(m) as u:
-            def broken(*_a, **_k):
-                raise RuntimeError("a bug")
-            monkeypatch.setattr(m.chat_format, "encode_messages", broken)
-            r = httpx.post(f"{u}/v1/chat/completions", json={"model": "tiny", "messages": MSG}, timeout=60)
-            assert r.status_code == 500 and "a bug" not in r.text
-            assert metric(u, "glmcore_requests_total", endpoint="chat", status="500") == 1
-    finally:
-        m.close()
+def test_metrics_count_500s(own_model, monkeypatch):
+    with serving(own_model) as u:
+        def broken(*_a, **_k):
+            raise RuntimeError("a bug")
+        monkeypatch.setattr(own_model.chat_format, "encode_messages", broken)
+        r = httpx.post(f"{u}/v1/chat/completions", json={"model": "tiny", "messages": MSG}, timeout=60)
+        assert r.status_code == 500 and "a bug" not in r.text
+        assert metric(u, "glmcore_requests_total", endpoint="chat", status="500") == 1
 
 
 @pytest.mark.parametrize("temperature", [5e-324, 1e-300, 1e-6])
