@@ -9,8 +9,8 @@ aggregate decode speed of 16 constrained requests beside 16 unconstrained ones o
    constrained request -- the grammar's bitmask (llguidance), its expansion and the masked copy of the
    logits row (numpy) -- alone and for a batch of 16 (llguidance's executor). The tokenizer is GLM-4's real
    one when shared/models/glm-4-9b-chat is present (--tokenizer DIR), else the model's own padded to 151,552.
-2. Throughput: 16 requests of `--gen` tokens each through the scheduler, all constrained (an array of
-   objects that cannot close within --gen tokens, so both sides generate the same number of tokens) or
+2. Throughput: 16 greedy requests of `--gen` tokens each through the scheduler, all constrained (an array
+   of objects that cannot close within --gen tokens, so both sides generate the same number of tokens) or
    none, alternating round by round on one loaded model; medians and their ratio are printed.
 """
 from __future__ import annotations
@@ -27,7 +27,7 @@ from glmcore.backend import LoadOptions
 from glmcore.model import load_model
 from glmcore.sampling import Sampler, SamplingParams
 from glmcore.scheduler import Request
-from glmcore.structured import Grammar, compile_grammar, mask_rows
+from glmcore.structured import Grammar, compile_grammar, mask_rows, token_table
 from glmcore.tokenizer import load_tokenizer
 from glmcore_conformance.bench import model_dir_for
 
@@ -44,6 +44,9 @@ ITEM = {"type": "object", "properties": {
     "required": ["name", "age", "kind", "tags", "home"], "additionalProperties": False}
 SCHEMA = {"type": "object", "properties": {"items": {"type": "array", "items": ITEM, "minItems": 1, "maxItems": 4}},
           "required": ["items"], "additionalProperties": False}
+# greedy: the figures compare the model's steps with and without masking, not the sampler's nucleus over a
+# random-weight model's flat distribution (which masking shrinks, flattering the constrained side)
+GREEDY = SamplingParams(temperature=0)
 ENDLESS = {"type": "array", "items": ITEM, "minItems": 100000}     # never complete within --gen tokens
 
 
@@ -86,8 +89,8 @@ def throughput(model, n: int, gen: int, constrained: bool) -> float:
                   if constrained else None)
     prefix = [tok.special_ids["[gMASK]"], tok.special_ids.get("<sop>", tok.special_ids.get("sop"))]
     start = time.perf_counter()
-    handles = [sched.submit(Request(prefix + tok.encode(f"record {i}:"), SamplingParams(temperature=1.0, seed=i),
-                                    gen, (), constraint=constraint)) for i in range(n)]
+    handles = [sched.submit(Request(prefix + tok.encode(f"record {i}:"), GREEDY, gen, (), constraint=constraint))
+               for i in range(n)]
     sched.run()
     wall = time.perf_counter() - start
     made = sum(len(h.tokens) for h in handles)
@@ -95,6 +98,62 @@ def throughput(model, n: int, gen: int, constrained: bool) -> float:
     if bad:
         raise SystemExit(f"a request failed: {bad[0].error}")
     return made / wall
+
+
+def compare_libraries(steps: int) -> None:
+    """llguidance beside xgrammar on both tokenizer kinds (SentencePiece with byte fallback: ChatGLM3; tiktoken:
+    GLM-4): grammar compile time, and mask time over the same kind of seeded random walk (--compare)."""
+    try:
+        import xgrammar as xgr      # its bitmasks are torch tensors: it needs torch too
+    except ImportError:
+        raise SystemExit("--compare needs xgrammar and torch: pip install xgrammar") from None
+    import json
+    shared = REAL_GLM4.parent
+    for family, name, n_logits in (("chatglm3", "chatglm3-6b", 65024), ("glm4", "glm-4-9b-chat", GLM4_LOGITS)):
+        if not (shared / name / "tokenizer.model").is_file():
+            print(f"{family}: {shared / name} not found, skipped")
+            continue
+        tok = load_tokenizer(shared / name, family)
+        t = time.perf_counter()
+        token_table(tok, n_logits)            # once per tokenizer (as xgrammar's TokenizerInfo): timed apart
+        table_s = time.perf_counter() - t
+        t = time.perf_counter()
+        constraint = compile_grammar(tok, Grammar.json_schema(SCHEMA), n_logits, leading_space=False)
+        compile_s = time.perf_counter() - t
+        llg_times: list[float] = []
+        xgr_times: list[float] = []
+        # xgrammar reads a RAW byte vocabulary: special tokens and padded ids must be blanked or it treats
+        # "[gMASK]", "<|user|>" as literal text
+        vocab = [b"" if tok.is_special(i) else tok.token_bytes(i) for i in range(tok.n_vocab)]
+        vocab += [b""] * (n_logits - len(vocab))
+        t = time.perf_counter()
+        info = xgr.TokenizerInfo(vocab, vocab_type=xgr.VocabType.RAW, vocab_size=n_logits, stop_token_ids=[tok.eos_id])
+        compiler = xgr.GrammarCompiler(info)
+        info_s = time.perf_counter() - t
+        t = time.perf_counter()
+        compiled = compiler.compile_json_schema(json.dumps(SCHEMA), any_whitespace=False)
+        xgr_compile_s = time.perf_counter() - t
+        for seed in range(20):
+            for lib, times in (("llg", llg_times), ("xgr", xgr_times)):
+                rng = np.random.default_rng(seed)
+                m = constraint.start() if lib == "llg" else xgr.GrammarMatcher(compiled)
+                words = (np.zeros(constraint.table.words, np.int32) if lib == "llg"
+                         else xgr.allocate_token_bitmask(1, n_logits))
+                for _ in range(steps // 20):
+                    if (m.stopped if lib == "llg" else m.is_terminated()):
+                        break
+                    t = time.perf_counter()
+                    m.fill(words) if lib == "llg" else m.fill_next_token_bitmask(words)
+                    times.append(time.perf_counter() - t)
+                    raw = words if lib == "llg" else words.numpy()[0]
+                    ok = np.flatnonzero(np.unpackbits(raw.view(np.uint8), bitorder="little")[:n_logits])
+                    ok = ok[ok != tok.eos_id] if (ok != tok.eos_id).any() else ok
+                    token = int(rng.choice(ok))
+                    m.advance(token) if lib == "llg" else m.accept_token(token)
+        print(f"{family} ({tok.n_vocab} ids, {n_logits} logits): llguidance table {table_s * 1e3:.0f} ms, compile "
+              f"{compile_s * 1e3:.1f} ms, mask median {ms(llg_times, 50):.3f} ms p99 {ms(llg_times, 99):.2f} ms | "
+              f"xgrammar tokenizer info {info_s * 1e3:.0f} ms, compile {xgr_compile_s * 1e3:.0f} ms, "
+              f"mask median {ms(xgr_times, 50):.3f} ms p99 {ms(xgr_times, 99):.2f} ms")
 
 
 def ms(xs: list[float], q: float) -> float:
@@ -112,13 +171,17 @@ def main(argv=None) -> None:
     ap.add_argument("--steps", type=int, default=2000, help="masking steps timed")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--compare", action="store_true", help="only compare llguidance with xgrammar (the library "
+                    "choice) on the shared ChatGLM3 and GLM-4 tokenizers")
     a = ap.parse_args(argv)
+    if a.compare:
+        return compare_libraries(a.steps)
     if a.size == "tiny":
         a.gen, a.rounds, a.steps = 8, 1, 200
     model_dir, _ = model_dir_for(a.model, a.size, family="glm4")
     tok_dir = Path(a.tokenizer) if a.tokenizer else REAL_GLM4 if (REAL_GLM4 / "tokenizer.model").is_file() else None
     tok = load_tokenizer(tok_dir or model_dir, "glm4")
-    which = f"{tok_dir.name}'s tokenizer ({tok.n_vocab} ids)" if tok_dir else f"the model's tokenizer ({tok.n_vocab} ids)"
+    which = f"{tok_dir.name if tok_dir else 'the model'}'s tokenizer ({tok.n_vocab} ids)"
     alone, together = masking(tok, GLM4_LOGITS, a.steps, a.requests)
     print(f"masking, {which} at {GLM4_LOGITS} logits, JSON Schema of nested objects/arrays/enums/ranges:")
     print(f"| requests per step | steps | median ms/token/request | p99 ms/token/request |\n|---|---:|---:|---:|\n"

@@ -23,8 +23,8 @@ from selenium.webdriver.support.ui import WebDriverWait  # noqa: E402
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 CHROMEDRIVER = shutil.which("chromedriver")
-pytestmark = pytest.mark.skipif(not (CHROMIUM and CHROMEDRIVER),
-                                reason="no headless browser: apt-get install -y chromium chromium-driver (.ci/run does)")
+pytestmark = pytest.mark.skipif(not (CHROMIUM and CHROMEDRIVER), reason="no headless browser: apt-get install -y "
+                                "chromium chromium-driver (.ci/run does)")
 KEY = "page-test-key"
 SCREENSHOT = os.environ.get("GLMCORE_CHAT_SCREENSHOT")     # a path: also save the 1280 px screenshot there
 
@@ -217,10 +217,11 @@ def test_layout_at_phone_and_desktop_width(server, browser, tmp_path, width, hei
     send(browser, "A question long enough to wrap on a phone screen: how do the slots of the scheduler work?")
     WebDriverWait(browser, 60).until(lambda d: d.find_element(By.ID, "send").is_displayed()
                                      and d.find_elements(By.CSS_SELECTOR, ".msg.assistant"))
+    code = 'A code block:\n```python\nprint("a rather long line of code that must scroll, not overflow the page")\n```'
     browser.execute_script("""
-        const m = document.createElement('div'); document.getElementById('log').appendChild(m);
-        m.className = 'msg assistant'; const c = document.createElement('div'); c.className = 'content'; m.appendChild(c);
-        renderMarkdown(c, 'A code block:\\n```python\\nprint("a rather long line of code that must scroll, not overflow the page")\\n```');""")
+        const m = document.createElement('div'); m.className = 'msg assistant';
+        const c = document.createElement('div'); c.className = 'content'; m.appendChild(c);
+        document.getElementById('log').appendChild(m); renderMarkdown(c, arguments[0]);""", code)
     view_w = browser.execute_script("return document.documentElement.clientWidth")
     assert browser.execute_script("return document.documentElement.scrollWidth") <= view_w, "horizontal overflow"
     bar, log, composer = rect(browser, "#bar"), rect(browser, "#log"), rect(browser, "#composer")
@@ -234,7 +235,8 @@ def test_layout_at_phone_and_desktop_width(server, browser, tmp_path, width, hei
     for msg in browser.find_elements(By.CSS_SELECTOR, ".msg"):
         r = browser.execute_script("const r = arguments[0].getBoundingClientRect(); return [r.left, r.right];", msg)
         assert r[0] >= 0 and r[1] <= view_w + 0.5, r
-    font = browser.execute_script("return parseFloat(getComputedStyle(document.querySelector('.msg .content')).fontSize)")
+    font = browser.execute_script("return parseFloat(getComputedStyle("
+                                  "document.querySelector('.msg .content')).fontSize)")
     assert font >= 13, "text too small to read"
     shot = tmp_path / f"chat-{width}.png"
     assert browser.save_screenshot(str(shot)) and shot.stat().st_size > 5000
