@@ -8,14 +8,14 @@ import json
 import re
 from typing import Any, Literal
 
-import numpy as np
-
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from ..chat import MAX_ARGUMENT_DEPTH, json_depth
 
 # Nesting a body may have: OpenAI's shapes need < 10 levels, tool schemas a few more. Checked before json.loads,
 # so no request depends on the interpreter's recursion limit (or costs a pretty-printed 900-level schema).
 MAX_DEPTH = 64
-MAX_SCHEMA_DEPTH = 32       # a tool's parameters schema, and a tool call's arguments
+MAX_SCHEMA_DEPTH = MAX_ARGUMENT_DEPTH       # a tool's parameters schema, and a tool call's arguments
 MAX_STOP_CHARS = 256        # one stop string
 
 
@@ -43,21 +43,6 @@ class _Strict(BaseModel):
 
 class StreamOptions(_Strict):
     include_usage: bool = False
-
-
-def json_depth(text: str) -> int:
-    """The deepest nesting of [ and { in JSON text (strings skipped), found without parsing it: C-speed regex
-    and numpy, so a 4 MB body costs milliseconds and never holds the interpreter for long."""
-    brackets = _STRING.sub("", text).encode("utf-8", "surrogatepass").translate(None, _NOT_BRACKETS)
-    if not brackets:
-        return 0
-    steps = np.frombuffer(brackets, np.uint8)
-    return int(np.cumsum(np.where((steps == 91) | (steps == 123), 1, -1), dtype=np.int64).max())
-
-
-_STRING = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"')       # a JSON string, unrolled (no per-character branching)
-# every byte but [ ] { } (UTF-8 continuation bytes are >= 0x80, never a bracket)
-_NOT_BRACKETS = bytes(sorted(set(range(256)) - set(b"[]{}")))
 
 
 def value_depth(value) -> int:
