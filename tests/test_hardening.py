@@ -504,3 +504,8 @@ def test_run_slots_zero_is_an_error_as_in_serve(ckpt, tmp_path):
     (tmp_path / "p.txt").write_text("a\nb\n")
     r = _cli("run", "--backend", "torch", "--model", str(ckpt), "--prompts", str(tmp_path / "p.txt"), "--slots", "0")
     _one_line_error(r, "invalid --slots 0")
+
+
+def test_eval_perplexity_file_is_read_bounded(ckpt):
+    r = _cli("eval", "--backend", "torch", "--model", str(ckpt), "--perplexity", "/dev/zero", "--ctx", "32")
+    _one_line_error(r, "larger than 256 MiB")

@@ -23,6 +23,7 @@ import numpy as np
 
 from ..backend import LoadOptions, registry
 from ..errors import GlmcoreError
+from ..files import decode_text, read_bounded
 from .scoring import log_softmax, run_slots
 
 
@@ -243,11 +244,12 @@ def table(results: list[Result], reference: Result) -> str:
     return "\n".join([table_header(reference)] + [table_row(r, reference) for r in results])
 
 
+MAX_TEXT_BYTES = 256 << 20    # wikitext-2's test split is 1.3 MB; a bound so /dev/zero is refused, not read forever
+
+
 def read_text(path: str | Path) -> str:
-    try:
-        text = Path(path).read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as e:
-        raise GlmcoreError(f"cannot read --perplexity {str(path)!r}: {e}; give a UTF-8 text file") from None
+    fix = "give a UTF-8 text file"
+    text = decode_text(read_bounded(path, MAX_TEXT_BYTES, "--perplexity", fix), f"--perplexity {str(path)!r}", fix)
     if not text.strip():
         raise GlmcoreError(f"--perplexity {str(path)!r} is empty; give a text file (e.g. wikitext-2's wiki.test.raw)")
     return text
