@@ -748,3 +748,12 @@ def test_a_vanishing_temperature_is_greedy_not_a_500(url, temperature):
     r = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
     greedy = httpx.post(f"{url}/v1/completions", json={**body, "temperature": 0}, timeout=60)
     assert r.status_code == 200 and r.json()["choices"][0]["text"] == greedy.json()["choices"][0]["text"], r.text
+
+
+def test_more_messages_than_the_context_are_refused_before_rendering(own_model):
+    with serving(own_model, max_body=4 << 20) as u:
+        body = {"model": "tiny", "messages": [{"role": "user"}] * 100_000, "max_tokens": 1}
+        t = time.monotonic()
+        r = httpx.post(f"{u}/v1/chat/completions", json=body, timeout=120)
+        assert r.status_code == 400 and "holds 100000 messages" in r.json()["error"]["message"], r.text
+        assert time.monotonic() - t < 10

@@ -522,6 +522,10 @@ def create_app(model, name: str, api_key: str | None = None, max_body: int = MAX
         tools, calls, must_call = tool_setup(fmt, req)
         params, stops = sampling(req), req.stops()
         state.check_size(_prompt_chars(messages, tools), "messages")
+        if len(messages) > state.scheduler.capacity:   # every message is at least its role token
+            raise ApiError(400, f"'messages' holds {len(messages)} messages, more than a context of "
+                           f"{state.scheduler.capacity} tokens can hold; send fewer", "messages",
+                           "context_length_exceeded")
         try:
             sreq = chat_request(fmt, messages, tools, params)
         except GlmcoreError as e:
