@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .errors import ConfigError
+from .files import read_bounded
 from .tokenizer import is_tiktoken_file
 
 # chatglm2/chatglm3/glm4: THUDM's remote-code checkpoints (model_type "chatglm", tokenizer.model);
@@ -15,6 +16,7 @@ from .tokenizer import is_tiktoken_file
 # glm-edge: transformers' glm architecture (GLM-Edge, the -hf conversions: GlmForCausalLM).
 # The last two ship tokenizer.json + a chat template; the family never decides an architectural number.
 FAMILIES = ("chatglm2", "chatglm3", "glm4", "glm4-0414", "glm-edge")
+MAX_CONFIG_BYTES = 16 << 20     # a real config.json is a few KB
 # Far beyond any GLM model, small enough that no product of them overflows 64 bits.
 _INT_RANGES = {"hidden_size": (1, 1 << 16), "num_layers": (1, 1024), "num_heads": (1, 1024),
                "num_kv_heads": (1, 1024), "head_dim": (4, 1024), "ffn_hidden_size": (1, 1 << 18),
@@ -99,10 +101,11 @@ class ModelConfig:
         path = Path(model_dir) / "config.json"
         if not path.is_file():
             raise ConfigError(f"{path}: not found; point --model at a checkpoint directory that has config.json")
-        try:
-            raw = json.loads(path.read_text(encoding="utf-8"))
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise ConfigError(f"{path}: not valid JSON ({e}); restore the file from the original checkpoint") from None
+        fix = "restore the file from the original checkpoint"
+        try:     # bounded: a config.json is a few KB; a huge one is refused before it is parsed
+            raw = json.loads(read_bounded(path, MAX_CONFIG_BYTES, "config.json", fix, ConfigError).decode("utf-8"))
+        except (UnicodeDecodeError, ValueError, RecursionError) as e:
+            raise ConfigError(f"{path}: not valid JSON ({type(e).__name__}: {str(e)[:80]}); {fix}") from None
         return cls.from_dict(raw, source=str(path), model_dir=Path(model_dir))
 
     @classmethod

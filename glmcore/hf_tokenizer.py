@@ -16,6 +16,7 @@ from functools import lru_cache
 from pathlib import Path
 
 from .errors import TokenizerError
+from .files import read_bounded
 from .vocabulary import GLM4_PAT, Tokenizer
 
 # Templates modelled on the published files (the real files are not in this workspace; see the tests).
@@ -130,10 +131,15 @@ def has_hf_tokenizer(model_dir: Path) -> bool:
     return (Path(model_dir) / "tokenizer.json").is_file()
 
 
+MAX_JSON_BYTES = 256 << 20      # GLM-4-0414's tokenizer.json is ~20 MB
+
+
 def _read_json(path: Path, what: str) -> dict:
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as e:
+        # bounded: a tokenizer.json is a few MB; a huge one is refused before it is parsed
+        data = json.loads(read_bounded(path, MAX_JSON_BYTES, what, f"copy {what} from the original checkpoint",
+                                       TokenizerError).decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:
         raise TokenizerError(f"{path} is not valid JSON ({type(e).__name__}: {str(e)[:80]}); copy {what} from the "
                              "original checkpoint again") from None
     if not isinstance(data, dict):

@@ -24,12 +24,14 @@ import numpy as np
 
 from .config import ModelConfig
 from .errors import CheckpointError
+from .files import read_bounded
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 _ST_DTYPES = {"F32": np.dtype("<f4"), "F16": np.dtype("<f2"), "BF16": BF16, "F64": np.dtype("<f8"),
               "I64": np.dtype("<i8"), "I32": np.dtype("<i4"), "I8": np.dtype("i1"), "U8": np.dtype("u1")}
 _ST_NAMES = {v: k for k, v in _ST_DTYPES.items()}
 WEIGHT_DTYPES = (np.dtype("<f4"), np.dtype("<f2"), BF16)
+MAX_INDEX_BYTES = 64 << 20      # a real *.index.json is tens of KB
 
 
 # ---------------------------------------------------------------- canonical names
@@ -194,8 +196,10 @@ def _read_raw(model_dir: Path) -> tuple[dict[str, np.ndarray], list[Path]]:
 def _read_index(index: Path) -> dict[str, str]:
     """The weight_map of an index file: tensor name -> shard file name inside the model directory."""
     try:
-        weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
-    except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError, RecursionError) as e:
+        # bounded: GLM-4's index is 30 KB; a huge one is refused before it is parsed
+        weight_map = json.loads(read_bounded(index, MAX_INDEX_BYTES, index.name, "restore it from the original "
+                                             "checkpoint", CheckpointError).decode("utf-8"))["weight_map"]
+    except (UnicodeDecodeError, ValueError, KeyError, TypeError, RecursionError) as e:
         raise CheckpointError(f"{index}: not a valid index ({type(e).__name__}: {str(e)[:80]}); restore it from "
                               "the original checkpoint") from None
     if not isinstance(weight_map, dict) or not all(isinstance(k, str) and isinstance(v, str)

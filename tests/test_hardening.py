@@ -509,3 +509,19 @@ def test_run_slots_zero_is_an_error_as_in_serve(ckpt, tmp_path):
 def test_eval_perplexity_file_is_read_bounded(ckpt):
     r = _cli("eval", "--backend", "torch", "--model", str(ckpt), "--perplexity", "/dev/zero", "--ctx", "32")
     _one_line_error(r, "larger than 256 MiB")
+
+
+@pytest.mark.parametrize("name,content", [
+    ("config.json", "/dev/zero"),                                        # a symlink to an endless device
+    ("config.json", "[" * 200000 + "]" * 200000),                       # nested past any recursion limit
+    ("model.safetensors.index.json", "[" * 200000 + "]" * 200000),
+], ids=["config-dev-zero", "config-deep", "index-deep"])
+def test_model_directory_json_is_never_an_endless_or_recursive_read(ckpt, name, content):
+    import os
+    (ckpt / name).unlink(missing_ok=True)
+    if content == "/dev/zero":
+        os.symlink(content, ckpt / name)
+    else:
+        (ckpt / name).write_text(content)
+    r = _cli("run", "--backend", "torch", "--model", str(ckpt), "--prompt", "hi", "--max-new-tokens", "2")
+    _one_line_error(r, name)
