@@ -130,3 +130,16 @@ def test_vllm_ignore_eos_and_min_tokens(served):
             "temperature": 0}
     r = httpx.post(f"{url}/v1/chat/completions", json=body).json()
     assert r["usage"]["completion_tokens"] >= 9
+
+
+def test_a_dead_ended_grammar_is_a_clear_error_not_a_hang(served):
+    """The grammar allows only a stop token after "a", and min_tokens keeps stop tokens closed."""
+    m, url = served
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "x"}], "max_tokens": 10, "min_tokens": 5,
+            "structured_outputs": {"grammar": 'start: "a" <|user|>'}}
+    r = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["code"] == "grammar_dead_end", r.text
+    assert "the grammar dead-ended after" in r.json()["error"]["message"]
+    del body["min_tokens"]
+    r = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=60).json()
+    assert r["choices"][0]["message"]["content"] == "a" and r["choices"][0]["finish_reason"] == "stop"
