@@ -757,3 +757,25 @@ def test_more_messages_than_the_context_are_refused_before_rendering(own_model):
         r = httpx.post(f"{u}/v1/chat/completions", json=body, timeout=120)
         assert r.status_code == 400 and "holds 100000 messages" in r.json()["error"]["message"], r.text
         assert time.monotonic() - t < 10
+
+
+def test_an_endless_request_head_is_cut_off(own_model):
+    import socket as socketlib
+    with serving(own_model) as u:
+        s = socketlib.create_connection(("127.0.0.1", int(u.rsplit(":", 1)[1])))
+        s.settimeout(10)
+        s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nX-Big: ")
+        reply, closed = b"", False
+        try:
+            for _ in range(200):                       # 200 x 8 KiB of one header, at full speed
+                s.sendall(b"a" * 8192)
+            while chunk := s.recv(4096):
+                reply += chunk
+            closed = True                              # EOF: the server closed it
+        except socketlib.timeout:
+            pass                                       # still open, still buffering: the bug
+        except OSError:
+            closed = True                              # reset while we were still sending
+        s.close()
+        assert closed and (reply.startswith(b"HTTP/1.1 431") or not reply), reply[:100]
+        assert httpx.get(f"{u}/health").status_code == 200

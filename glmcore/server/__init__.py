@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from ..errors import GlmcoreError
 
 INSTALL = 'pip install "glmcore[server]"'
+MAX_HEAD = 64 << 10          # bytes of a request line and headers (h11's own limit is 16 KiB)
 
 
 @dataclass
@@ -63,7 +64,7 @@ def uvicorn_config(app, read_timeout: float = 30.0, **kw):
             self._arm()
 
         def _arm(self):
-            self._head_cycle = self.cycle
+            self._head_cycle, self._head_bytes = self.cycle, 0
             self._head_timer = self.loop.call_later(read_timeout, self._head_late)
 
         def data_received(self, data):
@@ -73,6 +74,14 @@ def uvicorn_config(app, read_timeout: float = 30.0, **kw):
             if self._head_timer is not None and self.cycle is not self._head_cycle:
                 self._head_timer.cancel()
                 self._head_timer = None
+            elif self._head_timer is not None:
+                # still in the head: httptools buffers header fields without a limit, so a fast client
+                # could send gigabytes of one header within the timeout
+                self._head_bytes += len(data)
+                if self._head_bytes > MAX_HEAD and not self.transport.is_closing():
+                    self.transport.write(b"HTTP/1.1 431 Request Header Fields Too Large\r\nconnection: close\r\n"
+                                         b"content-length: 0\r\n\r\n")
+                    self.transport.close()
 
         def _head_late(self):
             self._head_timer = None
