@@ -16,6 +16,7 @@ import httpx
 import pytest
 
 webdriver = pytest.importorskip("selenium.webdriver", reason="the browser tests need selenium (the dev extra)")
+from selenium.common.exceptions import ElementNotInteractableException  # noqa: E402
 from selenium.webdriver.chrome.options import Options  # noqa: E402
 from selenium.webdriver.chrome.service import Service  # noqa: E402
 from selenium.webdriver.common.by import By  # noqa: E402
@@ -124,16 +125,20 @@ def test_stop_cancels_the_generation_and_frees_the_slot(server, browser):
     setting(browser, "max_tokens", "4000")
     setting(browser, "temperature", "2")
     setting(browser, "top_p", "1")
-    for attempt in range(6):
+    for attempt in range(8):
         watch_reply(browser)
         send(browser, f"go on and on ({attempt})")
-        WebDriverWait(browser, 60).until(lambda d: any(x > 0 for x in d.execute_script("return window.__lengths")))
+        WebDriverWait(browser, 60, poll_frequency=0.02).until(
+            lambda d: any(x > 0 for x in d.execute_script("return window.__lengths")))
         if busy_slots(server) == 1:
-            break
+            try:
+                browser.find_element(By.ID, "stop").click()
+                break
+            except ElementNotInteractableException:     # it ended between the two looks: try another
+                pass
         WebDriverWait(browser, 60).until(lambda d: d.find_element(By.ID, "send").is_displayed())
     else:
         pytest.fail("every reply ended before it could be stopped")
-    browser.find_element(By.ID, "stop").click()
     WebDriverWait(browser, 30).until(lambda d: d.find_element(By.ID, "send").is_displayed())
     deadline = time.monotonic() + 30
     while busy_slots(server) and time.monotonic() < deadline:
