@@ -202,6 +202,7 @@ def _stream_reply(pipe, messages, tools, params, max_new_tokens, shown: list | N
 CHAT_HELP = "commands: /system TEXT (none: clear it), /tools FILE.json (/tools none: clear them), /reset, /quit"
 MAX_PROMPTS_BYTES = 64 << 20     # run --prompts: far more than one batch can hold, and never an endless read
 MAX_TOOLS_BYTES = 4 << 20        # chat /tools: the server's body limit
+MAX_LINE_CHARS = 1 << 20         # one line of chat input from a pipe
 
 
 def _load_tools(arg: str, chat_format) -> tuple[list, list[str]]:
@@ -230,10 +231,28 @@ class ChatState:
         return _messages(self.system) + self.history
 
 
+def _input(prompt: str) -> str:
+    """input(), bounded: a terminal's lines are typed, but piped stdin (/dev/zero) may never end a line."""
+    try:
+        piped = not sys.stdin.isatty() and sys.stdin.fileno() >= 0
+    except (OSError, ValueError, AttributeError):     # a stand-in stdin without a file (an embedding, a test)
+        piped = False
+    if not piped:
+        return input(prompt)
+    print(prompt, end="", flush=True)
+    line = sys.stdin.readline(MAX_LINE_CHARS + 1)
+    if not line:
+        raise EOFError
+    if len(line) > MAX_LINE_CHARS:
+        raise GlmcoreError(f"a line of input is longer than {MAX_LINE_CHARS >> 20} Mi characters; send shorter lines "
+                           "(or a file of prompts with `glmcore run --prompts`)")
+    return line.rstrip("\n")
+
+
 def _read_line(prompt: str) -> str | None:
-    """One line of stdin (None at EOF); bytes that are not UTF-8 are an error for that line only."""
+    """One line of stdin (EOFError at the end); bytes that are not UTF-8 are an error for that line only."""
     while True:
-        line = input(prompt)
+        line = _input(prompt)
         try:
             return check_text(line, "the line", "type it again as UTF-8 text")
         except GlmcoreError as e:

@@ -525,3 +525,11 @@ def test_model_directory_json_is_never_an_endless_or_recursive_read(ckpt, name, 
         (ckpt / name).write_text(content)
     r = _cli("run", "--backend", "torch", "--model", str(ckpt), "--prompt", "hi", "--max-new-tokens", "2")
     _one_line_error(r, name)
+
+
+def test_chat_from_an_endless_stdin_is_one_line(ckpt):
+    with open("/dev/zero", "rb") as zero:
+        r = subprocess.run([sys.executable, "-m", "glmcore.cli", "chat", "--backend", "torch", "--model", str(ckpt),
+                            "--threads", "1"], stdin=zero, capture_output=True, timeout=300)
+    err = r.stderr.decode()
+    assert r.returncode == 2 and "error: a line of input is longer than" in err and "Traceback" not in err, err
