@@ -111,7 +111,8 @@ def cmd_run(a) -> int:
     if (a.prompt is None) == (a.prompts is None):
         raise GlmcoreError("give either --prompt TEXT or --prompts FILE (one prompt a line)")
     if a.slots is not None and a.slots < 1:     # as `serve --slots 0`: an error, not a hidden meaning
-        raise GlmcoreError(f"invalid --slots {a.slots}: use a positive number (omit it for one slot per prompt)")
+        raise GlmcoreError(f"invalid --slots {a.slots}: use a positive number (omit it for one slot per prompt, "
+                           f"up to {DEFAULT_MAX_SLOTS})")
     if a.prompts is not None:
         return _run_batch(a)
     params = sampling(a)
@@ -138,7 +139,8 @@ def _run_batch(a) -> int:
         raise GlmcoreError(f"--prompts {a.prompts!r} has no prompt; write one prompt a line")
     params, window = sampling(a), WindowPolicy(a.overflow, a.n_keep, a.n_discard)
     grammar = grammar_from_files(a.json_schema, a.grammar)
-    m = load_model(a.model, a.backend, load_options(a), slots=min(a.slots or len(prompts), len(prompts)),
+    # a slot holds a whole context of KV cache: a file of 100,000 prompts must not ask for 100,000 of them
+    m = load_model(a.model, a.backend, load_options(a), slots=min(a.slots or DEFAULT_MAX_SLOTS, len(prompts)),
                    token_budget=a.token_budget)
     sched = m.scheduler
     start = time.perf_counter()
@@ -203,6 +205,7 @@ CHAT_HELP = "commands: /system TEXT (none: clear it), /tools FILE.json (/tools n
 MAX_PROMPTS_BYTES = 64 << 20     # run --prompts: far more than one batch can hold, and never an endless read
 MAX_TOOLS_BYTES = 4 << 20        # chat /tools: the server's body limit
 MAX_LINE_CHARS = 1 << 20         # one line of chat input from a pipe
+DEFAULT_MAX_SLOTS = 64           # run --prompts without --slots: one slot per prompt, up to this many
 
 
 def _load_tools(arg: str, chat_format) -> tuple[list, list[str]]:
@@ -499,7 +502,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_gen_args(p)
     p.add_argument("--prompt", help="the user message")
     p.add_argument("--prompts", metavar="FILE", help="a file of prompts, one a line, run together as one batch")
-    p.add_argument("--slots", type=int, help="with --prompts: sequences in flight at once (default: all prompts)")
+    p.add_argument("--slots", type=int, help="with --prompts: sequences in flight at once (default: one per prompt, "
+                   "at most 64)")
     p.add_argument("--json-schema", metavar="FILE", help="the reply is JSON matching this JSON Schema (constrained)")
     p.add_argument("--grammar", metavar="FILE", help="the reply matches this Lark grammar (llguidance's dialect)")
     p.add_argument("--token-budget", type=int, default=256,

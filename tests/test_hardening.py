@@ -533,3 +533,11 @@ def test_chat_from_an_endless_stdin_is_one_line(ckpt):
                             "--threads", "1"], stdin=zero, capture_output=True, timeout=300)
     err = r.stderr.decode()
     assert r.returncode == 2 and "error: a line of input is longer than" in err and "Traceback" not in err, err
+
+
+def test_many_prompts_do_not_allocate_a_slot_each(ckpt, tmp_path):
+    # every slot holds a whole context of KV cache: 100,000 prompt lines once asked for 100,000 slots
+    (tmp_path / "p.txt").write_text("hi\n" * 100)
+    r = _cli("run", "--backend", "torch", "--model", str(ckpt), "--prompts", str(tmp_path / "p.txt"),
+             "--max-new-tokens", "1", "--ctx", "32", "--threads", "1")
+    assert r.returncode == 0 and "100 prompts on 64 slots" in r.stderr, r.stderr
