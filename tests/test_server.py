@@ -622,6 +622,7 @@ HOSTILE_400 = {
     "tool schema 900 deep": ({"tools": [{"type": "function", "function": {
         "name": "f", "parameters": json.loads('{"a":' * 900 + "1" + "}" * 900)}}]}, None),
     # tool results out of order
+    "stream_options without stream": ({"stream_options": {"include_usage": True}}, "stream_options"),
     "tool message first": ({"messages": [{"role": "tool", "content": "42"}, MSG[0]]}, "messages.0.role"),
     "tool message without a call": ({"messages": [MSG[0], {"role": "assistant", "content": "hi"},
                                                   {"role": "tool", "content": "42"}]}, "messages.2.role"),
