@@ -484,8 +484,9 @@ def cmd_convert(a) -> int:
 
 def cmd_serve(a) -> int:
     from .server import ServeOptions, serve    # lazily: the web stack is the optional extra glmcore[server]
+    api_key = a.api_key or check_text(os.environ.get("GLMCORE_API_KEY", ""), "$GLMCORE_API_KEY") or None
     so = ServeOptions(a.host, a.port, a.slots, a.token_budget, a.max_queue,
-                      a.api_key or os.environ.get("GLMCORE_API_KEY") or None, a.served_name, a.max_body_mb << 20,
+                      api_key, a.served_name, a.max_body_mb << 20,
                       a.grace, a.read_timeout, a.log_level, a.replicas, a.ray_address)
     if so.replicas != 1 or so.ray_address:       # replicas of the server behind Ray Serve's proxy
         from .server.replicas import serve_replicas

@@ -411,6 +411,11 @@ def test_argv_bytes_that_are_not_utf8_are_one_line(ckpt):
     r = subprocess.run([sys.executable, "-m", "glmcore.cli", "run", "--backend", "torch", "--model", str(ckpt),
                         "--prompt", b"a\xffb", "--max-new-tokens", "2"], capture_output=True, timeout=300)
     _one_line_error(r, "--prompt is not valid UTF-8 text (byte 0xff")
+    import os
+    env = {**os.environ, "GLMCORE_API_KEY": os.fsdecode(b"k\xff")}      # compared as UTF-8 on every request
+    r = subprocess.run([sys.executable, "-m", "glmcore.cli", "serve", "--backend", "torch", "--model", str(ckpt),
+                        "--port", "0"], capture_output=True, timeout=300, env=env)
+    _one_line_error(r, "$GLMCORE_API_KEY is not valid UTF-8 text (byte 0xff")
 
 
 @pytest.mark.parametrize("kind,match", [("/dev/zero", "larger than"), ("fifo", "pipe"), ("dir", "is a directory"),
