@@ -13,16 +13,12 @@ from .scheduler import Scheduler
 from .errors import BackendError, GlmcoreError
 from .weights import load_weights
 
-DEMO_FAMILY, DEMO_SIZE, DEMO_SEED = "chatglm3", "tiny", 0
-
 
 def demo_model_dir(notice=lambda msg: print(msg, file=sys.stderr)) -> Path:
-    """The built-in demo: a tiny synthetic ChatGLM3 checkpoint, created once in the cache directory."""
-    from .synth import cached_model
-    path = cached_model(DEMO_FAMILY, DEMO_SIZE, DEMO_SEED, purpose="demo")
-    notice(f"note: using the built-in demo model ({path}): a tiny {DEMO_FAMILY} with random weights, "
-           "so its text is gibberish; pass --model DIR for a real checkpoint")
-    return path
+    """The built-in default model (glmcore.demo): a small ChatGLM3 trained on classical Chinese poems,
+    shipped in glmcore/data and copied into the cache directory on first use."""
+    from .demo import demo_model_dir as packaged
+    return packaged(notice)
 
 
 @dataclass

@@ -108,6 +108,9 @@ def cmd_data(a) -> None:
         with open(work / f"{name}.jsonl", "w", encoding="utf-8") as out:
             for p in ps:
                 out.write(json.dumps(p, ensure_ascii=False) + "\n")
+    # Held-out plain text for `glmcore eval --perplexity` (tests/data/demo_heldout_poems.txt).
+    (work / "heldout_poems.txt").write_text("".join("".join(p["couplets"]) + "\n" for p in split["test"][:600]),
+                                            encoding="utf-8")
     # Held-out instruction prompts: titles and first lines of test poems only.
     prompts = []
     for p in split["test"]:
@@ -185,7 +188,7 @@ def encode_sample(fmt, turns: list[tuple[str, str]]) -> tuple[list[int], list[in
         if i > 0:            # the previous reply ended on <|user|>, which the continuation starts with
             prompt = prompt[1:]
         reply = tok.encode("\n") + tok.encode(ans)
-        stop = fmt.sp["<|user|>"] if i + 1 < len(turns) else tok.eos_id
+        stop = tok.special_ids["<|user|>"] if i + 1 < len(turns) else tok.eos_id
         ids += prompt + reply + [stop]
         mask += [0] * len(prompt) + [1] * (len(reply) + 1)
         msgs.append({"role": "assistant", "content": ans})
