@@ -535,7 +535,7 @@ def cmd_measure(a) -> None:
     for ids, mask in build_samples(work, "train", SEED, fmt)[:a.limit]:
         t = np.array(ids[1:])[np.array(mask[1:]) == 1]
         np.add.at(counts, t, 1)
-    counts[tok.n_vocab:] = 0
+    counts = counts[:tok.n_vocab]            # padding rows of the output layer are never targets
     logp = np.log(counts / counts.sum())
     test = build_samples(work, "test", SEED + 999, fmt)[:a.limit]
     rows = pack(test, SEQ_LEN)
