@@ -17,6 +17,8 @@ from glmcore.config import ModelConfig
 from glmcore.demo import MODEL_FILES, PACKAGED_DIR, demo_model_dir
 from glmcore.tokenizer import SP_SPECIALS, load_tokenizer
 from glmcore.weights import load_weights
+from glmcore_conformance.metrics import compare, out_of_bounds
+from glmcore_conformance.tolerances import TRAINED_TOLERANCES, tolerance_key
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMPT = "写一首关于春天的诗"          # the README's first command
@@ -144,3 +146,47 @@ def test_heldout_prompts_get_regular_lines(demo):
     """A fast slice of the done-when figure (tools/train_demo.py measure runs all 24 prompts)."""
     lens = [n for p in HELDOUT[:6] for n in line_lengths(demo[2].decode_reply(greedy("torch", demo, p["prompt"])).content)]
     assert sum(n in (5, 7) for n in lens) >= 0.8 * len(lens)
+
+
+# Every non-f32 format against the f32 reference on trained weights, at the second, tighter rows of
+# conformance/tolerances.py (TRAINED_TOLERANCES); the first rows were set on random weights.
+FORMATS = [("openvino_amx", {"precision": "bf16", "weights": "f32"}), ("openvino_amx", {"weights": "int8"}),
+           ("openvino_amx", {"precision": "f32", "weights": "int8"}), ("openvino_amx", {"weights": "int4"}),
+           ("openvino_amx", {"precision": "f32", "weights": "int4"}), ("cpu_int4", {}),
+           ("cpu_int4", {"extra": {"group_size": 128}}), ("cpu_int4", {"extra": {"sym": False}}),
+           ("cpu_int4", {"extra": {"head_bits": 4}}), ("cpu_int4", {"extra": {"embed_bits": 8}}),
+           ("tpu_bm1684x", {"precision": "f16", "weights": "f16"}),
+           ("ascend_npu", {"precision": "bf16", "weights": "bf16", "extra": {"mode": "eager"}}),
+           ("ascend_npu", {"precision": "f16", "weights": "f16", "extra": {"mode": "eager"}})]
+
+
+def teacher_forced(backend: str, demo, ids: list[int], **opts) -> tuple[np.ndarray, LoadOptions]:
+    cfg, tok, _, weights = demo
+    b = registry().get(backend)
+    if not registry().probe(backend).ready:
+        pytest.skip(f"backend {backend} not ready here")
+    options = b.resolve(LoadOptions(capacity=256, threads=THREADS, **opts))
+    batch = b.load_batch(cfg, weights, options, 1)
+    try:
+        return np.asarray(batch.step([(0, ids)], all_logits=True)[0])[:, :tok.n_vocab], options
+    finally:
+        batch.close()
+
+
+@pytest.fixture(scope="module")
+def heldout_ids(demo):
+    poems = (ROOT / "tests" / "data" / "demo_heldout_poems.txt").read_text(encoding="utf-8").splitlines()[:4]
+    return demo[2].prefix + demo[1].encode("\n".join(poems))
+
+
+@pytest.fixture(scope="module")
+def reference_logits(demo, heldout_ids):
+    return teacher_forced("torch", demo, heldout_ids)[0]
+
+
+@pytest.mark.parametrize("backend,opts", FORMATS, ids=[f"{b}-{o}" for b, o in FORMATS])
+def test_formats_on_trained_weights_meet_the_tighter_rows(backend, opts, demo, heldout_ids, reference_logits):
+    got, options = teacher_forced(backend, demo, heldout_ids, **opts)
+    key = tolerance_key(options.precision, options.weights)
+    metrics = compare(reference_logits, got)
+    assert not out_of_bounds(metrics, TRAINED_TOLERANCES[key].bounds()), (key, metrics)
