@@ -401,6 +401,23 @@ def shutdown() -> None:
         g.close()
 
 
+def abort() -> None:
+    """End the group after rank 0 failed inside a collective call: the followers wait in that call and
+    cannot be told to exit, so the local ones are killed (torchrun's are its to stop)."""
+    global _GROUP
+    g, _GROUP = _GROUP, None
+    if g is None:
+        return
+    import torch.distributed as dist
+    for p in g.procs:
+        p.kill()
+        p.wait()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    if g.tmpdir:
+        shutil.rmtree(g.tmpdir, ignore_errors=True)
+
+
 # ---------------------------------------------------------------- loading a sharded session
 
 def _load_local(g: Group, backend: Backend, config: ModelConfig, weights, options: LoadOptions, n_slots: int,
@@ -489,9 +506,21 @@ class TPBatch(BatchSession):
             raise BackendError("this tensor-parallel session is closed")
         with self.g.lock, _deferred_sigint():
             self.g.send(("call", self.sid, method, args))
-            return getattr(self.local, method)(*args)
+            try:
+                return getattr(self.local, method)(*args)
+            except GlmcoreError:
+                raise       # refused before any collective, alike on every rank: the followers go on
+            except Exception as e:
+                # rank 0 failed part-way: the followers may be waiting in this call's collectives for it
+                # and can no longer be told anything, so the group ends here instead of hanging
+                self.local = None
+                abort()
+                raise BackendError(f"tensor parallel: rank 0 failed during {method} ({type(e).__name__}: {e}); "
+                                   "the ranks were stopped, load the model again") from e
 
     def kv_len(self, slot: int) -> int:
+        if self.local is None:
+            raise BackendError("this tensor-parallel session is closed")
         return self.local.kv_len(slot)
 
     def forward(self, entries, all_logits: bool = False):

@@ -336,3 +336,24 @@ def test_compiled_gather_falls_back_to_all_gather_tensor_on_older_torch():
     full = torch.compile(shard.gather, backend="eager", fullgraph=True)(logits)
     assert calls == [(1, "mesh")]
     assert torch.equal(full, torch.cat([logits, logits + 100], dim=1)[:, :7])
+
+
+def test_a_rank_0_failure_inside_a_step_ends_the_group_instead_of_hanging(make_tiny):
+    """The followers wait in a step's collectives for rank 0; if rank 0 fails part-way they can never be told,
+    so the group ends (local followers killed) and the step raises one clear error, in seconds, not a hang."""
+    d = make_tiny("chatglm3")
+    cfg = ModelConfig.from_dir(d)
+    batch = parallel.TensorParallel(registry().get("torch"), 2).load_batch(
+        cfg, load_weights(d, cfg), LoadOptions(capacity=32, threads=1), 1)
+    followers = list(parallel._GROUP.procs)
+
+    def broken(entries, all_logits=False):      # rank 0's own shard fails before its first collective
+        raise RuntimeError("device lost")
+    batch.local.forward = broken
+    t = time.monotonic()
+    with pytest.raises(BackendError, match="rank 0 failed during step .*device lost.*load the model again"):
+        batch.step([(0, [1, 2, 3])])
+    assert time.monotonic() - t < 30 and parallel._GROUP is None
+    assert all(p.poll() is not None for p in followers)        # no follower left waiting
+    with pytest.raises(BackendError, match="closed"):
+        batch.step([(0, [4])])
