@@ -87,7 +87,8 @@ def _free_port() -> int:
 
 
 def _ask(client, i: int) -> str:
-    r = client.chat.completions.create(model="chatglm3-tiny-seed0", messages=[{"role": "user", "content": "你好"}],
+    model = client.models.list().data[0].id          # the served id: the built-in model's directory name
+    r = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "你好"}],
                                        max_tokens=8, temperature=0)
     assert r.choices[0].finish_reason in ("stop", "length"), r
     return r.choices[0].message.content
