@@ -524,7 +524,9 @@ class TPBatch(BatchSession):
         return self.local.kv_len(slot)
 
     def forward(self, entries, all_logits: bool = False):
-        return self._call("step", [(int(s), [int(t) for t in ids]) for s, ids in entries], all_logits)
+        # checked once, here on rank 0 (BatchSession.step); every rank holds the same state, so the
+        # followers run forward directly too
+        return self._call("forward", [(int(s), [int(t) for t in ids]) for s, ids in entries], all_logits)
 
     def reset(self, slot: int) -> None:
         self._call("reset", slot)

@@ -440,9 +440,8 @@ class Scheduler:
 
     def _make_room(self, h: Handle, n_new: int) -> bool:
         """Apply h's overflow policy before n_new ids go into its slot. False: h has ended ("length")."""
-        slot = h.slot
         try:
-            room = make_room(slot, n_new, self.capacity, h.request.window)
+            room = self._slide(h.slot, n_new, h.request.window)
         except ContextOverflow as e:
             h.error = e
             self._finish(h, FinishReason.ERROR)
@@ -451,9 +450,14 @@ class Scheduler:
             h.context_full = True
             self._finish(h, FinishReason.LENGTH)
             return False
+        return True
+
+    def _slide(self, slot: Slot, n_new: int, window: WindowPolicy) -> Room:
+        """The KV-cache policy for n_new ids into slot, the window slid already where it says so."""
+        room = make_room(slot, n_new, self.capacity, window)
         if room.n_discard:
             self.shift(slot, room.n_keep, room.n_discard)
-        return True
+        return room
 
     def feed(self, slot: Slot, ids: Sequence[int], window: WindowPolicy) -> np.ndarray:
         """Teacher forcing: append given ids to an idle slot under `window` (sliding it as generation
@@ -462,12 +466,9 @@ class Scheduler:
         with self._step_lock:
             if slot.handle is not None:
                 raise GlmcoreError(f"slot {slot.index} is running a request; feed an idle slot")
-            room = make_room(slot, len(ids), self.capacity, window)
-            if room.full:
+            if self._slide(slot, len(ids), window).full:
                 raise ContextOverflow(f"{len(slot.tokens) + len(ids)} tokens exceed the context of {self.capacity}; "
                                       "raise --ctx or use --overflow window")
-            if room.n_discard:
-                self.shift(slot, room.n_keep, room.n_discard)
             logits = self.batch.step([(slot.index, ids)])[0]
             slot.tokens.extend(ids)
             return logits

@@ -141,3 +141,19 @@ def test_bad_generation_args(model):
         sched.submit(Request([], GREEDY, 1))
     with pytest.raises(GlmcoreError, match="overflow policy"):
         WindowPolicy("rotate")
+
+
+def test_feed_slides_the_window_and_refuses_what_cannot_go(model):
+    sched = scheduler(model, 16)
+    slot = sched.slots[0]
+    sched.feed(slot, list(range(10, 26)), WindowPolicy("window", n_keep=4))
+    sched.feed(slot, [7], WindowPolicy("window", n_keep=4))           # full: slides, then feeds
+    assert slot.shifts == 1 and len(slot.tokens) == sched.batch.kv_len(0) <= 16 and slot.tokens[:4] == [10, 11, 12, 13]
+    with pytest.raises(ContextOverflow, match="exceed the context of 16; raise --ctx or use --overflow window"):
+        sched.feed(slot, list(range(16)), WindowPolicy())             # the error policy never slides
+    h = sched.submit(Request([1, 2, 3], GREEDY, 50))
+    sched.step()                                                      # placed in the only slot, running
+    with pytest.raises(GlmcoreError, match="slot 0 is running a request; feed an idle slot"):
+        sched.feed(h.slot, [5], WindowPolicy())
+    h.cancel()
+    h.wait()

@@ -351,7 +351,7 @@ def test_a_rank_0_failure_inside_a_step_ends_the_group_instead_of_hanging(make_t
         raise RuntimeError("device lost")
     batch.local.forward = broken
     t = time.monotonic()
-    with pytest.raises(BackendError, match="rank 0 failed during step .*device lost.*load the model again"):
+    with pytest.raises(BackendError, match="rank 0 failed during forward .*device lost.*load the model again"):
         batch.step([(0, [1, 2, 3])])
     assert time.monotonic() - t < 30 and parallel._GROUP is None
     assert all(p.poll() is not None for p in followers)        # no follower left waiting
