@@ -51,7 +51,7 @@ from glmcore.model import resolve_backend
 
 from .memory import peak_rss, reset_peak
 
-SIZES = ("tiny", "small", "1b", "6b")
+SIZES = ("tiny", "small", "1b", "6b", "9b")
 # Seconds to wait after a llama.cpp run: its process frees ~1 GB when it exits, and on VMs with free page
 # reporting (the guest hands freed memory to the host ~2 s later) that work took the cores of the next
 # round measured (see BandwidthProbe).

@@ -52,7 +52,7 @@ class LlamaCpp:
 
     def gguf(self, model_dir: Path, weights: str, progress=lambda m: None) -> Path:
         """The checkpoint as a GGUF of the type matching `weights`, converted once into the cache."""
-        from glmcore.cache import build_once, cache_root
+        from glmcore.cache import build_once, cache_root, intact
         from glmcore.config import ModelConfig
         from glmcore.weights import load_weights
         qtype = GGUF_TYPES.get(weights)
@@ -63,13 +63,21 @@ class LlamaCpp:
             raise GlmcoreError(f"llama.cpp comparison: only the SentencePiece families (chatglm2/3), not {cfg.family}")
         key = load_weights(model_dir, cfg).fingerprint()
         root = cache_root() / "converted" / "llamacpp" / f"{Path(model_dir).name}-{key}"
-        f16 = build_once(root / "f16", lambda tmp: self._convert(model_dir, tmp / "model.gguf", progress),
-                         complete=lambda p: (p / "model.gguf").is_file()) / "model.gguf"
+        done = lambda p: (p / "model.gguf").is_file()
         if qtype == "F16":
-            return f16
-        out = build_once(root / qtype, lambda tmp: self._quantize(f16, tmp / "model.gguf", qtype, progress),
-                         complete=lambda p: (p / "model.gguf").is_file())
-        return out / "model.gguf"
+            return build_once(root / "f16", lambda tmp: self._convert(model_dir, tmp / "model.gguf", progress),
+                              complete=done) / "model.gguf"
+
+        def quantize(tmp: Path) -> None:
+            # An f16 GGUF kept from an F16 comparison is reused; otherwise it is only a step on the way (19 GB
+            # at the 9B shape), made beside the result and deleted.
+            f16 = root / "f16" / "model.gguf"
+            if not (f16.is_file() and intact(f16.parent)):
+                f16 = tmp / "f16.gguf"
+                self._convert(model_dir, f16, progress)
+            self._quantize(f16, tmp / "model.gguf", qtype, progress)
+            (tmp / "f16.gguf").unlink(missing_ok=True)
+        return build_once(root / qtype, quantize, complete=done) / "model.gguf"
 
     def _convert(self, model_dir: Path, out: Path, progress) -> None:
         progress(f"llama.cpp: converting {model_dir} to GGUF (convert_hf_to_gguf.py, once)")

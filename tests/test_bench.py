@@ -134,7 +134,7 @@ def test_run_all_smoke():
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = proc.stdout.splitlines()
     assert lines[0].startswith("Benchmark: synthetic chatglm3 tiny") and "memory bandwidth" in lines[1]
-    assert "| backend | precision/weights | TTFT ms | prefill tok/s | decode tok/s | peak RSS MiB |" in proc.stdout
-    rows = [line for line in lines if line.startswith("| ") and not line.startswith("| backend")]
-    assert {r.split(" | ")[0][2:] for r in rows} == set(registry().ready())
+    assert "| model | backend | precision/weights | TTFT ms | prefill tok/s | decode tok/s | peak RSS MiB |" in proc.stdout
+    rows = [line for line in lines if line.startswith("| ") and not line.startswith("| model")]
+    assert {r.split(" | ")[1] for r in rows} == set(registry().ready())
     assert not any("error" in r for r in rows), proc.stdout

@@ -114,3 +114,61 @@ def test_converter_gives_our_sentencepiece_vocabulary(tmp_path):
     for name in SP_SPECIALS["chatglm3"]:
         assert tokens[tok.special_ids[name]] == name
     assert json.loads(json.dumps(reader.fields["general.architecture"].parts[-1].tobytes().decode())) == "chatglm"
+
+
+def _run_all():
+    """benchmarks/run_all as a module (it is a script without a .py suffix)."""
+    import importlib.machinery
+    import importlib.util
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "run_all"
+    loader = importlib.machinery.SourceFileLoader("glmcore_run_all", str(path))
+    spec = importlib.util.spec_from_loader(loader.name, loader)
+    mod = importlib.util.module_from_spec(spec)
+    loader.exec_module(mod)
+    return mod
+
+
+def test_run_all_puts_llamacpp_beside_each_row_of_every_size(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("GLMCORE_CACHE", str(tmp_path / "cache"))
+    run_all = _run_all()
+    stub = StubLlamaCpp(tmp_path)
+    stub.version = lambda: "stub-1"
+    monkeypatch.setattr(run_all, "find_llamacpp", lambda: stub)
+    monkeypatch.setattr(bench_module, "SETTLE_S", 0.0)
+    assert run_all.main(["--size", "tiny,tiny", "--prompt-len", "8", "--gen", "4", "--runs", "2", "--warmup", "0",
+                         "--threads", "1", "--backends", "torch", "--formats", "default"]) == 0
+    out = capsys.readouterr().out
+    assert "llama.cpp stub-1 beside each row" in out
+    rows = [line.split(" | ") for line in out.splitlines() if line.startswith("| chatglm3-tiny")]
+    assert len(rows) == 2 and len(stub.calls) == 4          # each row's timed rounds ran llama.cpp beside it
+    assert [(r[1], r[9]) for r in rows] == [("torch", "50.0 / 11.5 (F32)"), ("torch", "50.0 / 13.5 (F32)")]
+    for r in rows:
+        assert r[10].rstrip(" |") == f"{float(r[5]) / float(r[9].split(' / ')[1].split()[0]):.2f}x"
+    assert run_all.main(["--size", "tiny", "--no-llamacpp", "--prompt-len", "8", "--gen", "4", "--runs", "1",
+                         "--warmup", "0", "--threads", "1", "--backends", "torch", "--formats", "default"]) == 0
+    assert "no llama.cpp" in capsys.readouterr().out and len(stub.calls) == 4
+    with pytest.raises(SystemExit):
+        run_all.main(["--size", "tiny,7b"])
+    assert "give sizes from" in capsys.readouterr().err
+
+
+def test_quantized_gguf_is_made_through_a_scratch_f16(tmp_path, monkeypatch):
+    """Q4_0/Q8_0 are made from an f16 GGUF that is deleted afterwards (19 GB at the 9B shape), or from the
+    cached F16 one where an F16 comparison made it; each once."""
+    from glmcore_conformance.models import synthetic_dir
+    monkeypatch.setenv("GLMCORE_CACHE", str(tmp_path / "cache"))
+    model = synthetic_dir("chatglm3", "tiny", purpose="test", seed=0)
+    lc = llamacpp.LlamaCpp(tmp_path / "lc")
+    made = []
+    monkeypatch.setattr(lc, "_convert", lambda m, out, progress: (made.append(("f16", out.name)), out.write_text("f16")))
+    monkeypatch.setattr(lc, "_quantize", lambda src, out, q, progress: (made.append((q, src.read_text())),
+                                                                        out.write_text(q)))
+    q4 = lc.gguf(model, "int4")
+    assert q4.read_text() == "Q4_0" and made == [("f16", "f16.gguf"), ("Q4_0", "f16")]
+    assert not list(q4.parent.glob("f16*")) and lc.gguf(model, "int4") == q4 and len(made) == 2
+    f16 = lc.gguf(model, "f16")
+    assert f16.read_text() == "f16" and len(made) == 3
+    lc.gguf(model, "int8")
+    assert made[3:] == [("Q8_0", "f16")]                     # the cached F16 GGUF, not a fresh conversion
+    with pytest.raises(GlmcoreError, match="no counterpart"):
+        lc.gguf(model, "int3")

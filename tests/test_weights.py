@@ -88,6 +88,16 @@ def test_6b_names_and_shapes_match_the_real_chatglm3_index(shared_models):
     assert canonical_shapes(cfg)["layers.0.qkv.weight"] == (4608, 4096)
 
 
+def test_9b_is_the_real_glm4_9b_shape_in_every_chatglm_family(shared_models):
+    """The 9b size (the benchmarks' GLM-4-9B row) has glm-4-9b-chat's published sizes and vocabulary rows, so a
+    chatglm3-layout 9b (which llama.cpp's converter reads) costs per token what GLM-4-9B does."""
+    real = json.loads((shared_models / "glm-4-9b-chat" / "config.json").read_text())
+    keys = ["num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "multi_query_group_num",
+            "kv_channels"]
+    assert {k: SIZES["9b"][k] for k in keys} == {k: real[k] for k in keys}
+    assert SIZES["9b"]["vocab"] == real["padded_vocab_size"] == 151552
+
+
 # ------------------------------------------------------------------ error paths
 
 @pytest.fixture
