@@ -4,6 +4,7 @@ the on-disk cache, `glmcore convert`, options and errors."""
 from __future__ import annotations
 
 import contextlib
+import ctypes as C
 import io
 import json
 import os
@@ -692,3 +693,70 @@ def test_batch_errors_leave_every_slot_unchanged(cache):
     b.close()
     with pytest.raises(GlmcoreError, match="closed"):
         b.kv_len(0)
+
+
+# ---------------------------------------------------------------- the AVX-VNNI tier on CPUs without it
+
+@pytest.fixture(scope="module")
+def avxvnni_emulated(tmp_path_factory):
+    """The library built with the AVX-VNNI tier's vpdpbusd done exactly by AVX2 instructions: every kernel of the
+    tier but the one instruction, on any AVX2 CPU (CPUs with AVX-VNNI run the real tier in the tests above)."""
+    ready_or_skip()
+    if not native.supported("avx2"):
+        pytest.skip("the emulated AVX-VNNI tier needs AVX2")
+    cc = native.compiler()
+    if cc is None:
+        pytest.skip("no C compiler to build the emulated AVX-VNNI tier")
+    out = tmp_path_factory.mktemp("avxvnni") / "glmi4-avxvnni-emulated.so"
+    subprocess.run(cc.split() + native.build_flags() + ["-DGLMI4_EMULATE_AVXVNNI", str(native.SOURCE), "-o",
+                                                         str(out), "-lm"], check=True, capture_output=True)
+    return out
+
+
+def test_avxvnni_tier_gives_the_avx2_tiers_bits(avxvnni_emulated):
+    """Exact integer block sums and the same float work in the same order: the AVX-VNNI tier's products equal
+    the AVX2 tier's bit for bit, at every group, symmetry, width and batch (1/2/4-token blocks, unpacked
+    tiles from 16 tokens on, threads)."""
+    lib = C.CDLL(str(avxvnni_emulated))
+    native._declare(lib)
+    vx, avx2 = native.isa_index("avxvnni"), native.isa_index("avx2")
+    assert lib.glmi4_abi_version() == native.ABI and lib.glmi4_isa_name(vx) == b"avxvnni-emulated"
+    assert lib.glmi4_isa_supported(vx) and lib.glmi4_best_isa() in (vx, native.isa_index("avx512vnni"))
+    rng = np.random.default_rng(7)
+    for bits, group, sym, sd in ((4, 32, True, "f16"), (4, 64, True, "bf16"), (4, 128, False, "f16"),
+                                 (4, 32, False, "bf16"), (8, 32, True, "f16"), (8, 128, True, "bf16")):
+        n, k = 53, 320
+        w = rng.standard_normal((n, k), dtype=np.float32)
+        if bits == 4:
+            q, d, m = quant.quantize4(w, group, sym, sd)
+            buf = quant.tile4(q, d, m, group)
+        else:
+            q, d = quant.quantize8(w, group, sd)
+            buf = quant.tile8(q, d, group)
+        mat = native.make_mat(buf, n, k, bits, group, bits == 4 and not sym, sd)
+        for M in (1, 2, 3, 7, 16, 21, 40):
+            x = (rng.standard_normal((M, k)) * rng.uniform(0.1, 10, (M, 1))).astype(np.float32)
+            for threads in (1, 2):
+                outs = []
+                for isa in (avx2, vx):
+                    out = np.empty((M, n), np.float32)
+                    assert lib.glmi4_matmul(isa, C.byref(mat), M, x.ctypes.data, out.ctypes.data, threads) == 0
+                    outs.append(out)
+                assert np.array_equal(*outs), (bits, group, sym, M, threads)
+    before = lib.glmi4_kernel_calls(vx)
+    out = np.empty((1, 53), np.float32)
+    lib.glmi4_matmul(vx, C.byref(mat), 1, rng.standard_normal((1, 320), dtype=np.float32).ctypes.data,
+                     out.ctypes.data, 1)
+    assert lib.glmi4_kernel_calls(vx) == before + 1       # the tier's own kernels ran
+
+
+def test_avxvnni_tier_passes_the_kernel_tests(avxvnni_emulated):
+    """This file's tests of every tier (exactness against the emulation, batch independence, the whole model
+    against the plain path, batch steps against single sequences), on the emulated AVX-VNNI tier."""
+    env = {**os.environ, "GLMCORE_INT4_LIB": str(avxvnni_emulated)}
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:randomly", "-p", "no:cacheprovider",
+                        "-m", "not slow", "-k", "avxvnni and not tier", __file__],
+                       capture_output=True, text=True, env=env, timeout=900, cwd=Path(__file__).parents[1])
+    assert r.returncode == 0, r.stdout[-3000:]
+    passed = int(r.stdout.strip().splitlines()[-1].split(" passed")[0].split()[-1])
+    assert passed >= 10 and " skipped" not in r.stdout.splitlines()[-1], r.stdout[-1000:]

@@ -11,7 +11,7 @@ them: each weight matrix is multiplied once with every token of the step (the pr
 
 Options (LoadOptions.extra, `--opt key=value`): group_size 32|64|128 (32), sym true|false (true),
 scale_dtype f16|bf16 (f16), embed_bits 4|8 (4), head_bits 4|8 (8), kv_dtype f16|f32 (f16),
-isa auto|plain|avx2|avx512vnni (auto), packed DIR (a `glmcore convert` output to load).
+isa auto|plain|avx2|avxvnni|avx512vnni (auto), packed DIR (a `glmcore convert` output to load).
 Only numpy and a C compiler (or the library built at install) are needed: no torch.
 """
 from __future__ import annotations

@@ -28,8 +28,8 @@ from glmcore.errors import BackendError
 
 HERE = Path(__file__).resolve().parent
 SOURCE = HERE / "csrc" / "glmi4.c"
-ABI = 6
-ISAS = ("plain", "avx2", "avx512vnni")
+ABI = 7
+ISAS = ("plain", "avx2", "avxvnni", "avx512vnni")    # in order of preference (glmi4.c ISA_NAMES)
 CFLAGS = ["-O3", "-std=c11", "-fPIC", "-shared", "-pthread"]
 
 _lib = None
@@ -204,6 +204,8 @@ def expected_isa() -> str:
     f = cpu_flags()
     if {"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni"} <= f:
         return "avx512vnni"
+    if {"avx2", "fma", "f16c", "avx_vnni"} <= f:
+        return "avxvnni"
     if {"avx2", "fma", "f16c"} <= f:
         return "avx2"
     return "plain"

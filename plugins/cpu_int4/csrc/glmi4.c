@@ -15,8 +15,8 @@
  *   - the sign of the 4-bit code is handled once per group: w = d*q + m with q in 0..15 and
  *     m = -8d (symmetric) or a stored minimum (asymmetric), so sum(w*x) = d*sum(q*x) + m*sum(x).
  *
- * Variants are chosen at run time: plain C (the correctness reference), AVX2+FMA+F16C, and
- * AVX-512 VNNI. The fast variants are compiled with function-level target attributes, never
+ * Variants are chosen at run time: plain C (the correctness reference), AVX2+FMA+F16C, AVX-VNNI (the AVX2
+ * kernels with VEX vpdpbusd; the same bits as AVX2) and AVX-512 VNNI. The fast variants are compiled with function-level target attributes, never
  * -march, so one binary serves every x86-64 CPU. Threads are a small pthread pool (no OpenMP):
  * workers spin briefly between the many short parallel regions of a step, then sleep.
  */
@@ -36,12 +36,19 @@
 #include <immintrin.h>
 #define T_AVX2 __attribute__((target("avx2,fma,f16c")))
 #define T_VNNI __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")))
+#ifdef GLMI4_EMULATE_AVXVNNI
+/* Tests only: the AVX-VNNI tier built with vpdpbusd done by AVX2 instructions (exact), so CPUs without it can
+ * check the tier's kernels; a library built so says "avxvnni-emulated" and is never the one loaded to run. */
+#define T_VX T_AVX2
+#else
+#define T_VX __attribute__((target("avx2,fma,f16c,avxvnni")))
+#endif
 #define INLINE static inline __attribute__((always_inline))
 #else
 #define GLMI4_X86 0
 #endif
 
-#define GLMI4_ABI 6
+#define GLMI4_ABI 7
 #define QK 32          /* activation block: one int8 scale per 32 inputs */
 #define TILE 16        /* output rows per packed tile */
 #define PREFETCH 4096   /* decode streams weights: prefetch this far ahead into L1 (measured: +40% on one core) */
@@ -51,8 +58,13 @@
 #define SC_HEADS(grp) (((grp) + 7) & ~7)   /* per-thread score rows: the AVX-512 attention pads heads to 8 */
 #define ROWBUF(hd, grp) ((size_t)(hd) * (2 + SC_HEADS(grp) + ATT_BLK))
 
-enum { ISA_REF = 0, ISA_AVX2 = 1, ISA_VNNI = 2, ISA_COUNT = 3 };
-static const char *ISA_NAMES[ISA_COUNT] = {"plain", "avx2", "avx512vnni"};
+/* In order of preference: the best supported one is the default. */
+enum { ISA_REF = 0, ISA_AVX2 = 1, ISA_AVXVNNI = 2, ISA_VNNI = 3, ISA_COUNT = 4 };
+#ifdef GLMI4_EMULATE_AVXVNNI
+static const char *ISA_NAMES[ISA_COUNT] = {"plain", "avx2", "avxvnni-emulated", "avx512vnni"};
+#else
+static const char *ISA_NAMES[ISA_COUNT] = {"plain", "avx2", "avxvnni", "avx512vnni"};
+#endif
 
 /* ------------------------------------------------------------------ public structs (ctypes mirrors) */
 
@@ -208,6 +220,16 @@ static int isa_supported(int isa) {
     __builtin_cpu_init();
     int avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
     if (isa == ISA_AVX2) return avx2;
+    if (isa == ISA_AVXVNNI) {
+#ifdef GLMI4_EMULATE_AVXVNNI
+        return avx2;
+#else
+        /* CPUID.(EAX=7,ECX=1):EAX bit 4, with the OS saving the ymm state (checked for avx2 above) */
+        unsigned a = 0, b = 0, c = 0, d = 0;
+        __asm__("cpuid" : "=a"(a), "=b"(b), "=c"(c), "=d"(d) : "a"(7), "c"(1));
+        return avx2 && ((a >> 4) & 1);
+#endif
+    }
     if (isa == ISA_VNNI)
         return avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
                __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
@@ -579,6 +601,28 @@ T_AVX2 INLINE void madd4_chunk(__m256i i16[4][2], const uint8_t *u, const int8_t
               [x2] "m"(*(const int32_t *)x2), [x3] "m"(*(const int32_t *)x3));
 }
 
+/* The end of a group of several blocks (or asymmetric): w = d*q + m, m = -8d or the stored minimum, so
+ * acc += d * gacc + m * xs (xs: the tokens' activation sums over the group). p: the group's header. */
+T_AVX2 INLINE void group_end_avx2(const int NT, const uint8_t *p, int bf, int asym, const float *const *xs, int g,
+                                  __m256 gacc[][2], __m256 acc[][2]) {
+    const __m256 d0 = ld8_scales(p, bf), d1 = ld8_scales(p + 16, bf);
+    if (asym) {
+        const __m256 m0 = ld8_scales(p + 32, bf), m1 = ld8_scales(p + 48, bf);
+        for (int t = 0; t < NT; t++) {
+            const __m256 xg = _mm256_set1_ps(xs[t][g]);
+            acc[t][0] = _mm256_fmadd_ps(m0, xg, _mm256_fmadd_ps(d0, gacc[t][0], acc[t][0]));
+            acc[t][1] = _mm256_fmadd_ps(m1, xg, _mm256_fmadd_ps(d1, gacc[t][1], acc[t][1]));
+        }
+    } else {
+        const __m256 eight = _mm256_set1_ps(8.f);
+        for (int t = 0; t < NT; t++) {
+            const __m256 xg = _mm256_set1_ps(xs[t][g]);
+            acc[t][0] = _mm256_fmadd_ps(d0, _mm256_fnmadd_ps(eight, xg, gacc[t][0]), acc[t][0]);
+            acc[t][1] = _mm256_fmadd_ps(d1, _mm256_fnmadd_ps(eight, xg, gacc[t][1]), acc[t][1]);
+        }
+    }
+}
+
 T_AVX2 INLINE void q4_tile_avx2(const gemm_job *j, const uint8_t *p, const uint8_t *unp, int m, const int NT,
                                 float *outbuf) {
     const glmi4_mat *W = j->W;
@@ -668,22 +712,7 @@ T_AVX2 INLINE void q4_tile_avx2(const gemm_job *j, const uint8_t *p, const uint8
             p = q;
             continue;
         }
-        const __m256 d0 = ld8_scales(p, bf), d1 = ld8_scales(p + 16, bf);
-        if (W->asym) {
-            const __m256 m0 = ld8_scales(p + 32, bf), m1 = ld8_scales(p + 48, bf);
-            for (int t = 0; t < NT; t++) {
-                const __m256 xg = _mm256_set1_ps(xs[t][g]);
-                acc[t][0] = _mm256_fmadd_ps(m0, xg, _mm256_fmadd_ps(d0, gacc[t][0], acc[t][0]));
-                acc[t][1] = _mm256_fmadd_ps(m1, xg, _mm256_fmadd_ps(d1, gacc[t][1], acc[t][1]));
-            }
-        } else {
-            const __m256 eight = _mm256_set1_ps(8.f);
-            for (int t = 0; t < NT; t++) {
-                const __m256 xg = _mm256_set1_ps(xs[t][g]);
-                acc[t][0] = _mm256_fmadd_ps(d0, _mm256_fnmadd_ps(eight, xg, gacc[t][0]), acc[t][0]);
-                acc[t][1] = _mm256_fmadd_ps(d1, _mm256_fnmadd_ps(eight, xg, gacc[t][1]), acc[t][1]);
-            }
-        }
+        group_end_avx2(NT, p, bf, W->asym, xs, g, gacc, acc);
         p = q;
     }
     for (int t = 0; t < NT; t++) {
@@ -818,52 +847,57 @@ T_AVX2 static void gemm4_avx2(const gemm_job *j, int t0, int t1) {
     free(c8);
 }
 
-/* int8 x int8 (output layer): vpmaddubsw needs one unsigned operand, so multiply |x| by sign(x)*w. */
-T_AVX2 INLINE void q8_tile_avx2(const gemm_job *j, const uint8_t *p, int m, const int NT, float *outbuf) {
-    const glmi4_mat *W = j->W;
-    const int ng = W->k_pad / W->group, GB = W->group / QK, bf = W->scale_bf16, nbx = j->ldq / QK;
-    const __m256i ones = _mm256_set1_epi16(1);
-    __m256 acc[NTMAX][2];
-    for (int t = 0; t < NT; t++) acc[t][0] = acc[t][1] = _mm256_setzero_ps();
-    for (int g = 0; g < ng; g++) {
-        const __m256 d0 = ld8_scales(p, bf), d1 = ld8_scales(p + 16, bf);
-        __m256 gacc[NTMAX][2];
-        for (int t = 0; t < NT; t++) gacc[t][0] = gacc[t][1] = _mm256_setzero_ps();
-        if (m == 0) prefetch_ahead(p, group_bytes(W), 32, GB);
-        const uint8_t *q = p + 32;
-        for (int s = 0; s < GB; s++, q += 512) {
-            const int b = g * GB + s;
-            __m256i i32[NTMAX][2];
-            for (int t = 0; t < NT; t++) i32[t][0] = i32[t][1] = _mm256_setzero_si256();
-            for (int c = 0; c < 8; c++) {
-                const __m256i w0 = _mm256_loadu_si256((const __m256i *)(q + 64 * c));
-                const __m256i w1 = _mm256_loadu_si256((const __m256i *)(q + 64 * c + 32));
-                for (int t = 0; t < NT; t++) {
-                    const __m256i bx = _mm256_set1_epi32(ld32(j->xq + (size_t)(m + t) * j->ldq + b * QK + 4 * c));
-                    const __m256i ax = _mm256_abs_epi8(bx);
-                    i32[t][0] = _mm256_add_epi32(i32[t][0], _mm256_madd_epi16(
-                        _mm256_maddubs_epi16(ax, _mm256_sign_epi8(w0, bx)), ones));
-                    i32[t][1] = _mm256_add_epi32(i32[t][1], _mm256_madd_epi16(
-                        _mm256_maddubs_epi16(ax, _mm256_sign_epi8(w1, bx)), ones));
-                }
-            }
-            for (int t = 0; t < NT; t++) {
-                const __m256 db = _mm256_set1_ps(j->dx[(size_t)(m + t) * nbx + b]);
-                gacc[t][0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i32[t][0]), db, gacc[t][0]);
-                gacc[t][1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i32[t][1]), db, gacc[t][1]);
-            }
-        }
-        for (int t = 0; t < NT; t++) {
-            acc[t][0] = _mm256_fmadd_ps(d0, gacc[t][0], acc[t][0]);
-            acc[t][1] = _mm256_fmadd_ps(d1, gacc[t][1], acc[t][1]);
-        }
-        p = q;
-    }
-    for (int t = 0; t < NT; t++) {
-        _mm256_storeu_ps(outbuf + t * TILE, acc[t][0]);
-        _mm256_storeu_ps(outbuf + t * TILE + 8, acc[t][1]);
-    }
+/* int8 x int8 (output layer): the integer units want one unsigned operand, so multiply |x| by sign(x)*w; MAC(acc,
+ * |x|, sign(x)*w) adds the 4-byte dot products into the int32 lanes (vpmaddubsw + vpmaddwd on AVX2, vpdpbusd on
+ * AVX-VNNI: the same sums, so the same bits). */
+#define Q8_TILE(NAME, TARGET, MAC)                                                                             \
+TARGET INLINE void NAME(const gemm_job *j, const uint8_t *p, int m, const int NT, float *outbuf) {                    \
+    const glmi4_mat *W = j->W;                                                                                        \
+    const int ng = W->k_pad / W->group, GB = W->group / QK, bf = W->scale_bf16, nbx = j->ldq / QK;                    \
+    __m256 acc[NTMAX][2];                                                                                             \
+    for (int t = 0; t < NT; t++) acc[t][0] = acc[t][1] = _mm256_setzero_ps();                                         \
+    for (int g = 0; g < ng; g++) {                                                                                    \
+        const __m256 d0 = ld8_scales(p, bf), d1 = ld8_scales(p + 16, bf);                                             \
+        __m256 gacc[NTMAX][2];                                                                                        \
+        for (int t = 0; t < NT; t++) gacc[t][0] = gacc[t][1] = _mm256_setzero_ps();                                   \
+        if (m == 0) prefetch_ahead(p, group_bytes(W), 32, GB);                                                        \
+        const uint8_t *q = p + 32;                                                                                    \
+        for (int s = 0; s < GB; s++, q += 512) {                                                                      \
+            const int b = g * GB + s;                                                                                 \
+            __m256i i32[NTMAX][2];                                                                                    \
+            for (int t = 0; t < NT; t++) i32[t][0] = i32[t][1] = _mm256_setzero_si256();                              \
+            for (int c = 0; c < 8; c++) {                                                                             \
+                const __m256i w0 = _mm256_loadu_si256((const __m256i *)(q + 64 * c));                                 \
+                const __m256i w1 = _mm256_loadu_si256((const __m256i *)(q + 64 * c + 32));                            \
+                for (int t = 0; t < NT; t++) {                                                                        \
+                    const __m256i bx = _mm256_set1_epi32(ld32(j->xq + (size_t)(m + t) * j->ldq + b * QK + 4 * c));    \
+                    const __m256i ax = _mm256_abs_epi8(bx);                                                           \
+                    i32[t][0] = MAC(i32[t][0], ax, _mm256_sign_epi8(w0, bx));                                         \
+                    i32[t][1] = MAC(i32[t][1], ax, _mm256_sign_epi8(w1, bx));                                         \
+                }                                                                                                     \
+            }                                                                                                         \
+            for (int t = 0; t < NT; t++) {                                                                            \
+                const __m256 db = _mm256_set1_ps(j->dx[(size_t)(m + t) * nbx + b]);                                   \
+                gacc[t][0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i32[t][0]), db, gacc[t][0]);                          \
+                gacc[t][1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i32[t][1]), db, gacc[t][1]);                          \
+            }                                                                                                         \
+        }                                                                                                             \
+        for (int t = 0; t < NT; t++) {                                                                                \
+            acc[t][0] = _mm256_fmadd_ps(d0, gacc[t][0], acc[t][0]);                                                   \
+            acc[t][1] = _mm256_fmadd_ps(d1, gacc[t][1], acc[t][1]);                                                   \
+        }                                                                                                             \
+        p = q;                                                                                                        \
+    }                                                                                                                 \
+    for (int t = 0; t < NT; t++) {                                                                                    \
+        _mm256_storeu_ps(outbuf + t * TILE, acc[t][0]);                                                               \
+        _mm256_storeu_ps(outbuf + t * TILE + 8, acc[t][1]);                                                           \
+    }                                                                                                                 \
 }
+
+T_AVX2 INLINE __m256i mac_avx2(__m256i acc, __m256i u, __m256i s) {
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
+}
+Q8_TILE(q8_tile_avx2, T_AVX2, mac_avx2)
 
 T_AVX2 static void gemm8_avx2(const gemm_job *j, int t0, int t1) {
     const size_t tb = tile_bytes(j->W);
@@ -915,6 +949,129 @@ T_AVX2 static void quant_act_avx2(const float *x, int K, int Kp, int G, int8_t *
         is4 = _mm_add_epi32(is4, _mm_shuffle_epi32(is4, 0xB1));
         gsum += dx[b] * (float)_mm_cvtsi128_si32(is4);
         if ((b + 1) % per == 0) { xs[b / per] = gsum; gsum = 0.f; }
+    }
+}
+
+/* ---------------- AVX-VNNI (VEX vpdpbusd on ymm: Alder Lake and later, Zen 5): the AVX2 kernels' layout and
+ * float work, with each 4-byte dot product accumulated straight into int32 (one vpdpbusd where AVX2 needs
+ * vpmaddubsw + vpaddw, and no vpmaddwd at the block's end). The integer sums are exact in both, and the float
+ * operations the same in the same order, so this tier gives the AVX2 tier's bits, whatever the batch. */
+
+T_VX INLINE __m256i dpbusd_vx(__m256i acc, __m256i u, __m256i s) {
+#ifdef GLMI4_EMULATE_AVXVNNI
+    const __m256i m = _mm256_set1_epi16(0x00FF);
+    const __m256i ue = _mm256_and_si256(u, m), uo = _mm256_srli_epi16(u, 8);
+    const __m256i se = _mm256_srai_epi16(_mm256_slli_epi16(s, 8), 8), so = _mm256_srai_epi16(s, 8);
+    return _mm256_add_epi32(acc, _mm256_add_epi32(_mm256_madd_epi16(ue, se), _mm256_madd_epi16(uo, so)));
+#else
+    return _mm256_dpbusd_avx_epi32(acc, u, s);
+#endif
+}
+
+/* NT tokens (1, 2 or 4) against one int4 tile; nibbles split in registers, or read from unp (the tile split by
+ * unpack_tile_avx2, from UNPACK_M_AVX2 tokens on). */
+T_VX INLINE void q4_tile_vx(const gemm_job *j, const uint8_t *p, const uint8_t *unp, int m, const int NT,
+                            float *outbuf) {
+    const glmi4_mat *W = j->W;
+    const int ng = W->k_pad / W->group, GB = W->group / QK, hdr = W->asym ? 64 : 32, bf = W->scale_bf16;
+    const int nbx = j->ldq / QK, s32 = GB == 1 && !W->asym;
+    const size_t gb = group_bytes(W);
+    const __m256i m4 = _mm256_set1_epi8(0x0F);
+    const int8_t *xq[NTMAX];
+    const float *dx[NTMAX], *xs[NTMAX];
+    for (int t = 0; t < NT; t++) {
+        xq[t] = j->xq + (size_t)(m + t) * j->ldq;
+        dx[t] = j->dx + (size_t)(m + t) * nbx;
+        xs[t] = j->xs + (size_t)(m + t) * nbx;
+    }
+    __m256 acc[NTMAX][2];
+    for (int t = 0; t < NT; t++) acc[t][0] = acc[t][1] = _mm256_setzero_ps();
+    for (int g = 0; g < ng; g++, p += gb) {
+        if (m == 0 && !unp) prefetch_ahead(p, gb, (size_t)hdr, GB);
+        const __m256 d0 = ld8_scales(p, bf), d1 = ld8_scales(p + 16, bf);
+        __m256 gacc[NTMAX][2];
+        for (int t = 0; t < NT; t++) gacc[t][0] = gacc[t][1] = _mm256_setzero_ps();
+        for (int s = 0; s < GB; s++) {
+            const int b = g * GB + s;
+            const uint8_t *q = p + hdr + (size_t)s * 256, *u = unp ? unp + (size_t)b * 512 : NULL;
+            __m256i i32[NTMAX][2];
+            for (int t = 0; t < NT; t++) i32[t][0] = i32[t][1] = _mm256_setzero_si256();
+            for (int c = 0; c < 8; c++) {
+                __m256i lo, hi;
+                if (u) {
+                    lo = _mm256_load_si256((const __m256i *)(u + 64 * c));
+                    hi = _mm256_load_si256((const __m256i *)(u + 64 * c + 32));
+                } else {
+                    const __m256i v = _mm256_loadu_si256((const __m256i *)(q + 32 * c));
+                    lo = _mm256_and_si256(v, m4);
+                    hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+                }
+                for (int t = 0; t < NT; t++) {
+                    const __m256i bx = _mm256_set1_epi32(ld32(xq[t] + b * QK + 4 * c));
+                    i32[t][0] = dpbusd_vx(i32[t][0], lo, bx);
+                    i32[t][1] = dpbusd_vx(i32[t][1], hi, bx);
+                }
+            }
+            for (int t = 0; t < NT; t++) {   /* as q4_tile_avx2 / q4_tile4_g32_avx2 */
+                const __m256 db = _mm256_set1_ps(dx[t][b]);
+                const __m256 v0 = _mm256_cvtepi32_ps(i32[t][0]), v1 = _mm256_cvtepi32_ps(i32[t][1]);
+                if (s32) {
+                    const __m256 c8 = _mm256_set1_ps(-8.f * xs[t][g]);
+                    acc[t][0] = _mm256_fmadd_ps(d0, _mm256_fmadd_ps(v0, db, c8), acc[t][0]);
+                    acc[t][1] = _mm256_fmadd_ps(d1, _mm256_fmadd_ps(v1, db, c8), acc[t][1]);
+                } else {
+                    gacc[t][0] = _mm256_fmadd_ps(v0, db, gacc[t][0]);
+                    gacc[t][1] = _mm256_fmadd_ps(v1, db, gacc[t][1]);
+                }
+            }
+        }
+        if (!s32) group_end_avx2(NT, p, bf, W->asym, xs, g, gacc, acc);
+    }
+    for (int t = 0; t < NT; t++) {
+        _mm256_storeu_ps(outbuf + t * TILE, acc[t][0]);
+        _mm256_storeu_ps(outbuf + t * TILE + 8, acc[t][1]);
+    }
+}
+
+#define Q4VX(NT)                                                                                                \
+    T_VX __attribute__((noinline)) static void q4vx_##NT(const gemm_job *j, const uint8_t *p, const uint8_t *unp, \
+                                                         int m, float *out) {                                   \
+        q4_tile_vx(j, p, unp, m, NT, out);                                                                      \
+    }
+Q4VX(1) Q4VX(2) Q4VX(4)
+
+T_VX static void gemm4_vx(const gemm_job *j, int t0, int t1) {
+    const size_t tb = tile_bytes(j->W);
+    float buf[NTMAX * TILE];
+    uint8_t *unp = j->M >= UNPACK_M_AVX2 ? xalloc((size_t)(j->W->k_pad / QK) * 512) : NULL;
+    for (int tile = t0; tile < t1; tile++) {
+        const uint8_t *p = j->W->data + (size_t)tile * tb;
+        int m = 0;
+        if (unp) unpack_tile_avx2(j->W, p, unp);
+        for (; m + 4 <= j->M; m += 4) { q4vx_4(j, p, unp, m, buf); store_tile_avx2(j, tile, m, 4, buf); }
+        for (; m + 2 <= j->M; m += 2) { q4vx_2(j, p, NULL, m, buf); store_tile(j, tile, m, 2, buf); }
+        for (; m < j->M; m++) { q4vx_1(j, p, NULL, m, buf); store_tile(j, tile, m, 1, buf); }
+    }
+    free(unp);
+}
+
+Q8_TILE(q8_tile_vx, T_VX, dpbusd_vx)
+
+T_VX __attribute__((noinline)) static void q8vx_4(const gemm_job *j, const uint8_t *p, int m, float *out) {
+    q8_tile_vx(j, p, m, 4, out);
+}
+T_VX __attribute__((noinline)) static void q8vx_1(const gemm_job *j, const uint8_t *p, int m, float *out) {
+    q8_tile_vx(j, p, m, 1, out);
+}
+
+T_VX static void gemm8_vx(const gemm_job *j, int t0, int t1) {
+    const size_t tb = tile_bytes(j->W);
+    float buf[NTMAX * TILE];
+    for (int tile = t0; tile < t1; tile++) {
+        const uint8_t *p = j->W->data + (size_t)tile * tb;
+        int m = 0;
+        for (; m + 4 <= j->M; m += 4) { q8vx_4(j, p, m, buf); store_tile(j, tile, m, 4, buf); }
+        for (; m < j->M; m++) { q8vx_1(j, p, m, buf); store_tile(j, tile, m, 1, buf); }
     }
 }
 
@@ -1175,6 +1332,7 @@ static gemm_fn pick_gemm(int isa, int bits) {
 #if GLMI4_X86
     if (isa == ISA_VNNI) return bits == 8 ? gemm8_vnni : gemm4_vnni;
     if (isa == ISA_AVX2) return bits == 8 ? gemm8_avx2 : gemm4_avx2;
+    if (isa == ISA_AVXVNNI) return bits == 8 ? gemm8_vx : gemm4_vx;
 #endif
     (void)isa;
     return bits == 8 ? gemm8_ref : gemm4_ref;
