@@ -209,7 +209,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
                                  allow_abbrev=False)
     ap.add_argument("--size", default="tiny", choices=["tiny", "small", "1b", "6b", "9b"])
-    ap.add_argument("--family", default="chatglm3", choices=["chatglm2", "chatglm3", "glm4"])
+    ap.add_argument("--family", choices=["chatglm2", "chatglm3", "glm4"], help="default chatglm3, glm4 at --size 9b")
     ap.add_argument("--model", help="checkpoint dir (default: the synthetic --size, made once in the cache)")
     ap.add_argument("--cache", help="packed-model cache (default: the glmcore cache)")
     ap.add_argument("--prefill", type=int, default=128)

@@ -262,8 +262,14 @@ class Result:
     runs: list = field(default_factory=list)
 
 
-def model_dir_for(model: str | None, size: str | None, family: str = "chatglm3") -> tuple[Path, bool]:
+def default_family(size: str | None) -> str:
+    """The family a synthetic size stands for when none is named: 9b is GLM-4-9B-chat, the others ChatGLM3."""
+    return "glm4" if size == "9b" else "chatglm3"
+
+
+def model_dir_for(model: str | None, size: str | None, family: str | None = None) -> tuple[Path, bool]:
     from .models import synthetic_dir
+    family = family or default_family(size)
     if model:
         path = Path(model)
         if not (path / "config.json").is_file():
@@ -417,7 +423,8 @@ def build_parser() -> argparse.ArgumentParser:
     src = ap.add_mutually_exclusive_group()
     src.add_argument("--model", help="checkpoint directory")
     src.add_argument("--size", choices=SIZES, help="synthetic checkpoint size, made once in the cache (default small)")
-    ap.add_argument("--family", default="chatglm3", choices=FAMILIES, help="family of the synthetic checkpoint")
+    ap.add_argument("--family", choices=FAMILIES, help="family of the synthetic checkpoint (default chatglm3; "
+                    "glm4 at --size 9b)")
     ap.add_argument("--precision", help="compute precision of --backend")
     ap.add_argument("--weights", help="weight format of --backend")
     ap.add_argument("--opt", action="append", default=[], metavar="KEY=VALUE", help="backend option of --backend")

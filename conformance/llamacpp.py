@@ -8,9 +8,10 @@ llama-cpp-python wheel vendors, built for this CPU; several minutes on 2 cores):
     python -m glmcore_conformance.llamacpp build /tmp/llamacpp/llama_cpp_python-0.3.36.tar.gz --dir /tmp/llamacpp
     export GLMCORE_LLAMACPP=/tmp/llamacpp/llama_cpp_python-0.3.36/vendor/llama.cpp     (the path it prints)
 
-The checkpoint is converted once by llama.cpp's own convert_hf_to_gguf.py (it reads the ChatGLM layout) to an
-f16 GGUF, with the vocabulary given from tokenizer.model by sentencepiece (its converter would run the
-checkpoint's remote tokenizer code instead), then llama-quantize makes the type that matches a weight format:
+The checkpoint is converted once by llama.cpp's own convert_hf_to_gguf.py (it reads the ChatGLM layout: ChatGLM2/3
+and GLM-4-9B-chat) to an f16 GGUF, with the vocabulary given from tokenizer.model by our tokenizer code
+(sentencepiece, or GLM-4's tiktoken ranks; its converter would run the checkpoint's remote tokenizer code
+instead), then llama-quantize makes the type that matches a weight format:
 int8 -> Q8_0, int4 -> Q4_0 (llama.cpp's defaults: Q4_0 keeps the output layer in Q6_K). The files are cached
 under $GLMCORE_CACHE/converted/llamacpp. Timing is llama-bench's: prompt processing of the prompt length, then
 generation of the new tokens (from an empty context; at these context lengths the KV cache is <1% of a
@@ -59,8 +60,9 @@ class LlamaCpp:
         if qtype is None:
             raise GlmcoreError(f"llama.cpp has no counterpart of weight format {weights!r}")
         cfg = ModelConfig.from_dir(model_dir)
-        if cfg.family not in ("chatglm2", "chatglm3"):
-            raise GlmcoreError(f"llama.cpp comparison: only the SentencePiece families (chatglm2/3), not {cfg.family}")
+        if cfg.family not in ("chatglm2", "chatglm3", "glm4"):
+            raise GlmcoreError(f"llama.cpp comparison: only the ChatGLM-layout families (chatglm2/3, glm4), not "
+                               f"{cfg.family}")
         key = load_weights(model_dir, cfg).fingerprint()
         root = cache_root() / "converted" / "llamacpp" / f"{Path(model_dir).name}-{key}"
         done = lambda p: (p / "model.gguf").is_file()
@@ -166,44 +168,88 @@ def build(sdist: Path, dest: Path, jobs: int = 2) -> Path:
 # ---------------------------------------------------------------- the converter, with our vocabulary
 
 def convert(root: Path, model_dir: Path, out: Path) -> None:
-    """Run llama.cpp's convert_hf_to_gguf.py on a ChatGLM2/3 checkpoint, its SentencePiece vocabulary read from
-    tokenizer.model (the special tokens numbered after it, as glmcore's tokenizer does)."""
+    """Run llama.cpp's convert_hf_to_gguf.py on a ChatGLM2/3 or GLM-4 (chatglm layout) checkpoint, its vocabulary
+    read by our own tokenizer code instead of the checkpoint's remote code: ChatGLM2/3's SentencePiece pieces with
+    the special tokens numbered after them, GLM-4's byte-level BPE ranks (tiktoken file) as llama.cpp writes a
+    tiktoken vocabulary (token strings and merges as for Qwen), then its 14 special tokens."""
     sys.path[:0] = [str(root), str(root / "gguf-py")]
     import convert_hf_to_gguf
+    from conversion.chatglm import ChatGLMModel
+
+    from glmcore.config import ModelConfig
+
+    family = ModelConfig.from_dir(model_dir).family
+    ChatGLMModel.set_vocab = _glm4_vocab if family == "glm4" else _sentencepiece_vocab
+    sys.argv = ["convert_hf_to_gguf.py", str(model_dir), "--outtype", "f16", "--outfile", str(out)]
+    convert_hf_to_gguf.main()
+
+
+def _sentencepiece_vocab(self) -> None:
     import gguf
     import sentencepiece as spm
     from conversion.base import SentencePieceTokenTypes as Kind
-    from conversion.chatglm import ChatGLMModel
 
     from glmcore.config import ModelConfig
     from glmcore.tokenizer import SP_SPECIALS
 
-    def set_vocab(self) -> None:
-        sp = spm.SentencePieceProcessor(model_file=str(Path(self.dir_model) / "tokenizer.model"))
-        specials = SP_SPECIALS[ModelConfig.from_dir(self.dir_model).family]
-        tokens, scores, kinds = [], [], []
-        for i in range(self.hparams["padded_vocab_size"]):
-            if i < sp.vocab_size():
-                piece, score = {0: "<unk>", 1: "<bos>", 2: "<eos>"}.get(i, sp.id_to_piece(i)), sp.get_score(i)
-                kind = (Kind.UNKNOWN if sp.is_unknown(i) else Kind.CONTROL if sp.is_control(i) else
-                        Kind.UNUSED if sp.is_unused(i) else Kind.BYTE if sp.is_byte(i) else Kind.NORMAL)
-            elif i - sp.vocab_size() < len(specials):
-                piece, score, kind = specials[i - sp.vocab_size()], 0.0, Kind.CONTROL
-            else:
-                piece, score, kind = f"[PAD{i}]", 0.0, Kind.UNUSED
-            tokens.append(piece.encode())
-            scores.append(score)
-            kinds.append(kind)
-        self.gguf_writer.add_tokenizer_model("llama")
-        self.gguf_writer.add_tokenizer_pre("chatglm-spm")
-        self.gguf_writer.add_token_list(tokens)
-        self.gguf_writer.add_token_scores(scores)
-        self.gguf_writer.add_token_types(kinds)
-        gguf.SpecialVocab(self.dir_model, n_vocab=len(tokens)).add_to_gguf(self.gguf_writer)
+    sp = spm.SentencePieceProcessor(model_file=str(Path(self.dir_model) / "tokenizer.model"))
+    specials = SP_SPECIALS[ModelConfig.from_dir(self.dir_model).family]
+    tokens, scores, kinds = [], [], []
+    for i in range(self.hparams["padded_vocab_size"]):
+        if i < sp.vocab_size():
+            piece, score = {0: "<unk>", 1: "<bos>", 2: "<eos>"}.get(i, sp.id_to_piece(i)), sp.get_score(i)
+            kind = (Kind.UNKNOWN if sp.is_unknown(i) else Kind.CONTROL if sp.is_control(i) else
+                    Kind.UNUSED if sp.is_unused(i) else Kind.BYTE if sp.is_byte(i) else Kind.NORMAL)
+        elif i - sp.vocab_size() < len(specials):
+            piece, score, kind = specials[i - sp.vocab_size()], 0.0, Kind.CONTROL
+        else:
+            piece, score, kind = f"[PAD{i}]", 0.0, Kind.UNUSED
+        tokens.append(piece.encode())
+        scores.append(score)
+        kinds.append(kind)
+    self.gguf_writer.add_tokenizer_model("llama")
+    self.gguf_writer.add_tokenizer_pre("chatglm-spm")
+    self.gguf_writer.add_token_list(tokens)
+    self.gguf_writer.add_token_scores(scores)
+    self.gguf_writer.add_token_types(kinds)
+    gguf.SpecialVocab(self.dir_model, n_vocab=len(tokens)).add_to_gguf(self.gguf_writer)
 
-    ChatGLMModel.set_vocab = set_vocab
-    sys.argv = ["convert_hf_to_gguf.py", str(model_dir), "--outtype", "f16", "--outfile", str(out)]
-    convert_hf_to_gguf.main()
+
+def _glm4_vocab(self) -> None:
+    import gguf
+    from conversion.qwen import QwenModel
+
+    from glmcore.tokenizer import read_rank_file
+    from glmcore.vocabulary import GLM4_SPECIALS
+
+    ranks = read_rank_file(Path(self.dir_model) / "tokenizer.model")
+    text = QwenModel.token_bytes_to_string
+    by_id = {rank: text(token) for token, rank in ranks.items()}
+    merges = [" ".join(map(text, QwenModel.bpe(ranks, token, max_rank=rank)))
+              for token, rank in ranks.items() if len(token) > 1]
+    special = {len(ranks) + i: name for i, name in enumerate(GLM4_SPECIALS)}
+    tokens, kinds = [], []
+    for i in range(self.hparams["padded_vocab_size"]):
+        if i in by_id:
+            tokens.append(by_id[i])
+            kinds.append(gguf.TokenType.NORMAL)
+        elif i in special:
+            tokens.append(special[i])
+            kinds.append(gguf.TokenType.CONTROL)
+        else:
+            tokens.append(f"[PAD{i}]")
+            kinds.append(gguf.TokenType.UNUSED)
+    self.gguf_writer.add_tokenizer_model("gpt2")
+    self.gguf_writer.add_tokenizer_pre("chatglm-bpe")
+    self.gguf_writer.add_token_list(tokens)
+    self.gguf_writer.add_token_types(kinds)
+    vocab = gguf.SpecialVocab(self.dir_model, load_merges=False, n_vocab=len(tokens))
+    vocab.merges = merges
+    ids = {name: i for i, name in special.items()}
+    vocab._set_special_token("eos", ids["<|endoftext|>"])
+    vocab._set_special_token("eot", ids["<|user|>"])
+    vocab._set_special_token("unk", ids["<|endoftext|>"])
+    vocab.add_to_gguf(self.gguf_writer)
 
 
 def main(argv=None) -> int:

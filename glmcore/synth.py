@@ -28,10 +28,9 @@ SIZES = {
                kv_channels=128, ffn_hidden_size=5632, vocab="real"),
     "6b": dict(hidden_size=4096, num_layers=28, num_attention_heads=32, multi_query_group_num=2,
                kv_channels=128, ffn_hidden_size=13696, vocab="real"),
-    # GLM-4-9B-chat's shape, with its 151552-row vocabulary in every family: a chatglm3 9b (which llama.cpp's
-    # converter reads, for the benchmarks' side-by-side) costs per token what GLM-4-9B does.
+    # GLM-4-9B-chat's shape (family glm4 only: no ChatGLM2/3 has it)
     "9b": dict(hidden_size=4096, num_layers=40, num_attention_heads=32, multi_query_group_num=2,
-               kv_channels=128, ffn_hidden_size=13696, vocab=151552),
+               kv_channels=128, ffn_hidden_size=13696, vocab="real"),
 }
 REAL_VOCAB = {"chatglm2": 65024, "chatglm3": 65024, "glm4": 151552, "glm4-0414": 151552, "glm-edge": 59264}
 
@@ -130,6 +129,9 @@ def _write_model(family, size, out: Path, fmt, shards, seed, tokenizer_from, dty
                  layers: int | None = None) -> ModelConfig:
     if family in HF_SIZES:
         return _write_hf_model(family, size, out, fmt, shards, seed, dtype, progress, layers)
+    if size == "9b" and family in ("chatglm2", "chatglm3"):
+        raise GlmcoreError(f"size 9b is GLM-4-9B's shape, which no {family} has; use --family glm4 (GLM-4-9B-chat) "
+                           "or glm4-0414 (GLM-4-9B-0414)")
     from .tokenizer import load_tokenizer, write_tokenizer
     n_vocab = write_tokenizer(family, out, tokenizer_from=tokenizer_from)
     tok = load_tokenizer(out, family)
@@ -137,9 +139,8 @@ def _write_model(family, size, out: Path, fmt, shards, seed, tokenizer_from, dty
     spec = dict(SIZES[size])
     if layers is not None:
         spec["num_layers"] = layers
-    kind = spec.pop("vocab")
-    real = kind == "real" or tokenizer_from
-    vocab = kind if isinstance(kind, int) else REAL_VOCAB[family] if real else -(-n_vocab // 64) * 64
+    real = spec.pop("vocab") == "real" or tokenizer_from
+    vocab = REAL_VOCAB[family] if real else -(-n_vocab // 64) * 64
     if vocab < n_vocab:
         raise GlmcoreError(f"tokenizer has {n_vocab} ids but the model only {vocab} rows")
     name = {"chatglm2": "THUDM/chatglm2-6b", "chatglm3": "THUDM/chatglm3-6b", "glm4": "THUDM/glm-4-9b-chat"}[family]

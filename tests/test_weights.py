@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 from glmcore.config import ModelConfig
-from glmcore.errors import CheckpointError
-from glmcore.synth import SIZES, make_model
+from glmcore.errors import CheckpointError, GlmcoreError
+from glmcore.synth import REAL_VOCAB, SIZES, make_model
 from glmcore.weights import BF16, canonical_shapes, chatglm_name, load_weights, read_safetensors, write_safetensors
 
 
@@ -88,14 +88,17 @@ def test_6b_names_and_shapes_match_the_real_chatglm3_index(shared_models):
     assert canonical_shapes(cfg)["layers.0.qkv.weight"] == (4608, 4096)
 
 
-def test_9b_is_the_real_glm4_9b_shape_in_every_chatglm_family(shared_models):
-    """The 9b size (the benchmarks' GLM-4-9B row) has glm-4-9b-chat's published sizes and vocabulary rows, so a
-    chatglm3-layout 9b (which llama.cpp's converter reads) costs per token what GLM-4-9B does."""
+def test_9b_is_the_real_glm4_9b_chat_shape(shared_models, tmp_path):
+    """The 9b size (the benchmarks' GLM-4-9B row) has glm-4-9b-chat's published sizes and, in family glm4, its
+    vocabulary rows; ChatGLM2/3 have no such model, and asking for one says so."""
     real = json.loads((shared_models / "glm-4-9b-chat" / "config.json").read_text())
     keys = ["num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "multi_query_group_num",
             "kv_channels"]
     assert {k: SIZES["9b"][k] for k in keys} == {k: real[k] for k in keys}
-    assert SIZES["9b"]["vocab"] == real["padded_vocab_size"] == 151552
+    assert SIZES["9b"]["vocab"] == "real" and REAL_VOCAB["glm4"] == real["padded_vocab_size"]
+    with pytest.raises(GlmcoreError, match="9b is GLM-4-9B's shape.*--family glm4"):
+        make_model("chatglm3", "9b", tmp_path / "m")
+    assert not (tmp_path / "m").exists()
 
 
 # ------------------------------------------------------------------ error paths
