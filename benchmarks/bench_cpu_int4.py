@@ -25,6 +25,8 @@ from pathlib import Path
 
 import numpy as np
 
+from glmcore_plugins.cpu_int4.native import ISAS
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -221,7 +223,7 @@ def main(argv=None) -> int:
     ap.add_argument("--asym", action="store_true", help="asymmetric int4 (default symmetric, Q4_0)")
     ap.add_argument("--head-bits", type=int, default=None)
     ap.add_argument("--kv-dtype", default=None)
-    ap.add_argument("--isa", default=None, choices=["plain", "avx2", "avxvnni", "avx512vnni"],
+    ap.add_argument("--isa", default=None, choices=ISAS,
                     help="kernel variant (default: the best this CPU has), e.g. avx2 on an AVX-512 machine")
     ap.add_argument("--no-torch", action="store_true", help="skip the torch fp32 reference")
     ap.add_argument("--no-openvino", action="store_true")

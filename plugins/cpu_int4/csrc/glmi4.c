@@ -601,6 +601,16 @@ T_AVX2 INLINE void madd4_chunk(__m256i i16[4][2], const uint8_t *u, const int8_t
               [x2] "m"(*(const int32_t *)x2), [x3] "m"(*(const int32_t *)x3));
 }
 
+/* Tokens m..m+NT-1: their int8 activations, block scales and group sums. */
+T_AVX2 INLINE void token_rows(const gemm_job *j, int m, int NT, const int8_t **xq, const float **dx, const float **xs) {
+    const int nbx = j->ldq / QK;
+    for (int t = 0; t < NT; t++) {
+        xq[t] = j->xq + (size_t)(m + t) * j->ldq;
+        dx[t] = j->dx + (size_t)(m + t) * nbx;
+        xs[t] = j->xs + (size_t)(m + t) * nbx;
+    }
+}
+
 /* The end of a group of several blocks (or asymmetric): w = d*q + m, m = -8d or the stored minimum, so
  * acc += d * gacc + m * xs (xs: the tokens' activation sums over the group). p: the group's header. */
 T_AVX2 INLINE void group_end_avx2(const int NT, const uint8_t *p, int bf, int asym, const float *const *xs, int g,
@@ -627,15 +637,10 @@ T_AVX2 INLINE void q4_tile_avx2(const gemm_job *j, const uint8_t *p, const uint8
                                 float *outbuf) {
     const glmi4_mat *W = j->W;
     const int ng = W->k_pad / W->group, GB = W->group / QK, hdr = W->asym ? 64 : 32, bf = W->scale_bf16;
-    const int nbx = j->ldq / QK;
     const __m256i m4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
     const int8_t *xq[NTMAX];
     const float *dx[NTMAX], *xs[NTMAX];
-    for (int t = 0; t < NT; t++) {
-        xq[t] = j->xq + (size_t)(m + t) * j->ldq;
-        dx[t] = j->dx + (size_t)(m + t) * nbx;
-        xs[t] = j->xs + (size_t)(m + t) * nbx;
-    }
+    token_rows(j, m, NT, xq, dx, xs);
     __m256 acc[NTMAX][2];
     for (int t = 0; t < NT; t++) acc[t][0] = acc[t][1] = _mm256_setzero_ps();
     for (int g = 0; g < ng; g++) {
@@ -894,21 +899,24 @@ TARGET INLINE void NAME(const gemm_job *j, const uint8_t *p, int m, const int NT
     }                                                                                                                 \
 }
 
+/* The output layer's tiles in blocks of 4 tokens, then 1 (NT constant in each inlined copy of TILE_FN). */
+#define Q8_GEMM(NAME, TILE_FN, TARGET)                                                                        \
+TARGET static void NAME(const gemm_job *j, int t0, int t1) {                                                  \
+    const size_t tb = tile_bytes(j->W);                                                                       \
+    float buf[NTMAX * TILE];                                                                                  \
+    for (int tile = t0; tile < t1; tile++) {                                                                  \
+        const uint8_t *p = j->W->data + (size_t)tile * tb;                                                    \
+        int m = 0;                                                                                            \
+        for (; m + 4 <= j->M; m += 4) { TILE_FN(j, p, m, 4, buf); store_tile(j, tile, m, 4, buf); }           \
+        for (; m < j->M; m++) { TILE_FN(j, p, m, 1, buf); store_tile(j, tile, m, 1, buf); }                   \
+    }                                                                                                         \
+}
+
 T_AVX2 INLINE __m256i mac_avx2(__m256i acc, __m256i u, __m256i s) {
     return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
 }
 Q8_TILE(q8_tile_avx2, T_AVX2, mac_avx2)
-
-T_AVX2 static void gemm8_avx2(const gemm_job *j, int t0, int t1) {
-    const size_t tb = tile_bytes(j->W);
-    float buf[NTMAX * TILE];
-    for (int tile = t0; tile < t1; tile++) {
-        const uint8_t *p = j->W->data + (size_t)tile * tb;
-        int m = 0;
-        for (; m + 4 <= j->M; m += 4) { q8_tile_avx2(j, p, m, 4, buf); store_tile(j, tile, m, 4, buf); }
-        for (; m < j->M; m++) { q8_tile_avx2(j, p, m, 1, buf); store_tile(j, tile, m, 1, buf); }
-    }
-}
+Q8_GEMM(gemm8_avx2, q8_tile_avx2, T_AVX2)
 
 T_AVX2 static void quant_act_avx2(const float *x, int K, int Kp, int G, int8_t *q, float *dx, float *xs) {
     const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
@@ -974,16 +982,12 @@ T_VX INLINE void q4_tile_vx(const gemm_job *j, const uint8_t *p, const uint8_t *
                             float *outbuf) {
     const glmi4_mat *W = j->W;
     const int ng = W->k_pad / W->group, GB = W->group / QK, hdr = W->asym ? 64 : 32, bf = W->scale_bf16;
-    const int nbx = j->ldq / QK, s32 = GB == 1 && !W->asym;
+    const int s32 = GB == 1 && !W->asym;
     const size_t gb = group_bytes(W);
     const __m256i m4 = _mm256_set1_epi8(0x0F);
     const int8_t *xq[NTMAX];
     const float *dx[NTMAX], *xs[NTMAX];
-    for (int t = 0; t < NT; t++) {
-        xq[t] = j->xq + (size_t)(m + t) * j->ldq;
-        dx[t] = j->dx + (size_t)(m + t) * nbx;
-        xs[t] = j->xs + (size_t)(m + t) * nbx;
-    }
+    token_rows(j, m, NT, xq, dx, xs);
     __m256 acc[NTMAX][2];
     for (int t = 0; t < NT; t++) acc[t][0] = acc[t][1] = _mm256_setzero_ps();
     for (int g = 0; g < ng; g++, p += gb) {
@@ -1056,24 +1060,7 @@ T_VX static void gemm4_vx(const gemm_job *j, int t0, int t1) {
 }
 
 Q8_TILE(q8_tile_vx, T_VX, dpbusd_vx)
-
-T_VX __attribute__((noinline)) static void q8vx_4(const gemm_job *j, const uint8_t *p, int m, float *out) {
-    q8_tile_vx(j, p, m, 4, out);
-}
-T_VX __attribute__((noinline)) static void q8vx_1(const gemm_job *j, const uint8_t *p, int m, float *out) {
-    q8_tile_vx(j, p, m, 1, out);
-}
-
-T_VX static void gemm8_vx(const gemm_job *j, int t0, int t1) {
-    const size_t tb = tile_bytes(j->W);
-    float buf[NTMAX * TILE];
-    for (int tile = t0; tile < t1; tile++) {
-        const uint8_t *p = j->W->data + (size_t)tile * tb;
-        int m = 0;
-        for (; m + 4 <= j->M; m += 4) { q8vx_4(j, p, m, buf); store_tile(j, tile, m, 4, buf); }
-        for (; m < j->M; m++) { q8vx_1(j, p, m, buf); store_tile(j, tile, m, 1, buf); }
-    }
-}
+Q8_GEMM(gemm8_vx, q8_tile_vx, T_VX)
 
 /* ---------------- AVX-512 VNNI: one zmm register holds the 16 rows of a tile.
  * Before it is used, native.py compares it with the plain C kernels on random matrices and falls back, with a
