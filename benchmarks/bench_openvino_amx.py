@@ -1,6 +1,8 @@
 """openvino_amx benchmark: prefill and decode tok/s and peak RSS for each weight format beside the torch fp32
-reference, and the same IR run through openvino_genai.LLMPipeline (greedy, same prompt) as the ceiling for our
-Python generation loop.
+reference, the same IR run through openvino_genai.LLMPipeline (greedy, same prompt) as the ceiling for our
+Python generation loop, and OpenVINO's own best form of the same checkpoint: our f16 IR compressed by NNCF
+(`nncf.compress_weights`: INT8_ASYM per channel for int8, INT4_SYM group 128 for int4, as OpenVINO's LLM guide
+does) run through LLMPipeline, where nncf is installed.
 
     python benchmarks/bench_openvino_amx.py --size tiny            # CI smoke, well under a minute
     python benchmarks/bench_openvino_amx.py --size 1b              # the real numbers (made once in the cache)
@@ -54,6 +56,44 @@ def model_dir(size: str, family: str, given: str | None) -> Path:
 
 # ---------------------------------------------------------------- workers (one per process)
 
+# NNCF's form of each of our compressed formats: (mode, group size)
+NNCF_FORMS = {"int8": ("INT8_ASYM", -1), "int4": ("INT4_SYM", 128)}
+
+
+def nncf_dir(f16_ir: Path, weights: str) -> Path:
+    mode, group = NNCF_FORMS[weights]
+    return f16_ir.parent.parent / f"{f16_ir.parent.name}.nncf-{mode.lower()}-g{group}"
+
+
+def nncf_ir(f16_ir: Path, weights: str, say) -> Path:
+    """The directory of our f16 IR compressed by NNCF into `weights`' NNCF form, written once beside it (every
+    file of the f16 IR's directory but the model, so LLMPipeline loads it the same way)."""
+    import shutil
+
+    import glmcore  # noqa: F401  (first: its telemetry block keeps NNCF's usage reports off the network)
+    import openvino as ov
+    from glmcore.cache import build_once
+    import nncf
+    mode, group = NNCF_FORMS[weights]
+    src, final = f16_ir.parent, nncf_dir(f16_ir, weights)
+
+    def write(tmp: Path) -> None:
+        say(f"  compressing {src.name} with NNCF {mode}" + (f" group {group}" if group > 0 else "") + f" -> {final}")
+        model = ov.Core().read_model(str(f16_ir))
+        # ADJUST: a layer narrower than the group (small test models) gets a group that divides it
+        kw = dict(group_size=group, ratio=1.0, advanced_parameters=nncf.AdvancedCompressionParameters(
+            group_size_fallback_mode=nncf.GroupSizeFallbackMode.ADJUST)) \
+            if group > 0 else {}
+        model = nncf.compress_weights(model, mode=getattr(nncf.CompressWeightsMode, mode), **kw)
+        ov.save_model(model, str(tmp / f16_ir.name), compress_to_fp16=False)
+        for f in src.iterdir():
+            if f.is_file() and f.stem != f16_ir.stem:
+                shutil.copy2(f, tmp / f.name)
+
+    build_once(final, write, complete=lambda d: (d / f16_ir.name).is_file())
+    return final
+
+
 def _prompt(cfg, n: int) -> list[int]:
     return np.random.default_rng(0).integers(100, min(cfg.vocab_size, 30000), n).tolist()
 
@@ -71,20 +111,24 @@ def serve(spec: dict) -> None:
     capacity = len(prompt) + new + 8
     kind = spec["kind"]
     info: dict = {}
-    if kind in ("ours", "prepare", "genai"):
+    if kind in ("ours", "prepare", "genai", "nncf"):
         from glmcore_plugins.openvino_amx import session as ovs
         backend = registry().get("openvino_amx")
-        opts = backend.resolve(LoadOptions(spec["precision"], spec["weights"], capacity, spec["threads"],
+        ir_weights = "f16" if kind == "nncf" or spec.get("nncf") else spec["weights"]
+        opts = backend.resolve(LoadOptions(spec["precision"], ir_weights, capacity, spec["threads"],
                                            Path(spec["cache"])))
     if kind == "prepare":            # convert (once per model + options) outside the measured processes
-        path = ovs.cached_ir(cfg, weights, opts, lambda m: print(f"  {m}", file=sys.stderr, flush=True))
-        _reply({"ir": str(path.parent)})
+        say = lambda m: print(f"  {m}", file=sys.stderr, flush=True)   # noqa: E731
+        path = ovs.cached_ir(cfg, weights, opts, say)
+        _reply({"ir": str(nncf_ir(path, spec["weights"], say) if spec.get("nncf") else path.parent)})
         return
     t = time.perf_counter()
-    if kind == "genai":
+    if kind in ("genai", "nncf"):
         import openvino as ov
         import openvino_genai
         ir = ovs.cached_ir(cfg, weights, opts, lambda m: None).parent
+        if kind == "nncf":
+            ir = nncf_dir(ir / ovs.IR_NAME, spec["weights"])     # made by "prepare" (no nncf import here)
         pipe = openvino_genai.LLMPipeline(str(ir), "CPU", ATTENTION_BACKEND="SDPA", **ovs.compile_config(opts))
         gc = openvino_genai.GenerationConfig()
         gc.do_sample, gc.ignore_eos = False, True
@@ -123,8 +167,11 @@ def serve(spec: dict) -> None:
             return
 
 
+REPLY = "glmcore-bench-reply "   # marks the worker's answers: libraries print to stdout too (NNCF's log)
+
+
 def _reply(obj: dict) -> None:
-    print(json.dumps(obj), flush=True)
+    print(REPLY + json.dumps(obj), flush=True)
 
 
 class Worker:
@@ -139,11 +186,12 @@ class Worker:
         self.info = self._read()
 
     def _read(self) -> dict:
-        line = self.proc.stdout.readline()
-        if not line:
-            raise SystemExit(f"worker {self.spec['kind']} {self.spec.get('weights', '')} failed "
-                             f"(exit {self.proc.wait()})")
-        return json.loads(line)
+        for line in self.proc.stdout:
+            if line.startswith(REPLY):
+                return json.loads(line[len(REPLY):])
+            sys.stderr.write(line)           # what a library printed in the worker
+        raise SystemExit(f"worker {self.spec['kind']} {self.spec.get('weights', '')} failed "
+                         f"(exit {self.proc.wait()})")
 
     def run(self) -> None:
         self.proc.stdin.write("run\n")
@@ -192,6 +240,7 @@ def main(argv=None) -> int:
     ap.add_argument("--cache", help="IR cache directory (default: the glmcore cache)")
     ap.add_argument("--no-torch", action="store_true")
     ap.add_argument("--no-genai", action="store_true")
+    ap.add_argument("--no-nncf", action="store_true", help="leave out the NNCF-compressed IR through LLMPipeline")
     ap.add_argument("--sequential", action="store_true",
                     help="load ours and LLMPipeline one after the other (half the memory), not side by side in turns")
     ap.add_argument("--json", help="also write the results here")
@@ -218,6 +267,9 @@ def main(argv=None) -> int:
     base = dict(model=str(d), prompt_len=a.prompt_len, new_tokens=a.new_tokens, threads=a.threads, cache=cache,
                 precision=precision, runs=a.runs)
     genai = not a.no_genai and importlib.util.find_spec("openvino_genai") is not None
+    use_nncf = genai and not a.no_nncf and importlib.util.find_spec("nncf") is not None
+    if genai and not a.no_nncf and not use_nncf:
+        say("bench: nncf is not installed: no row for OpenVINO's own compressed form (pip install nncf)")
     from glmcore_conformance.llamacpp import GGUF_TYPES, find
     llama = find()
     torch = not a.no_torch and registry().probe("torch").ready
@@ -229,15 +281,22 @@ def main(argv=None) -> int:
         spec = {**base, "weights": w}
         say(f"bench: openvino_amx {precision}/{w}: converting (cached)")
         Worker({**spec, "kind": "prepare"})
-        say(f"bench: openvino_amx {precision}/{w}: our generation loop" + (" and LLMPipeline on the same IR, "
-            "in turns" if genai else ""))
+        nncf = use_nncf and w in NNCF_FORMS
+        if nncf:
+            Worker({**spec, "kind": "prepare", "nncf": True})
+        say(f"bench: openvino_amx {precision}/{w}: our generation loop" + (" and LLMPipeline on the same IR"
+            + (" and on NNCF's" if nncf else "") + ", in turns" if genai else ""))
         gguf = llama.gguf(d, w, say) if llama and w in GGUF_TYPES and cfg.family != "glm4" else None
         beside = (lambda: llama.bench(gguf, a.prompt_len, a.new_tokens, a.threads)) if gguf else None
-        results = measure([{**spec, "kind": "ours"}] + ([{**spec, "kind": "genai"}] if genai else []), a.runs,
-                          not a.sequential, beside)
+        kinds = ["ours"] + (["genai"] if genai else []) + (["nncf"] if nncf else [])
+        results = measure([{**spec, "kind": k} for k in kinds], a.runs, not a.sequential, beside)
         rows.append((f"openvino_amx {precision}/{w}", {**results[0], "weights": w}))
         if genai:
             rows.append(("  LLMPipeline, same IR", {**results[1], "weights": w, "genai": True}))
+        if nncf:
+            mode, group = NNCF_FORMS[w]
+            rows.append((f"  LLMPipeline, NNCF {mode}" + (f" g{group}" if group > 0 else ""),
+                         {**results[2], "weights": w, "genai": True, "other_weights": True}))
         if gguf:
             rows.append((f"  llama.cpp {GGUF_TYPES[w]}, same model", {**results[-1], "weights": w, "llamacpp": True}))
 
@@ -252,18 +311,21 @@ def main(argv=None) -> int:
     if runtime and runtime != precision:
         print(f"Note: precision {precision} requested; OpenVINO runs {runtime} on this CPU.")
     print()
-    print(f"| {'configuration':<26} | prefill tok/s | decode tok/s | peak RSS MiB | decode vs torch fp32 | "
-          "ours vs this row   |")
-    print(f"|{'-' * 28}|--------------:|-------------:|-------------:|---------------------:|--------------------:|")
+    print(f"| {'configuration':<34} | prefill tok/s | decode tok/s | peak RSS MiB | decode vs torch fp32 | "
+          "ours vs this row: decode       | our peak RSS vs this row |")
+    print(f"|{'-' * 36}|--------------:|-------------:|-------------:|---------------------:|"
+          "-------------------------------:|-------------------------:|")
     for label, r in rows:
         vs_torch = f"{r['decode_tps'] / ref:.2f}x" if ref else "-"
-        vs_genai = "-"
+        vs_row = vs_rss = "-"
         if r.get("genai") or r.get("llamacpp"):
             mine = ours_by_w[r["weights"]]
-            same = "" if r.get("llamacpp") else " (same tokens)" if mine["tokens"] == r["tokens"] else " (TOKENS DIFFER)"
-            vs_genai = f"{mine['decode_tps'] / r['decode_tps']:.2f}x{same}"
-        print(f"| {label:<26} | {r['prefill_tps']:13.1f} | {r['decode_tps']:12.2f} | {r['peak_rss_mib']:12.0f} | "
-              f"{vs_torch:>20} | {vs_genai:>19} |")
+            same = ("" if r.get("llamacpp") else " (its own weights)" if r.get("other_weights")
+                    else " (same tokens)" if mine["tokens"] == r["tokens"] else " (TOKENS DIFFER)")
+            vs_row = f"{mine['decode_tps'] / r['decode_tps']:.2f}x{same}"
+            vs_rss = f"{mine['peak_rss_mib'] / r['peak_rss_mib']:.2f}x" if r.get("peak_rss_mib") else "-"
+        print(f"| {label:<34} | {r['prefill_tps']:13.1f} | {r['decode_tps']:12.2f} | {r['peak_rss_mib']:12.0f} | "
+              f"{vs_torch:>20} | {vs_row:>30} | {vs_rss:>24} |")
     if a.json:
         Path(a.json).write_text(json.dumps({"model": str(d), "precision": precision, "rows": rows}, indent=2))
     return 0

@@ -409,6 +409,31 @@ def test_saved_ir_runs_in_openvino_genai_llmpipeline(tiny, tmp_path):
     assert list(theirs) == ours
 
 
+def test_nncf_form_of_our_ir_is_int4_and_runs_in_llmpipeline(tiny, tmp_path):
+    """The benchmark's "OpenVINO's own best form" row: our f16 IR compressed by NNCF (INT4_SYM, group 128,
+    adjusted where a layer is narrower) carries 4-bit weights and greedy-decodes in LLMPipeline."""
+    genai = pytest.importorskip("openvino_genai")
+    pytest.importorskip("nncf")
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("bench_ov", Path(__file__).resolve().parents[1] / "benchmarks"
+                                                  / "bench_openvino_amx.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    cfg, w, _ = tiny["chatglm3"]
+    opts = BACKEND.resolve(LoadOptions("f32", "f16", 128, cache_dir=tmp_path))
+    f16 = ovs.cached_ir(cfg, w, opts, lambda m: None)
+    d = bench.nncf_ir(f16, "int4", lambda m: None)
+    assert d == bench.nncf_dir(f16, "int4")
+    types = {op.get_output_element_type(0).get_type_name() for op in ov.Core().read_model(str(d / ovs.IR_NAME)).get_ops()
+             if op.get_type_name() == "Constant"}
+    assert "i4" in types, types
+    assert bench.nncf_ir(f16, "int4", lambda m: pytest.fail("compressed twice")) == d     # made once
+    pipe = genai.LLMPipeline(str(d), "CPU", ATTENTION_BACKEND="SDPA")
+    gc = genai.GenerationConfig()
+    gc.max_new_tokens, gc.do_sample, gc.ignore_eos = 6, False, True
+    assert len(pipe.generate(ov.Tensor(np.array([[5, 6, 7]], dtype=np.int64)), gc).tokens[0]) == 6
+
+
 # ---------------------------------------------------------------- no torch needed
 
 def test_runs_without_torch(tmp_path):

@@ -657,7 +657,7 @@ def test_a_tool_round_trip_in_order_is_accepted(url):
 
 
 def _health_latency(url, seconds):
-    """The slowest /health reply while `seconds` pass."""
+    """The slowest /health reply while `seconds` pass (each must come within 30 s)."""
     worst, end = 0.0, time.monotonic() + seconds
     while time.monotonic() < end:
         t = time.monotonic()
@@ -676,9 +676,23 @@ def own_model(make_tiny):
     m.close()
 
 
-def test_expensive_requests_never_stall_health(own_model):
+def test_expensive_requests_never_stall_health(own_model, monkeypatch):
     # a tool schema pretty-printed into a huge prompt, and prompts as long as the body limit allows: refused
     # before expansion or prepared in worker threads, never on the event loop
+    import asyncio
+
+    from glmcore.server import app as app_module
+    on_loop = []
+
+    def parse(cls, body):            # the first step of preparing a request: record whether the loop runs it
+        try:
+            asyncio.get_running_loop()
+            on_loop.append(True)
+        except RuntimeError:         # no running loop in this thread: a worker thread
+            on_loop.append(False)
+        return real_parse(cls, body)
+    real_parse = app_module.parse
+    monkeypatch.setattr(app_module, "parse", parse)
     deep = {"type": "function", "function": {"name": "f", "parameters": json.loads('{"a":' * 30 + "1" + "}" * 30)}}
     wide = {"type": "function", "function": {"name": "g", "parameters": {f"p{i}": {"a": {"b": {"c": "d" * 20}}}
                                                                          for i in range(20000)}}}
@@ -696,13 +710,13 @@ def test_expensive_requests_never_stall_health(own_model):
         for t in threads:
             t.start()
         time.sleep(0.2)
-        worst = _health_latency(u, 3)
+        _health_latency(u, 3)                     # answered all along (each within its timeout)
         for t in threads:
             t.join(timeout=300)
         assert set(errors) == {400} and len(errors) == 12, errors
-        # a slow 2-vCPU machine (AVX2 EPYC) answered in up to 1.08 s with the preparing threads holding the GIL by
-        # turns; the stall this guards against is the event loop busy for the whole of the 12 requests
-        assert worst < 2.0, f"/health took {worst:.2f} s while expensive requests were prepared"
+        # not a latency bound (a busy 2-vCPU machine answered in up to 1.08 s with the preparing threads holding
+        # the GIL by turns): the property itself, every request prepared off the event loop
+        assert on_loop and not any(on_loop), on_loop
 
 
 def test_slow_drip_connections_are_closed(own_model):
