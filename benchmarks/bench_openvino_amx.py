@@ -9,14 +9,16 @@ does) run through LLMPipeline, where nncf is installed.
 
 Each measurement runs in its own process, so one runtime's threads, memory and page cache do not leak into
 another's numbers, and peak RSS (VmHWM) is that process's own. The IR is converted in a separate process first,
-so peak RSS is that of serving, not of converting. Every measurement does one untimed warm-up generation
+and the high-water mark is reset after the warm-up (Linux clear_refs), so "peak RSS" is the steady state of
+serving (beside the IR's size: "/ IR") and "load peak" the packing of the weights, when the plugin's copy and
+the mapped IR are both resident. Every measurement does one untimed warm-up generation
 (kernel compilation, first touch of the weights), then --runs timed ones (median): ours through the core's scheduler
 (the loop `glmcore run` uses), LLMPipeline through its generate() on token ids, both greedy with stop tokens
 ignored and with identical plugin settings (precision, KV-cache precision, no dynamic quantization, SDPA attention).
 Timings on a shared machine are noisy; the numbers come from one run of this script.
 Where $GLMCORE_LLAMACPP names a built llama.cpp (see conformance/llamacpp.py), llama.cpp runs the same
 checkpoint as GGUF of the matching type (int8 -> Q8_0, int4 -> Q4_0, f16 -> F16, f32 -> F32), one llama-bench
-repetition in each round of the turns, and gets a row of its own.
+repetition in each round of the turns, and gets a row of its own (its peak RSS: llama-bench's whole run).
 """
 from __future__ import annotations
 
@@ -24,7 +26,6 @@ import argparse
 import json
 import os
 import platform
-import resource
 import subprocess
 import sys
 import time
@@ -34,16 +35,6 @@ from statistics import median
 import numpy as np
 
 FORMATS = ("f32", "f16", "int8", "int4")
-
-
-def peak_rss_mib() -> float:
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) / 1024
-    except OSError:
-        pass
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 # ---------------------------------------------------------------- the model
@@ -105,6 +96,7 @@ def serve(spec: dict) -> None:
     from glmcore.sampling import SamplingParams
     from glmcore.scheduler import Request, Scheduler
     from glmcore.weights import load_weights
+    from glmcore_conformance.memory import peak_rss, reset_peak
     cfg = ModelConfig.from_dir(spec["model"])
     weights = load_weights(spec["model"], cfg)
     prompt, new = _prompt(cfg, spec["prompt_len"]), spec["new_tokens"]
@@ -129,6 +121,7 @@ def serve(spec: dict) -> None:
         ir = ovs.cached_ir(cfg, weights, opts, lambda m: None).parent
         if kind == "nncf":
             ir = nncf_dir(ir / ovs.IR_NAME, spec["weights"])     # made by "prepare" (no nncf import here)
+        info["ir_mib"] = (ir / ovs.IR_NAME).with_suffix(".bin").stat().st_size / 2**20
         pipe = openvino_genai.LLMPipeline(str(ir), "CPU", ATTENTION_BACKEND="SDPA", **ovs.compile_config(opts))
         gc = openvino_genai.GenerationConfig()
         gc.do_sample, gc.ignore_eos = False, True
@@ -147,6 +140,8 @@ def serve(spec: dict) -> None:
         session = backend.load(cfg, weights, opts)
         if kind == "ours":
             info["runtime_precision"] = session.runtime_precision
+            ir = ovs.cached_ir(cfg, weights, opts, lambda m: None)
+            info["ir_mib"] = ir.with_suffix(".bin").stat().st_size / 2**20
         sched = Scheduler(SessionAdapter([session]))      # the stateful model, one sequence
         greedy = SamplingParams(temperature=0)
 
@@ -158,12 +153,14 @@ def serve(spec: dict) -> None:
             return dict(prefill_tps=timings.prefill_tps, decode_tps=timings.decode_tps, tokens=tokens)
     info["load_s"] = time.perf_counter() - t
     one(4)                                       # warm-up: kernel compilation, first touch of the weights
+    info["load_peak_rss_mib"] = peak_rss() / 2**20
+    info["steady"] = reset_peak()                # from here the peak is that of serving (not of packing weights)
     _reply({"ready": True, **info})
     for line in sys.stdin:
         if line.strip() == "run":
             _reply(one(new))
         else:
-            _reply({"peak_rss_mib": peak_rss_mib(), **info})
+            _reply({"peak_rss_mib": peak_rss() / 2**20, **info})
             return
 
 
@@ -212,6 +209,7 @@ def measure(specs: list[dict], runs: int, together: bool, beside=None) -> list[d
     callable giving one run's figures: llama.cpp) runs after each round; its medians come last."""
     if not together:
         return [measure([s], runs, True)[0] for s in specs] + ([measure([], runs, True, beside)[0]] if beside else [])
+    from glmcore_conformance.bench import SETTLE_S
     workers = [Worker(s) for s in specs]
     extra = []
     for _ in range(runs):
@@ -219,6 +217,7 @@ def measure(specs: list[dict], runs: int, together: bool, beside=None) -> list[d
             w.run()
         if beside:
             extra.append(beside())
+            time.sleep(SETTLE_S)     # llama-bench's exit frees its model: let the host take it back first
     out = [w.finish() for w in workers]
     if beside:
         out.append({k: median(r[k] for r in extra) for k in extra[0]})
@@ -311,9 +310,9 @@ def main(argv=None) -> int:
     if runtime and runtime != precision:
         print(f"Note: precision {precision} requested; OpenVINO runs {runtime} on this CPU.")
     print()
-    print(f"| {'configuration':<34} | prefill tok/s | decode tok/s | peak RSS MiB | decode vs torch fp32 | "
-          "ours vs this row: decode       | our peak RSS vs this row |")
-    print(f"|{'-' * 36}|--------------:|-------------:|-------------:|---------------------:|"
+    print(f"| {'configuration':<34} | prefill tok/s | decode tok/s | peak RSS MiB |    / IR | load peak MiB | "
+          "decode vs torch fp32 | ours vs this row: decode       | our peak RSS vs this row |")
+    print(f"|{'-' * 36}|--------------:|-------------:|-------------:|--------:|--------------:|---------------------:|"
           "-------------------------------:|-------------------------:|")
     for label, r in rows:
         vs_torch = f"{r['decode_tps'] / ref:.2f}x" if ref else "-"
@@ -324,8 +323,11 @@ def main(argv=None) -> int:
                     else " (same tokens)" if mine["tokens"] == r["tokens"] else " (TOKENS DIFFER)")
             vs_row = f"{mine['decode_tps'] / r['decode_tps']:.2f}x{same}"
             vs_rss = f"{mine['peak_rss_mib'] / r['peak_rss_mib']:.2f}x" if r.get("peak_rss_mib") else "-"
-        print(f"| {label:<34} | {r['prefill_tps']:13.1f} | {r['decode_tps']:12.2f} | {r['peak_rss_mib']:12.0f} | "
-              f"{vs_torch:>20} | {vs_row:>30} | {vs_rss:>24} |")
+        steady = "" if r.get("steady", True) else "*"      # * clear_refs refused: includes loading
+        per_ir = f"{r['peak_rss_mib'] / r['ir_mib']:.2f}x" if r.get("ir_mib") else "-"
+        load = f"{r['load_peak_rss_mib']:.0f}" if r.get("load_peak_rss_mib") else "-"
+        print(f"| {label:<34} | {r['prefill_tps']:13.1f} | {r['decode_tps']:12.2f} | {r['peak_rss_mib']:11.0f}"
+              f"{steady or ' '} | {per_ir:>7} | {load:>13} | {vs_torch:>20} | {vs_row:>30} | {vs_rss:>24} |")
     if a.json:
         Path(a.json).write_text(json.dumps({"model": str(d), "precision": precision, "rows": rows}, indent=2))
     return 0
