@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import statistics
 import subprocess
 import sys
@@ -25,6 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
+from glmcore_conformance.memory import peak_rss, reset_peak
 from glmcore_plugins.cpu_int4.native import ISAS
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -56,27 +56,6 @@ def bandwidth(threads: int, mib: int = 512, repeat: int = 5) -> dict:
 
 # ---------------------------------------------------------------- one backend in this process
 
-def peak_rss_bytes() -> int:
-    """This process's peak resident set. VmHWM belongs to the address space, so unlike ru_maxrss it is not
-    inherited from the parent across fork+exec."""
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024     # Linux reports KiB
-
-
-def reset_peak_rss() -> bool:
-    """Restart VmHWM from the current RSS (Linux 4.0+), so a bandwidth probe's arrays are not counted."""
-    try:
-        Path("/proc/self/clear_refs").write_text("5")
-        return True
-    except OSError:
-        return False
-
-
 def measure(args) -> dict:
     from glmcore.backend import LoadOptions, registry
     from glmcore.config import ModelConfig
@@ -103,10 +82,10 @@ def measure(args) -> dict:
     steps, rounds = [], []
     tok = int(np.argmax(logits))
     per_round = max(1, args.decode // args.rounds)
-    peak, exact = peak_rss_bytes(), True          # loading and prefill
+    peak, exact = peak_rss(), True          # loading and prefill
     for _ in range(args.rounds):
         bw = bandwidth(args.threads, mib=args.bw_mib, repeat=2)["read_GBps"]
-        exact = reset_peak_rss() and exact       # the probe's arrays are freed; do not count them
+        exact = reset_peak() and exact       # the probe's arrays are freed; do not count them
         t0 = time.perf_counter()
         for _ in range(per_round):
             t = time.perf_counter()
@@ -114,7 +93,7 @@ def measure(args) -> dict:
             steps.append(time.perf_counter() - t)
             tok = int(np.argmax(logits))
         rounds.append({"bw_GBps": bw, "decode_tps": per_round / (time.perf_counter() - t0)})
-        peak = max(peak, peak_rss_bytes())
+        peak = max(peak, peak_rss())
     res = {"backend": args.worker, "load_s": load_s, "prefill_tokens": args.prefill,
            "prefill_tps": args.prefill / min(times), "prefill_tps_median": args.prefill / statistics.median(times),
            "decode_tps": 1.0 / statistics.median(steps), "decode_tps_mean": len(steps) / sum(steps),

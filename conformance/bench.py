@@ -19,8 +19,10 @@ How it measures, and why:
 - Roofline: a decode step must read every weight once (the embedding only one row) and the KV cache;
   bytes per token = weights in the backend's format + KV read at the mean context of the run. The
   ceiling is the memory bandwidth (a multi-threaded numpy read of a buffer 8x the last-level cache,
-  measured at startup and before each round of runs, the median: on a shared machine it swings by a
-  third from minute to minute) divided by those bytes; "reached" is measured decode tok/s over that.
+  measured at startup, between rounds and after the last, the median: on a shared machine it swings by a
+  third from minute to minute) divided by those bytes. "Reached" pairs each round with the bandwidth
+  around it (the mean of the probes just before and just after it): the median over rounds of that
+  round's decode tok/s over its own ceiling, so a busy minute lowers the decode and its ceiling alike.
   A backend may state its own bytes with an optional `bytes_per_token(config, options, kv_len)`.
   At tiny sizes the weights sit in cache and the ceiling means little; it is meant for 1b/6b.
 - llama.cpp, optional: where $GLMCORE_LLAMACPP names a built llama.cpp tree (conformance/llamacpp.py says
@@ -312,7 +314,7 @@ def bench(backends: list[tuple[str, LoadOptions]], model_dir: Path, prompt_len: 
         for r in range(warmup + runs):
             label = "warm-up" if r < warmup else f"run {r - warmup + 1}/{runs}"
             if probe is not None and r >= warmup:
-                probes.append(probe.measure())
+                probes.append(probe.measure())        # after the round before, before this one
             for i, (w, _) in enumerate(workers):
                 progress(f"bench: {w.name} {label}")
                 out = w.run(prompt, gen)
@@ -322,6 +324,8 @@ def bench(backends: list[tuple[str, LoadOptions]], model_dir: Path, prompt_len: 
                 progress(f"bench: llama.cpp {path.parent.name} {label}")
                 lc_runs[weights].append(llamacpp.bench(path, prompt_len, gen, threads))
                 time.sleep(SETTLE_S)
+        if probe is not None:
+            probes.append(probe.measure())            # after the last round
     finally:
         for w, _ in workers:
             w.stop()
@@ -330,16 +334,19 @@ def bench(backends: list[tuple[str, LoadOptions]], model_dir: Path, prompt_len: 
     kv_len = prompt_len + gen // 2
     if probes:
         bandwidth = statistics.median(probes)
+    # the bandwidth around round i: probes[i + 1] was taken just before it, probes[i + 2] just after
+    around = [(probes[i + 1] + probes[i + 2]) / 2 for i in range(runs)] if len(probes) == runs + 2 else \
+        [bandwidth] * runs
     out = []
     for (w, opts), info, rs in zip(workers, infos, results):
         med = lambda k: statistics.median(x[k] for x in rs)
         resolved = LoadOptions(info["precision"], info["weights"], opts.capacity, threads, extra=opts.extra)
         nbytes, source = bytes_per_token(registry().get(w.name), config, resolved, kv_len)
         ceiling = bandwidth / nbytes
+        reached = statistics.median(x["decode_tps"] * nbytes / bw for x, bw in zip(rs, around))
         out.append(Result(info["backend"], info["precision"], info["weights"], info["load_s"], med("ttft_s") * 1000,
                           med("prefill_tps"), med("decode_tps"), med("peak_rss") / 2**20,
-                          all(x["rss_per_run"] for x in rs), nbytes, source, ceiling,
-                          med("decode_tps") / ceiling, rs))
+                          all(x["rss_per_run"] for x in rs), nbytes, source, ceiling, reached, rs))
     return {"model": str(model_dir), "family": config.family, "params": config.num_params(),
             "prompt_len": prompt_len, "gen": gen, "runs": runs, "warmup": warmup, "threads": threads,
             "bandwidth": bandwidth, "bandwidth_probes": probes, "machine": machine(), "kv_len": kv_len,
@@ -366,7 +373,7 @@ def _probed(data: dict) -> str:
     probes = data.get("bandwidth_probes") or []
     if not probes:
         return "given"
-    return (f"median of {len(probes)} probes, at startup and before each round: "
+    return (f"median of {len(probes)} probes, at startup, between rounds and after the last: "
             f"{min(probes) / 1e9:.1f}-{max(probes) / 1e9:.1f}")
 
 
@@ -393,7 +400,7 @@ def format_bench(data: dict) -> str:
         lines.append(f"roofline {r['backend']} {r['precision']}/{r['weights']}: {r['bytes_per_token'] / 1e6:.2f} MB "
                      f"read per decode token ({r['bytes_source']}, KV at {data['kv_len']} tokens) at "
                      f"{data['bandwidth'] / 1e9:.1f} GB/s -> ceiling {r['ceiling_tps']:.1f} tok/s; "
-                     f"reached {100 * r['reached']:.0f}%")
+                     f"reached {100 * r['reached']:.0f}% (the median round against the bandwidth around it)")
     for ref in lc.values():
         lines.append(f"llama.cpp {ref['type']} (same checkpoint, llama-bench, median of {len(ref['runs'])}): prefill "
                      f"{ref['prefill_tps']:.1f} tok/s, decode {ref['decode_tps']:.1f} tok/s, peak RSS "
