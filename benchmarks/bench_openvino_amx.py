@@ -1,8 +1,8 @@
 """openvino_amx benchmark: prefill and decode tok/s and peak RSS for each weight format beside the torch fp32
 reference, the same IR run through openvino_genai.LLMPipeline (greedy, same prompt) as the ceiling for our
 Python generation loop, and OpenVINO's own best form of the same checkpoint: our f16 IR compressed by NNCF
-(`nncf.compress_weights`: INT8_ASYM per channel for int8, INT4_SYM group 128 for int4, as OpenVINO's LLM guide
-does) run through LLMPipeline, where nncf is installed.
+(`nncf.compress_weights`: INT8_ASYM per channel for int8, its default; INT4_SYM at its default group of 128 for
+int4) run through LLMPipeline, where nncf is installed.
 
     python benchmarks/bench_openvino_amx.py --size tiny            # CI smoke, well under a minute
     python benchmarks/bench_openvino_amx.py --size 1b              # the real numbers (made once in the cache)
@@ -72,9 +72,10 @@ def nncf_ir(f16_ir: Path, weights: str, say) -> Path:
         say(f"  compressing {src.name} with NNCF {mode}" + (f" group {group}" if group > 0 else "") + f" -> {final}")
         model = ov.Core().read_model(str(f16_ir))
         # ADJUST: a layer narrower than the group (small test models) gets a group that divides it
-        kw = dict(group_size=group, ratio=1.0, advanced_parameters=nncf.AdvancedCompressionParameters(
-            group_size_fallback_mode=nncf.GroupSizeFallbackMode.ADJUST)) \
-            if group > 0 else {}
+        kw = {}
+        if group > 0:
+            kw = dict(group_size=group, ratio=1.0, advanced_parameters=nncf.AdvancedCompressionParameters(
+                group_size_fallback_mode=nncf.GroupSizeFallbackMode.ADJUST))
         model = nncf.compress_weights(model, mode=getattr(nncf.CompressWeightsMode, mode), **kw)
         ov.save_model(model, str(tmp / f16_ir.name), compress_to_fp16=False)
         for f in src.iterdir():
