@@ -51,11 +51,6 @@ def model_dir(size: str, family: str, given: str | None) -> Path:
 NNCF_FORMS = {"int8": ("INT8_ASYM", -1), "int4": ("INT4_SYM", 128)}
 
 
-def nncf_dir(f16_ir: Path, weights: str) -> Path:
-    mode, group = NNCF_FORMS[weights]
-    return f16_ir.parent.parent / f"{f16_ir.parent.name}.nncf-{mode.lower()}-g{group}"
-
-
 def nncf_ir(f16_ir: Path, weights: str, say) -> Path:
     """The directory of our f16 IR compressed by NNCF into `weights`' NNCF form, written once beside it (every
     file of the f16 IR's directory but the model, so LLMPipeline loads it the same way)."""
@@ -66,7 +61,8 @@ def nncf_ir(f16_ir: Path, weights: str, say) -> Path:
     from glmcore.cache import build_once
     import nncf
     mode, group = NNCF_FORMS[weights]
-    src, final = f16_ir.parent, nncf_dir(f16_ir, weights)
+    src = f16_ir.parent
+    final = src.parent / f"{src.name}.nncf-{mode.lower()}-g{group}"
 
     def write(tmp: Path) -> None:
         say(f"  compressing {src.name} with NNCF {mode}" + (f" group {group}" if group > 0 else "") + f" -> {final}")
@@ -107,7 +103,7 @@ def serve(spec: dict) -> None:
     if kind in ("ours", "prepare", "genai", "nncf"):
         from glmcore_plugins.openvino_amx import session as ovs
         backend = registry().get("openvino_amx")
-        ir_weights = "f16" if kind == "nncf" or spec.get("nncf") else spec["weights"]
+        ir_weights = "f16" if spec.get("nncf") else spec["weights"]     # NNCF compresses our f16 IR
         opts = backend.resolve(LoadOptions(spec["precision"], ir_weights, capacity, spec["threads"],
                                            Path(spec["cache"])))
     if kind == "prepare":            # convert (once per model + options) outside the measured processes
@@ -119,11 +115,7 @@ def serve(spec: dict) -> None:
     if kind in ("genai", "nncf"):
         import openvino as ov
         import openvino_genai
-        ir = ovs.cached_ir(cfg, weights, opts, lambda m: None).parent
-        if kind == "nncf":
-            ir = nncf_dir(ir / ovs.IR_NAME, spec["weights"])     # made by "prepare" (no nncf import here)
-        info["ir_mib"] = (ir / ovs.IR_NAME).with_suffix(".bin").stat().st_size / 2**20
-        pipe = openvino_genai.LLMPipeline(str(ir), "CPU", ATTENTION_BACKEND="SDPA", **ovs.compile_config(opts))
+        pipe = openvino_genai.LLMPipeline(spec["ir"], "CPU", ATTENTION_BACKEND="SDPA", **ovs.compile_config(opts))
         gc = openvino_genai.GenerationConfig()
         gc.do_sample, gc.ignore_eos = False, True
         ids = ov.Tensor(np.array([prompt], dtype=np.int64))
@@ -141,8 +133,6 @@ def serve(spec: dict) -> None:
         session = backend.load(cfg, weights, opts)
         if kind == "ours":
             info["runtime_precision"] = session.runtime_precision
-            ir = ovs.cached_ir(cfg, weights, opts, lambda m: None)
-            info["ir_mib"] = ir.with_suffix(".bin").stat().st_size / 2**20
         sched = Scheduler(SessionAdapter([session]))      # the stateful model, one sequence
         greedy = SamplingParams(temperature=0)
 
@@ -259,6 +249,7 @@ def main(argv=None) -> int:
     from glmcore.cache import cache_root
     from glmcore.cpuinfo import cpu_name
     from glmcore_plugins.openvino_amx.cpu import has_amx, has_avx512_bf16
+    from glmcore_plugins.openvino_amx.session import IR_NAME
     d = model_dir(a.size, "chatglm3", a.model)
     cfg = ModelConfig.from_dir(d)
     backend = registry().get("openvino_amx")
@@ -280,23 +271,25 @@ def main(argv=None) -> int:
     for w in a.weights.split(","):
         spec = {**base, "weights": w}
         say(f"bench: openvino_amx {precision}/{w}: converting (cached)")
-        Worker({**spec, "kind": "prepare"})
+        irs = {"genai": Worker({**spec, "kind": "prepare"}).info["ir"]}     # LLMPipeline's directory for each kind
         nncf = use_nncf and w in NNCF_FORMS
         if nncf:
-            Worker({**spec, "kind": "prepare", "nncf": True})
+            irs["nncf"] = Worker({**spec, "kind": "prepare", "nncf": True}).info["ir"]
         say(f"bench: openvino_amx {precision}/{w}: our generation loop" + (" and LLMPipeline on the same IR"
             + (" and on NNCF's" if nncf else "") + ", in turns" if genai else ""))
         gguf = llama.gguf(d, w, say) if llama and w in GGUF_TYPES and cfg.family != "glm4" else None
         beside = (lambda: llama.bench(gguf, a.prompt_len, a.new_tokens, a.threads)) if gguf else None
         kinds = ["ours"] + (["genai"] if genai else []) + (["nncf"] if nncf else [])
-        results = measure([{**spec, "kind": k} for k in kinds], a.runs, not a.sequential, beside)
-        rows.append((f"openvino_amx {precision}/{w}", {**results[0], "weights": w}))
+        results = measure([{**spec, "kind": k, "ir": irs.get(k)} for k in kinds], a.runs, not a.sequential, beside)
+        ir_mib = {k: (Path(d) / IR_NAME).with_suffix(".bin").stat().st_size / 2**20 for k, d in irs.items()}
+        rows.append((f"openvino_amx {precision}/{w}", {**results[0], "weights": w, "ir_mib": ir_mib["genai"]}))
         if genai:
-            rows.append(("  LLMPipeline, same IR", {**results[1], "weights": w, "genai": True}))
+            rows.append(("  LLMPipeline, same IR",
+                         {**results[1], "weights": w, "genai": True, "ir_mib": ir_mib["genai"]}))
         if nncf:
             mode, group = NNCF_FORMS[w]
             rows.append((f"  LLMPipeline, NNCF {mode}" + (f" g{group}" if group > 0 else ""),
-                         {**results[2], "weights": w, "genai": True, "other_weights": True}))
+                         {**results[2], "weights": w, "genai": True, "other_weights": True, "ir_mib": ir_mib["nncf"]}))
         if gguf:
             rows.append((f"  llama.cpp {GGUF_TYPES[w]}, same model", {**results[-1], "weights": w, "llamacpp": True}))
 
@@ -324,11 +317,13 @@ def main(argv=None) -> int:
                     else " (same tokens)" if mine["tokens"] == r["tokens"] else " (TOKENS DIFFER)")
             vs_row = f"{mine['decode_tps'] / r['decode_tps']:.2f}x{same}"
             vs_rss = f"{mine['peak_rss_mib'] / r['peak_rss_mib']:.2f}x" if r.get("peak_rss_mib") else "-"
-        steady = "" if r.get("steady", True) else "*"      # * clear_refs refused: includes loading
+        steady = "" if r.get("steady", True) else "*"
         per_ir = f"{r['peak_rss_mib'] / r['ir_mib']:.2f}x" if r.get("ir_mib") else "-"
         load = f"{r['load_peak_rss_mib']:.0f}" if r.get("load_peak_rss_mib") else "-"
         print(f"| {label:<34} | {r['prefill_tps']:13.1f} | {r['decode_tps']:12.2f} | {r['peak_rss_mib']:11.0f}"
               f"{steady or ' '} | {per_ir:>7} | {load:>13} | {vs_torch:>20} | {vs_row:>30} | {vs_rss:>24} |")
+    if not all(r.get("steady", True) for _, r in rows):
+        print("* this kernel refused to reset the high-water mark (clear_refs): that peak includes loading")
     if a.json:
         Path(a.json).write_text(json.dumps({"model": str(d), "precision": precision, "rows": rows}, indent=2))
     return 0

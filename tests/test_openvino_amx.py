@@ -423,7 +423,7 @@ def test_nncf_form_of_our_ir_is_int4_and_runs_in_llmpipeline(tiny, tmp_path):
     opts = BACKEND.resolve(LoadOptions("f32", "f16", 128, cache_dir=tmp_path))
     f16 = ovs.cached_ir(cfg, w, opts, lambda m: None)
     d = bench.nncf_ir(f16, "int4", lambda m: None)
-    assert d == bench.nncf_dir(f16, "int4")
+    assert d.parent == f16.parent.parent                     # beside our IR in the cache
     model = ov.Core().read_model(str(d / ovs.IR_NAME))
     types = {op.get_output_element_type(0).get_type_name() for op in model.get_ops()
              if op.get_type_name() == "Constant"}

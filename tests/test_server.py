@@ -656,15 +656,12 @@ def test_a_tool_round_trip_in_order_is_accepted(url):
     assert httpx.post(f"{url}/v1/chat/completions", json=body, timeout=60).status_code == 200
 
 
-def _health_latency(url, seconds):
-    """The slowest /health reply while `seconds` pass (each must come within 30 s)."""
-    worst, end = 0.0, time.monotonic() + seconds
+def _health_answers(url, seconds):
+    """/health answers 200 (each within 30 s) while `seconds` pass."""
+    end = time.monotonic() + seconds
     while time.monotonic() < end:
-        t = time.monotonic()
         assert httpx.get(f"{url}/health", timeout=30).status_code == 200
-        worst = max(worst, time.monotonic() - t)
         time.sleep(0.05)
-    return worst
 
 
 @pytest.fixture
@@ -710,7 +707,7 @@ def test_expensive_requests_never_stall_health(own_model, monkeypatch):
         for t in threads:
             t.start()
         time.sleep(0.2)
-        _health_latency(u, 3)                     # answered all along (each within its timeout)
+        _health_answers(u, 3)
         for t in threads:
             t.join(timeout=300)
         assert set(errors) == {400} and len(errors) == 12, errors
