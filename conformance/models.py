@@ -41,7 +41,8 @@ class Model:
 
 # One seed per family: at tiny size chatglm2 and chatglm3 have the same shapes, and different weights
 # make them two checks instead of one.
-FAMILY_SEEDS = {"chatglm2": 2, "chatglm3": 3, "glm4": 4, "glm4-0414": 5, "glm-edge": 6}
+FAMILY_SEEDS = {"chatglm2": 2, "chatglm3": 3, "glm4": 4, "glm4-0414": 5, "glm-edge": 6, "glm4-moe": 7,
+                "glm4-moe-lite": 8}
 
 
 def synthetic_dir(family: str, size: str = "tiny", purpose: str = "conformance", seed: int | None = None) -> Path:

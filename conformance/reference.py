@@ -55,22 +55,21 @@ def shift_in_place(session: Session, n_keep: int, n_discard: int) -> None:
     later (already rotated) keys back by n_discard positions, as the Session.shift contract says.
 
     Uses the reference session's own shift() when it has one; otherwise works on the torch reference's
-    cache tensors (its one-slot batch: k_cache/v_cache [1, layers, capacity, kv_heads, head_dim], keys
+    cache tensors (its one-slot batch: per layer k_cache/v_cache [1, kv_heads, capacity, head_dim], keys
     stored rotated)."""
     if type(session).shift is not Session.shift:
         session.shift(n_keep, n_discard)
         return
     import torch
-    from glmcore_plugins.torch_ref.model import apply_rotary, rotary_tables
+    from glmcore_plugins.torch_ref.model import rotary_tables
     batch = session.batch
     cfg, end = batch.cfg, batch.lens[0]
     src = slice(n_keep + n_discard, end)
     dst = slice(n_keep, end - n_discard)
-    k_cache, v_cache = batch.k_cache[0], batch.v_cache[0]
-    layers, _, heads, dim = k_cache.shape
-    keys = k_cache[:, src].reshape(-1, heads, dim)
     # rotation by angle a then by -n_discard*theta equals rotation to the new position
     cos, sin = rotary_tables(cfg, torch.tensor([-n_discard]))
-    k_cache[:, dst] = apply_rotary(keys, cos, sin).reshape(layers, -1, heads, dim)
-    v_cache[:, dst] = v_cache[:, src].clone()
+    for k_cache, v_cache in zip(batch.k_cache, batch.v_cache):
+        keys = k_cache[0, :, src].transpose(0, 1)                       # [positions, kv_heads, head_dim]
+        k_cache[0, :, dst] = batch.model.rerotate(keys, cos, sin).transpose(0, 1)
+        v_cache[0, :, dst] = v_cache[0, :, src].clone()
     batch.lens[0] = end - n_discard

@@ -172,6 +172,10 @@ class Suite:
             reference = Reference(model, ref_backend, self.threads)
             try:
                 for backend in ready:
+                    why = backend.supports(model.config)
+                    if why:         # an architecture this backend does not run: said, not failed
+                        self._skip({"backend": backend.name, "model": model.label, "reason": why})
+                        continue
                     if precision and precision not in backend.capabilities().precisions or \
                             weights and weights not in backend.capabilities().weight_formats:
                         self._skip({"backend": backend.name, "config": f"{precision or '*'}/{weights or '*'}",

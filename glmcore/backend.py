@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pluggy
 
-from .config import FAMILIES, ModelConfig
+from .config import ModelConfig
 from .errors import BackendError, StepError
 
 hookspec = pluggy.HookspecMarker("glmcore")
@@ -52,10 +52,6 @@ class Capabilities:
     native_batch: bool = False                      # load_batch returns a native BatchSession: one step reads
                                                     # the weights once for all entries, and copy_prefix copies
     max_slots: int | None = None                    # sequences one BatchSession can hold; None: memory-bound
-    # Checkpoint families the backend runs. The default is the 2023-24 GLM block (rotary over half the head, no
-    # post norms, an untied output layer), all a plugin written before glm4-0414/glm-edge can run correctly;
-    # one that honours ModelConfig's rotary_dim, post_norms and tie_embeddings declares config.FAMILIES.
-    families: tuple[str, ...] = ("chatglm2", "chatglm3", "glm4")
 
 
 @dataclass
@@ -270,6 +266,22 @@ class Backend(ABC):
     @abstractmethod
     def capabilities(self) -> Capabilities: ...
 
+    def supports(self, config: ModelConfig) -> str | None:
+        """None if this backend computes config's architecture correctly, else why not (one line; the core
+        adds which backends do). Default: the 2023-24 dense GLM block only (ChatGLM2/3, GLM-4: rotary over
+        half of each head in interleaved pairs, no post norms, an untied output layer) -- all a plugin
+        written before glmcore/arch can be trusted with. A backend that runs more overrides this and
+        `architectures`."""
+        if config.arch == "glm" and config.rotary_dim == config.head_dim // 2 and config.rotary_interleaved \
+                and not config.post_norms and not config.tie_embeddings:
+            return None
+        return (f"{self.name} runs only the ChatGLM2/3 and GLM-4 block, not {describe(config)}")
+
+    def architectures(self) -> list[str]:
+        """The registered architectures (glmcore/arch) this backend runs, for `glmcore backends`. Default:
+        the dense block, in its 2023-24 form only (see supports)."""
+        return ["glm (ChatGLM2/3, GLM-4 only)"]
+
     def load_batch(self, config: ModelConfig, weights, options: LoadOptions, n_slots: int) -> BatchSession:
         """The one entry point the core calls: a session of n_slots sequences. Backends with a native
         batched step override it (and declare native_batch); the default serves each slot with a Session
@@ -334,6 +346,19 @@ class Backend(ABC):
         if unknown:
             known = f"known: {', '.join(self.option_keys)}" if self.option_keys else "it takes no --opt options"
             raise BackendError(f"backend {self.name!r}: unknown option {unknown[0]!r}; {known}")
+
+
+def describe(config: ModelConfig) -> str:
+    """A checkpoint's architecture in a refusal: its module's name and the model_type it was read from."""
+    return f"{config.arch} checkpoints (model_type {config.model_type or config.arch!r}, family {config.family})"
+
+
+def kernels_run(backend: "Backend", config: ModelConfig, archs: Sequence[str]) -> str | None:
+    """supports() of a backend whose own kernels or graph builders implement the architectures `archs`
+    (glmcore/arch names), each with every trait its config can carry."""
+    if config.arch in archs:
+        return None
+    return f"{backend.name}'s own kernels implement {', '.join(archs)}, not {describe(config)}"
 
 
 def default_capacity(config: ModelConfig, caps: Capabilities, requested: int | None) -> int:
@@ -420,15 +445,30 @@ class Registry:
     def ready(self) -> list[str]:
         return [n for n in self.names() if self.probe(n).ready]
 
-    def best(self) -> str:
-        """The ready backend with the highest speed_rank; only backends ranked above a ready one are probed."""
+    def best(self, config: ModelConfig | None = None) -> str:
+        """The ready backend with the highest speed_rank (that supports config, when given); only backends
+        ranked above the one chosen are probed."""
         ranked = sorted((n for n in self.names() if self.entries[n].backend is not None),
                         key=lambda n: (self.get(n).capabilities().speed_rank, n), reverse=True)
+        ready = []
         for name in ranked:
             if self.probe(name).ready:
-                return name
+                if config is None or self.get(name).supports(config) is None:
+                    return name
+                ready.append(name)
+        if ready:
+            raise BackendError(f"no ready backend runs {describe(config)} (ready: {', '.join(ready)}); "
+                               f"{self.who_runs(config)}")
         raise BackendError("no backend is ready; run `glmcore backends` and install one, "
                            'e.g. pip install "glmcore[torch]"')
+
+    def who_runs(self, config: ModelConfig) -> str:
+        """Which registered backends run config's architecture, as the fix of a refusal."""
+        able = [n for n in self.names() if self.entries[n].backend is not None
+                and self.get(n).supports(config) is None]
+        if not able:
+            return "no installed backend runs it (see `glmcore backends`)"
+        return f"backends that run it: {', '.join(able)} (pick one with --backend; see `glmcore backends`)"
 
 
 _REGISTRY: Registry | None = None

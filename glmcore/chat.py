@@ -508,7 +508,8 @@ class TemplateFormat(ChatFormat):
 
 
 def chat_format_for(tokenizer) -> ChatFormat:
-    if tokenizer.family in ("glm4-0414", "glm-edge"):
+    from .tokenizer import HF_FAMILIES
+    if tokenizer.family in HF_FAMILIES:
         # tokenizer.json checkpoints: their own template and stop ids (glmcore.template renders it)
         return TemplateFormat(tokenizer)
     cls = {"chatglm2": ChatGLM2Format, "chatglm3": ChatGLM3Format, "glm4": GLM4Format}.get(tokenizer.family)

@@ -10,7 +10,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from . import __version__
+from . import __version__, arch
 from .backend import registry
 from .events import ReasoningDelta, TextDelta, ToolCallEvent
 from .scheduler import OVERFLOW_POLICIES, WindowPolicy
@@ -387,7 +387,8 @@ def cmd_backends(a) -> int:
             "backend": name, "ready": pr.ready, "device": pr.device,
             "precisions": list(caps.precisions) if caps else [], "weights": list(caps.weight_formats) if caps else [],
             "why not": pr.reason, "install": pr.install, "details": pr.details,
-            "batching": _batching(caps), "families": list(caps.families) if caps else [],
+            "batching": _batching(caps),
+            "architectures": entry.backend.architectures() if entry.backend else [],
         })
     if a.json:
         print(json.dumps(rows, indent=2, default=str))
@@ -398,7 +399,7 @@ def cmd_backends(a) -> int:
               f"weights={','.join(r['weights'])}")
         if not r["ready"]:
             print(f"{'':<14} why: {r['why not']}" + (f"  fix: {r['install']}" if r["install"] else ""))
-        for k, v in {**r["details"], "batching": r["batching"], "families": ", ".join(r["families"])}.items():
+        for k, v in {**r["details"], "batching": r["batching"], "architectures": "; ".join(r["architectures"])}.items():
             print(f"{'':<14} {k}: {v}")
     return 0
 
@@ -461,7 +462,8 @@ def cmd_convert(a) -> int:
     from .weights import load_weights
     if not a.model or not Path(a.model).is_dir():
         raise GlmcoreError(f"--model {a.model!r} is not a checkpoint directory")
-    backend = resolve_backend(a.backend)
+    cfg = ModelConfig.from_dir(a.model)
+    backend = resolve_backend(a.backend, cfg)
     opts = load_options(a)
     if opts.tp != 1:
         raise GlmcoreError("--tp splits a model while it runs; convert writes one converted model, drop --tp")
@@ -469,7 +471,6 @@ def cmd_convert(a) -> int:
         if getattr(a, key) is not None:
             opts.extra[key] = getattr(a, key)
     opts = backend.resolve(opts)
-    cfg = ModelConfig.from_dir(a.model)
     weights = load_weights(a.model, cfg)
     out = new_output_dir(a.out)
     try:
@@ -528,7 +529,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(fn=cmd_cache)
 
     p = sub.add_parser("make-model", help="write a synthetic checkpoint in a family's real layout")
-    p.add_argument("--family", required=True, choices=["chatglm2", "chatglm3", "glm4", "glm4-0414", "glm-edge"],
+    p.add_argument("--family", required=True, choices=arch.synthetic_families(),
                    help="glm4-0414: GLM-4-0414/Z1 layout (transformers glm4); glm-edge: GLM-Edge layout (glm)")
     p.add_argument("--size", default="tiny", choices=["tiny", "small", "1b", "6b", "9b", "32b"],
                    help="architecture size (6b: chatglm families; 9b/32b: glm4-0414)")

@@ -36,16 +36,21 @@ class LoadedModel:
         self.scheduler.batch.close()
 
 
-def resolve_backend(name: str | None) -> Backend:
+def resolve_backend(name: str | None, config: ModelConfig | None = None) -> Backend:
+    """The named backend, or the best ready one that runs config; refused (one line, naming the backends
+    that do) when it is not ready or does not run config's architecture."""
     reg = registry()
     if name is not None and not name.strip():
         raise GlmcoreError("--backend is empty; name a backend (see `glmcore backends`) or leave --backend out")
-    name = name or reg.best()
+    name = name or reg.best(config)
     backend = reg.get(name)
     probe = reg.probe(name)
     if not probe.ready:
         fix = f"; fix: {probe.install}" if probe.install else ""
         raise GlmcoreError(f"backend {name!r} is not ready: {probe.reason}{fix}")
+    why = backend.supports(config) if config is not None else None
+    if why:
+        raise BackendError(f"backend {name!r} cannot run this checkpoint: {why}; {reg.who_runs(config)}")
     return backend
 
 
@@ -56,20 +61,20 @@ def load_model(model: str | Path | None = None, backend: str | None = None, opti
     from .chat import chat_format_for
     from .tokenizer import load_tokenizer
 
-    b = resolve_backend(backend)
-    if options is not None and options.tp != 1:
-        from .parallel import tensor_parallel
-        b = tensor_parallel(b, options.tp)
-    opts = b.resolve(options or LoadOptions())
     model_dir = Path(model) if model else demo_model_dir()
     if not model_dir.is_dir():
         raise GlmcoreError(f"model directory {model_dir} does not exist; pass --model DIR of a checkpoint, "
                            "or create one with `glmcore make-model`")
     config = ModelConfig.from_dir(model_dir)
+    b = resolve_backend(backend, config)
+    if options is not None and options.tp != 1:
+        from .parallel import tensor_parallel
+        b = tensor_parallel(b, options.tp)
+        why = b.supports(config)
+        if why:
+            raise BackendError(f"--tp {options.tp}: {why}")
+    opts = b.resolve(options or LoadOptions())
     caps = b.capabilities()
-    if config.family not in caps.families:
-        raise BackendError(f"backend {b.name!r} does not run {config.family} checkpoints (it runs "
-                           f"{', '.join(caps.families)}); pick another with --backend (see `glmcore backends`)")
     tokenizer = load_tokenizer(model_dir, config.family)
     if tokenizer.n_vocab > config.vocab_size:
         raise GlmcoreError(f"{model_dir}: tokenizer.model has {tokenizer.n_vocab} ids but the model only "

@@ -103,6 +103,7 @@ class ShardWeights(Mapping):
 
     def __init__(self, weights: Mapping, cfg: ModelConfig, p: Plan):
         self.weights, self.cfg, self.p = weights, cfg, p
+        self._spec_cache = None
 
     def __iter__(self) -> Iterator[str]:
         return iter(self.weights)
@@ -120,26 +121,36 @@ class ShardWeights(Mapping):
         return part
 
     def _slice(self, name: str, w):
+        """This rank's part of one tensor, as its architecture module states the split (glmcore/arch)."""
         import numpy as np
-        cfg, p = self.cfg, self.p
-        hd = cfg.head_dim
-        kind = name.rsplit(".", 2)[-2] if name.startswith("layers.") else name.split(".")[0]
-        if kind in ("embed", "lm_head"):
+
+        from .arch import Axis, Split
+        spec = self._specs()[name]
+        cfg, p, hd = self.cfg, self.p, self.cfg.head_dim
+        if spec.split is Split.REPLICATED:
+            return w
+        if spec.split is Split.VOCAB:
             return w[p.vocab[0]:p.vocab[1]]
-        if kind == "qkv":        # weight rows or bias: my q heads, then my k groups, then my v groups
+        if spec.axis is Axis.QKV:       # weight rows or bias: my q heads, then my k groups, then my v groups
             k0, v0 = cfg.q_size, cfg.q_size + cfg.kv_size
             parts = [w[p.heads[0] * hd:p.heads[1] * hd]]
             parts += [w[k0 + g * hd:k0 + (g + 1) * hd] for g in p.kv]
             parts += [w[v0 + g * hd:v0 + (g + 1) * hd] for g in p.kv]
             return np.concatenate(parts)
-        if kind == "attn_out":
-            return w[:, p.heads[0] * hd:p.heads[1] * hd]
-        if kind == "ffn_up":     # rows: the gate half, then the up half
-            f = cfg.ffn_hidden_size
-            return np.concatenate([w[p.ffn[0]:p.ffn[1]], w[f + p.ffn[0]:f + p.ffn[1]]])
-        if kind == "ffn_down":
-            return w[:, p.ffn[0]:p.ffn[1]]
-        return w                 # norms: replicated
+        lo, hi = (p.heads[0] * hd, p.heads[1] * hd) if spec.axis is Axis.HEADS else p.ffn
+        if spec.split is Split.ROW:
+            return w[:, lo:hi]
+        if spec.split is Split.COLUMN:   # each stacked block (a fused gate|up: the gate half, then the up half)
+            block = w.shape[0] // spec.blocks
+            return np.concatenate([w[b * block + lo:b * block + hi] for b in range(spec.blocks)])
+        raise BackendError(f"tensor parallelism does not split {spec.split.value} tensors yet ({name}); run "
+                           "this model with --tp 1")
+
+    def _specs(self):
+        if self._spec_cache is None:
+            from . import arch
+            self._spec_cache = arch.of(self.cfg).tensors(self.cfg)
+        return self._spec_cache
 
 
 # ---------------------------------------------------------------- the hooks a backend's forward calls
@@ -588,6 +599,16 @@ class TensorParallel(Backend):
         return self.inner.resolve(options)
 
     # the optional hooks answer for the model as a whole, as the inner backend states them
+    def supports(self, config) -> str | None:
+        from . import arch
+        from .arch import Split
+        if any(s.split is Split.EXPERT for s in arch.of(config).tensors(config).values()):
+            return f"tensor parallelism does not split Mixture-of-Experts models yet ({config.arch}); use --tp 1"
+        return self.inner.supports(config)
+
+    def architectures(self) -> list[str]:
+        return self.inner.architectures()
+
     def conformance_variants(self) -> list[dict]:
         return self.inner.conformance_variants()
 

@@ -28,7 +28,8 @@ from .files import is_regular, read_bounded
 from .vocabulary import GLM4_PAT, GLM4_SPECIALS, Tokenizer  # re-exported: the interface every tokenizer has
 
 FAMILIES = ("chatglm2", "chatglm3", "glm4")
-HF_FAMILIES = ("glm4-0414", "glm-edge")    # tokenizer.json + tokenizer_config.json (glmcore.hf_tokenizer)
+# tokenizer.json + tokenizer_config.json (glmcore.hf_tokenizer)
+HF_FAMILIES = ("glm4-0414", "glm-edge", "glm4-moe", "glm4-moe-lite")
 DATA_DIR = Path(__file__).resolve().parent / "data"
 MAX_TOKENIZER_BYTES = 256 << 20   # GLM-4's rank file is 2.6 MB; a bound so a huge or endless file is refused
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import math
 import pickle
-import re
 import struct
 import zipfile
 from collections.abc import Iterator, Mapping
@@ -22,6 +21,7 @@ from pathlib import Path, PurePosixPath, PureWindowsPath
 import ml_dtypes
 import numpy as np
 
+from . import arch
 from .config import ModelConfig
 from .errors import CheckpointError
 from .files import read_bounded
@@ -37,84 +37,8 @@ MAX_INDEX_BYTES = 64 << 20      # a real *.index.json is tens of KB
 # ---------------------------------------------------------------- canonical names
 
 def canonical_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Every canonical tensor and its shape. Linear weights are [out, in] as in the checkpoints."""
-    h, qkv = cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size
-    shapes = {"embed.weight": (cfg.vocab_size, h)}
-    for i in range(cfg.num_layers):
-        p = f"layers.{i}."
-        shapes[p + "input_norm.weight"] = (h,)
-        shapes[p + "qkv.weight"] = (qkv, h)
-        if cfg.qkv_bias:
-            shapes[p + "qkv.bias"] = (qkv,)
-        shapes[p + "attn_out.weight"] = (h, cfg.q_size)
-        if cfg.post_norms:
-            shapes[p + "post_self_attn_norm.weight"] = (h,)      # on the attention output, before the add
-        shapes[p + "post_attn_norm.weight"] = (h,)
-        shapes[p + "ffn_up.weight"] = (2 * cfg.ffn_hidden_size, h)    # rows: gate then up
-        shapes[p + "ffn_down.weight"] = (h, cfg.ffn_hidden_size)
-        if cfg.post_norms:
-            shapes[p + "post_mlp_norm.weight"] = (h,)            # on the MLP output, before the add
-    shapes["final_norm.weight"] = (h,)
-    shapes["lm_head.weight"] = (cfg.vocab_size, h)
-    return shapes
-
-
-_CHATGLM_LAYER = {
-    "input_layernorm.weight": "input_norm.weight",
-    "self_attention.query_key_value.weight": "qkv.weight",
-    "self_attention.query_key_value.bias": "qkv.bias",
-    "self_attention.dense.weight": "attn_out.weight",
-    "post_attention_layernorm.weight": "post_attn_norm.weight",
-    "mlp.dense_h_to_4h.weight": "ffn_up.weight",
-    "mlp.dense_4h_to_h.weight": "ffn_down.weight",
-}
-_CHATGLM_TOP = {
-    "transformer.embedding.word_embeddings.weight": "embed.weight",
-    "transformer.encoder.final_layernorm.weight": "final_norm.weight",
-    "transformer.output_layer.weight": "lm_head.weight",
-}
-_HF_LAYER = {
-    "input_layernorm.weight": "input_norm.weight",
-    "self_attn.o_proj.weight": "attn_out.weight",
-    "post_attention_layernorm.weight": "post_attn_norm.weight",
-    "post_self_attn_layernorm.weight": "post_self_attn_norm.weight",
-    "post_mlp_layernorm.weight": "post_mlp_norm.weight",
-    "mlp.gate_up_proj.weight": "ffn_up.weight",
-    "mlp.down_proj.weight": "ffn_down.weight",
-    "self_attn.qkv_proj.weight": "qkv.weight",          # vLLM-style fused exports
-    "self_attn.qkv_proj.bias": "qkv.bias",
-}
-_HF_TOP = {"model.embed_tokens.weight": "embed.weight", "model.norm.weight": "final_norm.weight",
-           "lm_head.weight": "lm_head.weight"}
-# Buffers some checkpoints carry that the math does not need.
-_IGNORED = re.compile(r"(rotary_pos_emb\.inv_freq|rotary_emb\.inv_freq)$")
-
-
-def hf_names(canonical: str, cfg: ModelConfig) -> dict[str, slice | None]:
-    """transformers' glm/glm4 checkpoint names of a canonical tensor, each with the rows of the canonical
-    tensor it holds (None: all): the fused QKV is stored as q_proj/k_proj/v_proj. Used when writing."""
-    inv_top = {v: k for k, v in _HF_TOP.items()}
-    if canonical in inv_top:
-        return {inv_top[canonical]: None}
-    m = re.fullmatch(r"layers\.(\d+)\.(.+)", canonical)
-    p = f"model.layers.{m.group(1)}."
-    if m.group(2) in ("qkv.weight", "qkv.bias"):
-        kind = m.group(2).split(".")[1]
-        q, kv = cfg.q_size, cfg.kv_size
-        return {p + f"self_attn.q_proj.{kind}": slice(0, q), p + f"self_attn.k_proj.{kind}": slice(q, q + kv),
-                p + f"self_attn.v_proj.{kind}": slice(q + kv, q + 2 * kv)}
-    inv = {v: k for k, v in _HF_LAYER.items() if "qkv_proj" not in k}
-    return {p + inv[m.group(2)]: None}
-
-
-def chatglm_name(canonical: str) -> str:
-    """The ChatGLM checkpoint name of a canonical tensor (used when writing checkpoints)."""
-    for k, v in _CHATGLM_TOP.items():
-        if v == canonical:
-            return k
-    m = re.fullmatch(r"layers\.(\d+)\.(.+)", canonical)
-    inv = {v: k for k, v in _CHATGLM_LAYER.items()}
-    return f"transformer.encoder.layers.{m.group(1)}.{inv[m.group(2)]}"
+    """Every canonical tensor and its shape, as cfg's architecture module (glmcore/arch) states them."""
+    return {name: spec.shape for name, spec in arch.of(cfg).tensors(cfg).items()}
 
 
 # ---------------------------------------------------------------- the Weights mapping
@@ -162,7 +86,9 @@ class Weights(Mapping):
 def load_weights(model_dir: str | Path, cfg: ModelConfig) -> Weights:
     model_dir = Path(model_dir)
     raw, files = _read_raw(model_dir)
-    tensors = _to_canonical(raw, model_dir)
+    module = arch.of(cfg)
+    tensors = module.to_canonical(raw, model_dir)
+    module.complete(cfg, tensors, model_dir)
     _check(tensors, cfg, model_dir)
     return Weights(tensors, files, cfg)
 
@@ -215,78 +141,11 @@ def _read_index(index: Path) -> dict[str, str]:
     return weight_map
 
 
-def _to_canonical(raw: dict[str, np.ndarray], model_dir: Path) -> dict[str, np.ndarray]:
-    out: dict[str, np.ndarray] = {}
-    hf_qkv: dict[tuple[str, str], dict[str, np.ndarray]] = {}
-    hf_mlp: dict[str, dict[str, np.ndarray]] = {}
-    for name, t in raw.items():
-        if _IGNORED.search(name):
-            continue
-        if name in _CHATGLM_TOP:
-            out[_CHATGLM_TOP[name]] = t
-            continue
-        if name in _HF_TOP:
-            out[_HF_TOP[name]] = t
-            continue
-        m = re.fullmatch(r"transformer\.encoder\.layers\.(\d+)\.(.+)", name)
-        if m and m.group(2) in _CHATGLM_LAYER:
-            out[f"layers.{m.group(1)}.{_CHATGLM_LAYER[m.group(2)]}"] = t
-            continue
-        m = re.fullmatch(r"model\.layers\.(\d+)\.(.+)", name)
-        if m and m.group(2) in _HF_LAYER:
-            out[f"layers.{m.group(1)}.{_HF_LAYER[m.group(2)]}"] = t
-            continue
-        mq = re.fullmatch(r"model\.layers\.(\d+)\.self_attn\.([qkv])_proj\.(weight|bias)", name) if m else None
-        if mq:
-            hf_qkv.setdefault((mq.group(1), mq.group(3)), {})[mq.group(2)] = t
-            continue
-        mm = re.fullmatch(r"model\.layers\.(\d+)\.mlp\.(gate|up)_proj\.weight", name) if m else None
-        if mm:
-            hf_mlp.setdefault(mm.group(1), {})[mm.group(2)] = t
-            continue
-        raise CheckpointError(f"{model_dir}: unknown tensor name {name!r}; this is not a ChatGLM2/3, GLM-4 "
-                              "or transformers GLM checkpoint (or it is quantized, which is not supported)")
-    # transformers' GLM splits the fused QKV projection; fuse it back (q rows, then k, then v).
-    for (layer, kind), parts in hf_qkv.items():
-        if f"layers.{layer}.qkv.{kind}" in out:
-            raise CheckpointError(f"{model_dir}: layer {layer} stores both a fused qkv_proj.{kind} and q/k/v_proj."
-                                  f"{kind}; the checkpoint mixes two exports, re-download it")
-        if set(parts) != {"q", "k", "v"}:
-            raise CheckpointError(f"{model_dir}: layer {layer} has only {sorted(parts)} of q/k/v_proj.{kind}; "
-                                  "the checkpoint is incomplete")
-        try:
-            out[f"layers.{layer}.qkv.{kind}"] = np.concatenate([parts["q"], parts["k"], parts["v"]], axis=0)
-        except ValueError:
-            raise CheckpointError(f"{model_dir}: layer {layer}'s q/k/v_proj.{kind} have mismatched shapes "
-                                  f"{[tuple(parts[x].shape) for x in 'qkv']}; the checkpoint is corrupt") from None
-    # Separate gate_proj/up_proj (a llama-style export): the canonical ffn_up holds gate rows, then up rows,
-    # as transformers' fused gate_up_proj does (chunk(2): gate first).
-    for layer, parts in hf_mlp.items():
-        if set(parts) != {"gate", "up"} or f"layers.{layer}.ffn_up.weight" in out:
-            raise CheckpointError(f"{model_dir}: layer {layer} has {sorted(parts)} of mlp.gate/up_proj"
-                                  f"{' beside a fused gate_up_proj' if set(parts) == {'gate', 'up'} else ''}; "
-                                  "the checkpoint is incomplete or mixes two exports")
-        try:
-            out[f"layers.{layer}.ffn_up.weight"] = np.concatenate([parts["gate"], parts["up"]], axis=0)
-        except ValueError:
-            raise CheckpointError(f"{model_dir}: layer {layer}'s gate/up_proj have mismatched shapes; the "
-                                  "checkpoint is corrupt") from None
-    return out
-
-
 def _check(tensors: dict[str, np.ndarray], cfg: ModelConfig, model_dir: Path) -> None:
-    if cfg.tie_embeddings and "embed.weight" in tensors:
-        # Tied: the output layer is the embedding, whatever lm_head.weight a checkpoint also stores
-        # (transformers ties them at load the same way).
-        tensors["lm_head.weight"] = tensors["embed.weight"]
-    elif "lm_head.weight" not in tensors and "embed.weight" in tensors:
-        if cfg.family in ("glm4-0414", "glm-edge"):
-            # transformers would initialise an untied, absent lm_head at random: nothing to run.
-            raise CheckpointError(f"{model_dir}: lm_head.weight is missing and config.json has "
-                                  "tie_word_embeddings false; download the shard that holds it, or set "
-                                  "tie_word_embeddings true if the model really shares its embedding")
-        tensors["lm_head.weight"] = tensors["embed.weight"]     # ChatGLM exports that dropped a tied copy
     expected = canonical_shapes(cfg)
+    optional = {n: s.shape for n, s in arch.of(cfg).optional_tensors(cfg).items()}
+    for group in {_group(n) for n in optional if n in tensors}:        # a stored optional group is complete
+        expected.update({n: s for n, s in optional.items() if _group(n) == group})
     for name, shape in expected.items():
         if name not in tensors:
             raise CheckpointError(f"{model_dir}: tensor {name} is missing; the checkpoint is incomplete "
@@ -301,6 +160,13 @@ def _check(tensors: dict[str, np.ndarray], cfg: ModelConfig, model_dir: Path) ->
     if extra:
         raise CheckpointError(f"{model_dir}: tensor {extra[0]} does not fit config.json "
                               f"(num_layers={cfg.num_layers}); config.json belongs to another model size")
+
+
+def _group(name: str) -> str:
+    """An optional tensor's group: its name up to the first numbered part (mtp.0.enorm.weight -> mtp.0)."""
+    parts = name.split(".")
+    i = next((k for k, p in enumerate(parts) if p.isdigit()), len(parts) - 1)
+    return ".".join(parts[:i + 1])
 
 
 def release(arr: np.ndarray) -> None:

@@ -21,7 +21,7 @@ from glmcore.config import ModelConfig  # noqa: E402
 from glmcore.errors import BackendError  # noqa: E402
 from glmcore.weights import load_weights  # noqa: E402
 from glmcore_plugins.ascend_npu import AscendNpuBackend, device_precisions  # noqa: E402
-from glmcore_plugins.ascend_npu.model import GLMGraphModel, to_device  # noqa: E402
+from glmcore_plugins.torch_ref.forward import DenseGLM, to_device  # noqa: E402
 from glmcore_plugins.ascend_npu.ops import select_ops  # noqa: E402
 from glmcore_plugins.torch_ref import TorchBackend  # noqa: E402
 
@@ -403,8 +403,8 @@ def test_npu_dispatch_uses_the_documented_kernels_with_per_row_lengths(make_tiny
     cpu, positions = torch.device("cpu"), 64
     ops = select_ops(NPU, torch.bfloat16, "Ascend910B4")
     assert ops.name == "npu" and ops.seq_lens and "npu_incre_flash_attention" in ops.kernels["attention"]
-    npu_model = GLMGraphModel(cfg, w, cpu, torch.bfloat16, ops, positions)
-    host_model = GLMGraphModel(cfg, w, cpu, torch.bfloat16, select_ops(cpu, torch.bfloat16), positions)
+    npu_model = DenseGLM(cfg, w, cpu, torch.bfloat16, ops, positions)
+    host_model = DenseGLM(cfg, w, cpu, torch.bfloat16, select_ops(cpu, torch.bfloat16), positions)
     # one sequence (a one-slot cache: scatter_update_), then three sequences in slots 2, 0, 1 of a
     # four-slot cache decoding together at different lengths (index_put_ into the rows' slots)
     one = [(ids(10, 61), [0], [0], [9])] + [([[t]], [p], [0], [0]) for p, t in enumerate(ids(4, 62), start=10)]

@@ -19,11 +19,13 @@ from glmcore.backend import LoadOptions, registry
 from glmcore.config import ModelConfig
 from glmcore.scheduler import Scheduler, WindowPolicy
 from glmcore.errors import BackendError, GlmcoreError, StepError
+from glmcore import arch
 from glmcore.synth import init_tensor
-from glmcore.weights import canonical_shapes, load_weights
+from glmcore.weights import load_weights
 from glmcore_plugins.cpu_int4 import CpuInt4Backend, native, quant
 
-from glmcore.config import FAMILIES  # noqa: E402  (every family, the glm4-0414 post norms and GLM-Edge full rotary included)
+from glmcore.arch.glm import GLM  # noqa: E402
+FAMILIES = GLM.synthetic_families   # every dense family (the glm4-0414 post norms and GLM-Edge full rotary included)
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -81,7 +83,7 @@ def toy_config(layers=2, vocab=512, kv=2, heads=4, head_dim=16, hidden=64, ffn=1
 
 
 def toy_weights(cfg, seed=0) -> dict:
-    return {n: init_tensor(n, s, cfg, seed) for n, s in canonical_shapes(cfg).items()}
+    return {n: init_tensor(n, spec, cfg, seed) for n, spec in arch.of(cfg).tensors(cfg).items()}
 
 
 # ---------------------------------------------------------------- quantization and layout
@@ -295,18 +297,17 @@ def torch_shift(ref, n_keep, n_discard):
     """The reference semantics of a window shift: keep the cached K/V of the kept tokens and rotate their
     keys to the new positions (undo the old rotation, apply the new one, with the reference's own rotary;
     independent of conformance.reference.shift_in_place, which rotates by the delta). ref: a torch
-    reference Session, a one-slot view of its batch (caches [slot, layer, position, kv head, dim])."""
+    reference Session, a one-slot view of its batch (per layer caches [slot, kv head, position, dim])."""
     import torch
     from glmcore_plugins.torch_ref.model import apply_rotary, rotary_tables
     b, n = ref.batch, ref.kv_len
     kept = list(range(n_keep)) + list(range(n_keep + n_discard, n))
     cos_o, sin_o = rotary_tables(b.cfg, torch.tensor(kept))
     cos_n, sin_n = rotary_tables(b.cfg, torch.arange(len(kept)))
-    k_cache, v_cache = b.k_cache[0], b.v_cache[0]
-    for layer in range(b.cfg.num_layers):
-        k = apply_rotary(k_cache[layer, kept], cos_o, -sin_o)          # inverse rotation
-        k_cache[layer, : len(kept)] = apply_rotary(k, cos_n, sin_n)
-        v_cache[layer, : len(kept)] = v_cache[layer, kept].clone()
+    for k_cache, v_cache in zip(b.k_cache, b.v_cache):
+        k = apply_rotary(k_cache[0, :, kept].transpose(0, 1), cos_o, -sin_o)      # inverse rotation
+        k_cache[0, :, : len(kept)] = apply_rotary(k, cos_n, sin_n).transpose(0, 1)
+        v_cache[0, :, : len(kept)] = v_cache[0, :, kept].clone()
     b.lens[0] = len(kept)
 
 
@@ -438,7 +439,7 @@ def test_convert_cli_and_load_packed(make_tiny, tmp_path, cache):
 
 def test_bits_per_weight_on_real_shapes():
     """Layout arithmetic on the 1b shape (no data): g32 sym = 4.5 bits, g128 asym = 4.25."""
-    from glmcore.synth import SIZES
+    from glmcore.arch.glm import SIZES
     sz = SIZES["1b"]
     cfg = ModelConfig("chatglm3", sz["hidden_size"], 1, sz["num_attention_heads"], sz["multi_query_group_num"],
                       sz["kv_channels"], sz["ffn_hidden_size"], 65024, 8192, 10000.0, 1e-5)

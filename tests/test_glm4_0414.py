@@ -66,7 +66,7 @@ def test_rope_theta_is_trusted():
 
 
 @pytest.mark.parametrize("bad,match", [
-    ({"partial_rotary_factor": 0.25, "head_dim": 12}, "even number"), ({"partial_rotary_factor": 1.5}, "rotary_dim"),
+    ({"partial_rotary_factor": 0.25, "head_dim": 12}, "even number"), ({"partial_rotary_factor": 1.5}, r"partial_rotary_factor 1.5 must be in \(0, 1\]"),
     ({"rope_scaling": {"type": "yarn", "factor": 4.0}}, "rope_type 'yarn'"), ({"hidden_act": "gelu"}, "silu"),
 ])
 def test_bad_hf_configs(bad, match):
@@ -148,7 +148,7 @@ def test_untied_checkpoint_without_lm_head_is_refused(ckpts, tmp_path):
 
 def test_make_model_32b_width_with_few_layers(tmp_path, monkeypatch):
     # the real 151552-row vocabulary costs 3.7 GB to initialise: the width is what this checks
-    monkeypatch.setitem(__import__("glmcore.synth").synth.REAL_VOCAB, "glm4-0414", 4096)
+    monkeypatch.setitem(__import__("glmcore.arch.glm").arch.glm.REAL_VOCAB, "glm4-0414", 4096)
     cfg = make_model("glm4-0414", "32b", tmp_path / "m", layers=1, dtype="bf16")
     assert (cfg.hidden_size, cfg.num_heads, cfg.ffn_hidden_size, cfg.num_layers) == (6144, 48, 23040, 1)
     raw = json.loads((tmp_path / "m" / "config.json").read_text())
@@ -157,12 +157,13 @@ def test_make_model_32b_width_with_few_layers(tmp_path, monkeypatch):
     assert w["layers.0.qkv.weight"].shape == (48 * 128 + 2 * 2 * 128, 6144)
 
 
-def test_backends_declare_the_families_they_run(make_tiny, capsys, monkeypatch):
-    """A plugin written before glm4-0414/glm-edge (rotary_dim, post_norms, tie_embeddings) keeps the default
-    families and is refused their checkpoints in one line; every built-in backend runs all five."""
-    from glmcore.backend import Backend, Capabilities, Probe
+def test_backends_say_which_architectures_they_run(make_tiny, capsys, monkeypatch):
+    """A plugin written before the architecture registry keeps Backend.supports' default (the 2023-24 block:
+    half-head rotary, no post norms, untied output) and is refused glm4-0414/glm-edge checkpoints in one line
+    that names the backends that run them; every built-in backend runs the dense GLM architecture."""
+    from glmcore.backend import Backend, Capabilities, PluginEntry, Probe, registry
     from glmcore.cli import main
-    from glmcore.config import FAMILIES
+    from glmcore.config import ModelConfig
     from glmcore.errors import BackendError
     from glmcore.model import load_model
 
@@ -176,15 +177,18 @@ def test_backends_declare_the_families_they_run(make_tiny, capsys, monkeypatch):
             return Capabilities()
 
         def load(self, config, weights, options):
-            raise AssertionError("never reached: the family is refused before the weights load")
+            raise AssertionError("never reached: the architecture is refused before the weights load")
 
-    monkeypatch.setattr("glmcore.model.resolve_backend", lambda name: Old())
+    monkeypatch.setitem(registry().entries, "old-plugin", PluginEntry("old-plugin", backend=Old()))
     for family in ("glm4-0414", "glm-edge"):
-        with pytest.raises(BackendError, match=f"does not run {family} checkpoints .*--backend") as e:
+        with pytest.raises(BackendError, match=r"cannot run this checkpoint: old-plugin runs only the ChatGLM2/3 "
+                                               r"and GLM-4 block.*backends that run it: .*torch.*--backend") as e:
             load_model(make_tiny(family), "old-plugin")
         assert "\n" not in str(e.value)
+    assert Old().supports(ModelConfig.from_dir(make_tiny("chatglm3"))) is None
     assert main(["backends", "--json"]) == 0
     rows = json.loads(capsys.readouterr().out)
     assert {r["backend"] for r in rows} >= {"torch", "cpu_int4", "openvino_amx", "tpu_bm1684x", "ascend_npu"}
-    assert all(r["families"] == list(FAMILIES) for r in rows if r["backend"] in ("torch", "cpu_int4", "openvino_amx",
-                                                                               "tpu_bm1684x", "ascend_npu"))
+    for r in rows:
+        if r["backend"] in ("torch", "cpu_int4", "openvino_amx", "tpu_bm1684x", "ascend_npu"):
+            assert any(a.startswith("glm (") for a in r["architectures"]), r

@@ -22,7 +22,8 @@ from glmcore_plugins.openvino_amx import graph, session as ovs          # noqa: 
 from glmcore_plugins.openvino_amx.cpu import compressed_matmul_kernel, integer_isa, native_bf16  # noqa: E402
 from glmcore_plugins.openvino_amx.quant import dequantize, dequantize_sym, quantize_asym, quantize_sym  # noqa: E402
 
-from glmcore.config import FAMILIES  # noqa: E402
+from glmcore.arch.glm import GLM  # noqa: E402
+FAMILIES = GLM.synthetic_families   # the dense families its graph builder implements
 BACKEND = OpenVINOBackend()
 
 # Conformance tolerances per (precision, weights), teacher-forced against the fp32 torch reference on the

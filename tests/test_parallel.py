@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from glmcore import parallel, synth
+from glmcore.arch import glm as glm_arch
 from glmcore.backend import Backend, LoadOptions, registry
 from glmcore.cli import main
 from glmcore.config import ModelConfig
@@ -140,8 +141,8 @@ def test_32b_width_checkpoint_runs_on_two_ranks(tmp_path, monkeypatch, capsys):
     """GLM-4-32B-0414's width (6144 hidden, 48 heads in 2 KV groups, 23040 FFN) with one layer and the synthetic
     tokenizer's vocabulary (the real 151,552 rows would write 3.7 GB more): it loads, shards and answers with
     --tp 2, and each rank holds half of the weights. (4 layers at the real vocabulary: the issue's note.)"""
-    wide = {**synth.HF_SIZES["glm4-0414"]["32b"], "vocab": "tokenizer"}
-    monkeypatch.setitem(synth.HF_SIZES["glm4-0414"], "32b", wide)
+    wide = {**glm_arch.HF_SIZES["glm4-0414"]["32b"], "vocab": "tokenizer"}
+    monkeypatch.setitem(glm_arch.HF_SIZES["glm4-0414"], "32b", wide)
     d = tmp_path / "m"
     synth.make_model("glm4-0414", "32b", d, layers=1)
     weights = sum(f.stat().st_size for f in d.glob("*.safetensors")) / 2**20
@@ -185,7 +186,7 @@ def test_glmcore_bench_tp2_reports_every_ranks_memory(capsys):
 
 
 def test_four_ranks_on_kv_groups_that_do_not_divide_evenly(tmp_path, monkeypatch):
-    monkeypatch.setitem(synth.SIZES, "uneven", UNEVEN)
+    monkeypatch.setitem(glm_arch.SIZES, "uneven", UNEVEN)
     synth.make_model("chatglm3", "uneven", tmp_path)
     cfg = ModelConfig.from_dir(tmp_path)
     assert [parallel.plan(cfg, r, 4).kv for r in range(4)] == [(0,), (0, 1, 1), (1, 1, 2), (2,)]

@@ -13,7 +13,6 @@ import pytest
 
 from glmcore.backend import Backend, Capabilities, Probe, Session, hookimpl, registry
 from glmcore.chat import Message, ToolCall, ToolCallStream, chat_format_for
-from glmcore.config import FAMILIES
 from glmcore.errors import ChatError
 from glmcore.events import ReasoningDelta, TextDelta, ToolCallEvent
 from glmcore.hf_tokenizer import GLM_Z1_TEMPLATE
@@ -189,7 +188,10 @@ class ThinkingBackend(Backend):
         return Probe(True, device="none (test double)")
 
     def capabilities(self):
-        return Capabilities(speed_rank=-100, families=FAMILIES)
+        return Capabilities(speed_rank=-100)
+
+    def supports(self, config):
+        return None          # a scripted double: it runs any checkpoint's ids
 
     def load(self, config, weights, options):
         return ScriptedSession(self, config.vocab_size)

@@ -7,8 +7,9 @@ import pytest
 
 from glmcore.config import ModelConfig
 from glmcore.errors import CheckpointError, GlmcoreError
-from glmcore.synth import REAL_VOCAB, SIZES, make_model
-from glmcore.weights import BF16, canonical_shapes, chatglm_name, load_weights, read_safetensors, write_safetensors
+from glmcore.arch.glm import REAL_VOCAB, SIZES, chatglm_name
+from glmcore.synth import make_model
+from glmcore.weights import BF16, canonical_shapes, load_weights, read_safetensors, write_safetensors
 
 
 def _load(d):
@@ -166,8 +167,9 @@ def test_fewer_layers_in_config(ckpt):
 
 def test_unknown_tensor_name(tmp_path):
     write_safetensors(tmp_path / "model.safetensors", {"encoder.weird.weight": np.zeros(2, np.float32)})
+    cfg = ModelConfig("chatglm3", 64, 2, 4, 2, 16, 160, 1024, 512, 10000.0, 1e-5)
     with pytest.raises(CheckpointError, match="unknown tensor name 'encoder.weird.weight'"):
-        load_weights(tmp_path, None)
+        load_weights(tmp_path, cfg)
 
 
 def test_no_weights(tmp_path):

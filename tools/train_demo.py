@@ -14,7 +14,7 @@ installed. Only regular 五言/七言 绝句 and 律诗 (4 or 8 lines of 5 or 7 
 The model is written in the real ChatGLM3 layout (config.json keys, safetensors tensor names, a
 SentencePiece tokenizer.model with ChatGLM3's special tokens numbered after its pieces), so every
 backend loads it like a checkpoint from the hub. The training forward (`forward`) is the torch
-reference's math (plugins/torch_ref/model.py: rms_norm, rotary_tables, apply_rotary), batched and
+reference's math (plugins/torch_ref: the RMSNorm kernel, rotary_tables, apply_rotary), batched and
 trainable; tests/test_demo_model.py checks that its logits equal the reference backend's.
 Only the torch needed here is a tool dependency (training); glmcore's runtime does not use this file.
 """
@@ -244,9 +244,9 @@ def pack(samples, seq_len: int):
 # -------------------------------------------------------------------------------------- model
 
 def model_config(n_vocab: int) -> dict:
-    from glmcore.synth import _CHATGLM_KEYS, _FAMILY_KEYS
+    from glmcore.arch.glm import CHATGLM_KEYS, FAMILY_KEYS
     padded = -(-n_vocab // 64) * 64
-    raw = {"_name_or_path": "glmcore/demo-chatglm3-poet", **_CHATGLM_KEYS, **ARCH, **_FAMILY_KEYS["chatglm3"],
+    raw = {"_name_or_path": "glmcore/demo-chatglm3-poet", **CHATGLM_KEYS, **ARCH, **FAMILY_KEYS["chatglm3"],
            "padded_vocab_size": padded}
     raw["seq_length"] = SEQ_LEN * 8
     raw["torch_dtype"] = "bfloat16"
@@ -277,7 +277,8 @@ def forward(cfg, w, ids, pos, doc=None):
     apply_rotary, grouped-query attention, SwiGLU) with a causal mask within each document."""
     import torch
     import torch.nn.functional as F
-    from plugins.torch_ref.model import apply_rotary, rms_norm, rotary_tables
+    from plugins.torch_ref.model import apply_rotary, rotary_tables
+    from plugins.torch_ref.ops import torch_rms_norm as rms_norm
     B, T = ids.shape
     x = w["embed.weight"][ids]
     cos, sin = rotary_tables(cfg, pos.reshape(-1))
@@ -420,7 +421,8 @@ def cmd_train(a) -> None:
 def cmd_export(a) -> None:
     import numpy as np
     import torch
-    from glmcore.weights import BF16, chatglm_name, write_safetensors
+    from glmcore.arch.glm import chatglm_name
+    from glmcore.weights import BF16, write_safetensors
     work, out = Path(a.work), Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     saved = torch.load(work / "ckpt.pt")

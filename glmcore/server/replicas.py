@@ -86,9 +86,8 @@ def serve_replicas(model_dir, backend, options, so) -> int:
     if not 1 <= port <= 65535:
         raise GlmcoreError(f"invalid --port {port}: Ray Serve's proxy needs a fixed port, 1..65535")
     # Refuse what would fail in every replica (after Ray's retries, with a traceback) here, at once.
-    resolve_backend(backend)
     model_dir = os.path.abspath(model_dir) if model_dir else str(demo_model_dir())
-    ModelConfig.from_dir(model_dir)
+    resolve_backend(backend, ModelConfig.from_dir(model_dir))
     local = ray_address is None
     # Ray reads these when it is imported; its processes inherit them.
     os.environ.update(LOCAL_RAY_ENV if local else {"RAY_USAGE_STATS_ENABLED": "0"})

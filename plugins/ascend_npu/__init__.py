@@ -15,7 +15,6 @@ import os
 import shutil
 
 from glmcore.backend import Backend, Capabilities, LoadOptions, Probe, hookimpl
-from glmcore.config import FAMILIES
 from glmcore.errors import BackendError
 
 _DEVICE = {}     # cached detection: {"device": str, "notes": dict}
@@ -142,8 +141,7 @@ class AscendNpuBackend(Backend):
 
     def capabilities(self) -> Capabilities:
         if importlib.util.find_spec("torch") is None:
-            return Capabilities(precisions=("f32", "bf16"), weight_formats=("f32", "bf16"), speed_rank=-1,
-                                families=FAMILIES)
+            return Capabilities(precisions=("f32", "bf16"), weight_formats=("f32", "bf16"), speed_rank=-1)
         device = _default_device()
         precisions = device_precisions(device)
         kind = device.split(":")[0]
@@ -153,8 +151,15 @@ class AscendNpuBackend(Backend):
             from .ops import soc_support
             rank = 100 if soc_support(_soc())[0] else 60   # no fused kernels on this chip: still the NPU, plainer
         return Capabilities(precisions=precisions, weight_formats=precisions, default_precision=default,
-                            default_weights=default, can_shift=False, speed_rank=rank, native_batch=True,
-                            families=FAMILIES)
+                            default_weights=default, can_shift=False, speed_rank=rank, native_batch=True)
+
+    def supports(self, config) -> str | None:
+        from glmcore_plugins.torch_ref import torch_forward_runs
+        return torch_forward_runs(self, config)
+
+    def architectures(self) -> list[str]:
+        from glmcore_plugins.torch_ref import torch_forward_architectures
+        return torch_forward_architectures()
 
     def resolve(self, options: LoadOptions) -> LoadOptions:
         # Weights are held in the compute precision: --weights defaults to --precision and must match it.

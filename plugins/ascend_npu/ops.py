@@ -25,21 +25,10 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
-import torch.nn.functional as F
 
-
-@dataclass(frozen=True)
-class Ops:
-    name: str                                  # "npu" | "torch"
-    rms_norm: Callable                         # (x fp32, weight fp32, eps) -> normalized x, fp32
-    attention: Callable                        # (q [B,H,T,D], k/v [B,Hkv,S,D], allowed [B,T,S], seq_lens) -> [B,H,T,D]
-    cache_write: Callable                      # (cache [slots,Hkv,S,D], slots [B], pos [B,T], new [B,Hkv,T,D]) -> None
-    kernels: dict = field(default_factory=dict)   # what runs, for the probe and the session report
-    seq_lens: bool = False                     # attention wants per-row KV lengths (a host list of ints)
+from glmcore_plugins.torch_ref.ops import Ops, torch_attention, torch_cache_write, torch_ops
 
 
 # ---------------------------------------------------------------- which chip runs what
@@ -82,41 +71,6 @@ def soc_support(name: str) -> tuple[bool, str]:
     if family in ("A2", "A3"):
         return True, f"{name}: Atlas {family}, fused torch_npu kernels"
     return False, f"{name}: {_WHY_NOT[family]}; SDPA + index_put_ instead"
-
-
-# ---------------------------------------------------------------- host / CUDA path (and NPUs without the fused kernels)
-
-def _torch_rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-    # F.rms_norm is one fused kernel in eager mode and fuses into its neighbours under inductor.
-    return F.rms_norm(x, (x.shape[-1],), w, eps)
-
-
-def _torch_attention(q, k, v, allowed, seq_lens=None):
-    # GQA without copying the cache: fold each KV group's query heads into the query-length axis,
-    # [B, Hkv*G, T, D] -> [B, Hkv, G*T, D] (rows g-major); the mask rows repeat per group to match.
-    b, h, t, d = q.shape
-    hkv = k.shape[1]
-    g = h // hkv
-    qg = q.reshape(b, hkv, g * t, d)
-    mask = allowed.repeat(1, g, 1)[:, None]
-    out = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask, scale=1.0 / math.sqrt(d))
-    return out.reshape(b, h, t, d)
-
-
-def _torch_cache_write(cache, slots, pos, new):
-    # cache[slots[b], :, pos[b, t]] = new[b, :, t]: one index_put_ for every row and token, in place.
-    # (The advanced indices are split by a slice, so the indexed view is [B, T, Hkv, D].)
-    cache[slots[:, None].expand_as(pos), :, pos] = new.transpose(1, 2)
-
-
-TORCH_KERNELS = {"rms_norm": "torch.nn.functional.rms_norm (fused)",
-                 "attention": "torch.nn.functional.scaled_dot_product_attention (masked over the whole cache)",
-                 "kv_update": "indexed assignment (index_put_) into the static cache"}
-
-
-def _torch_ops(name: str = "torch", why: str = "") -> Ops:
-    kernels = dict(TORCH_KERNELS, **({"why": why} if why else {}))
-    return Ops(name, _torch_rms_norm, _torch_attention, _torch_cache_write, kernels)
 
 
 # ---------------------------------------------------------------- Ascend NPU path (Atlas A2/A3)
@@ -169,12 +123,12 @@ def _npu_ops(dtype: torch.dtype) -> Ops:
             torch_npu.scatter_update_(cache, pos[:, 0], new.contiguous(), -2)
         else:
             # several slots: scatter_update_ writes batch row b of the cache, not slot slots[b]
-            _torch_cache_write(cache, slots, pos, new)
+            torch_cache_write(cache, slots, pos, new)
 
     kv = "torch_npu.scatter_update_ (axis -2; index_put_ for several slots)"
     if dtype == torch.float32:
         # The fused flash-attention kernels take fp16/bf16/int8 only; fp32 keeps exact SDPA math.
-        return Ops("npu", rms_norm, _torch_attention, cache_write,
+        return Ops("npu", rms_norm, torch_attention, cache_write,
                    {"rms_norm": "torch_npu.npu_rms_norm", "attention": "scaled_dot_product_attention (fp32: "
                     "the NPU flash-attention kernels take fp16/bf16 only)", "kv_update": kv})
     prefill = ("npu_fused_infer_attention_score with per-row actual_seq_lengths_kv (SymInt[])" if fused_lengths
@@ -190,5 +144,5 @@ def select_ops(device, dtype: torch.dtype, soc: str | None = None) -> Ops:
     """Choose the kernels for this device, dtype and (on an NPU) SoC, once."""
     if device.type == "npu":
         fused, why = soc_support(soc or "")
-        return _npu_ops(dtype) if fused else _torch_ops("npu-sdpa", why)
-    return _torch_ops()
+        return _npu_ops(dtype) if fused else torch_ops("npu-sdpa", why)
+    return torch_ops()

@@ -24,6 +24,7 @@ constants that would recompile every step (torchair docs, dynamic_static_graph/t
 """
 from __future__ import annotations
 
+import dataclasses
 import sys
 import time
 import types
@@ -32,12 +33,15 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from glmcore import arch
 from glmcore.backend import BatchSession, Capabilities, LoadOptions, Session, default_capacity
 from glmcore.config import ModelConfig
 from glmcore.errors import BackendError
 from glmcore.parallel import LOCAL
 
-from .model import GLMGraphModel
+from glmcore_plugins.torch_ref.forward import FORWARDS
+from glmcore_plugins.torch_ref.ops import dense_experts
+
 from .ops import select_ops
 
 DEFAULT_BUCKETS = (16, 64, 256)
@@ -136,11 +140,18 @@ class StepRunner:
         # Spare positions past the capacity take the padded tokens of the last bucket (graph mode only).
         spare = self.buckets[-1] if self.mode == "graph" else 0
         self.ops = select_ops(device, self.dtype, soc)
-        self.model = GLMGraphModel(cfg, weights, device, self.dtype, self.ops, self.capacity + spare, tp).eval()
-        # Static KV cache, BNSD per layer: [slots, kv_heads, positions, head_dim] (see ops.py for why).
-        shape = (n_slots, cfg.num_kv_heads, self.capacity + spare, cfg.head_dim)
-        self.k_cache = [torch.zeros(shape, dtype=self.dtype, device=device) for _ in range(cfg.num_layers)]
-        self.v_cache = [torch.zeros(shape, dtype=self.dtype, device=device) for _ in range(cfg.num_layers)]
+        if self.mode == "graph":
+            # MoE experts under whole-graph capture: every expert with dense routing weights (static shapes).
+            # torch_npu's fused MoE kernels (npu_moe_gating_top_k, npu_grouped_matmul) are not wired yet, so
+            # this form also runs on a device.
+            self.ops = dataclasses.replace(self.ops, experts=dense_experts)
+        forward = FORWARDS[arch.of(cfg).torch_forward]        # the shared torch forward (plugins/torch_ref)
+        self.model = forward(cfg, weights, device, self.dtype, self.ops, self.capacity + spare, tp).eval()
+        # Static KV cache, BNSD per layer: [slots, kv_heads, positions, head_dim] (see ops.py for why), or the
+        # architecture's own form (a latent cache for MLA): the forward says.
+        k_shape, v_shape = self.model.cache_shapes(n_slots, self.capacity + spare)
+        self.k_cache = [torch.zeros(k_shape, dtype=self.dtype, device=device) for _ in range(cfg.num_layers)]
+        self.v_cache = [torch.zeros(v_shape, dtype=self.dtype, device=device) for _ in range(cfg.num_layers)]
         self.on_npu = device.type == "npu"
         self.compiler = "none (eager)"
         self.compiles = 0                   # graphs compiled by this runner's calls

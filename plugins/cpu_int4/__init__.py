@@ -21,8 +21,8 @@ from pathlib import Path
 
 import numpy as np
 
-from glmcore.backend import Backend, Capabilities, LoadOptions, Probe, hookimpl
-from glmcore.config import FAMILIES
+from glmcore.backend import Backend, Capabilities, LoadOptions, Probe, hookimpl, kernels_run
+from glmcore import arch
 from glmcore.errors import BackendError
 
 QUANT_OPTIONS = ("group_size", "sym", "scale_dtype", "embed_bits", "head_bits")
@@ -79,7 +79,13 @@ class CpuInt4Backend(Backend):
         # int8 activations x int4 weights, accumulated and kept in fp32 between the matrix products
         return Capabilities(precisions=("f32",), weight_formats=("int4",), default_precision="f32",
                             default_weights="int4", max_context=None, can_shift=True, speed_rank=5,
-                            native_batch=True, max_slots=None, families=FAMILIES)
+                            native_batch=True, max_slots=None)
+
+    def supports(self, config) -> str | None:
+        return kernels_run(self, config, ("glm",))
+
+    def architectures(self) -> list[str]:
+        return [arch.get("glm").describe()]
 
     def _settings(self, options: LoadOptions):
         from . import native

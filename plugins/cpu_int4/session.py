@@ -13,6 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
+from glmcore.arch import rotary
 from glmcore.backend import BatchSession, Capabilities, LoadOptions, SlotSession, default_capacity
 from glmcore.config import ModelConfig
 from glmcore.errors import BackendError, GlmcoreError
@@ -24,13 +25,9 @@ MAX_BATCH = 128      # tokens per native chunk of a step (bounds the work buffer
 
 
 def rope_tables(cfg: ModelConfig, capacity: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """cos/sin [capacity, rotary_dim/2] in fp32, computed as the reference does; inv_freq [rotary_dim/2]."""
-    dim = cfg.rotary_dim
-    inv_freq = (np.float32(1.0) / (np.float32(cfg.rope_base) ** (np.arange(0, dim, 2, dtype=np.float32)
-                                                                 / np.float32(dim)))).astype(np.float32)
-    angles = np.arange(capacity, dtype=np.float32)[:, None] * inv_freq[None, :]
-    return (np.cos(angles.astype(np.float64)).astype(np.float32),
-            np.sin(angles.astype(np.float64)).astype(np.float32), inv_freq)
+    """cos/sin [capacity, rotary_dim/2] and inv_freq [rotary_dim/2], fp32: the core's table (glmcore.arch.rotary)."""
+    cos, sin = rotary.rotary_tables(cfg, np.arange(capacity))
+    return cos, sin, rotary.inv_freq(cfg)
 
 
 class Int4BatchSession(BatchSession):

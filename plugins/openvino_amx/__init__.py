@@ -13,8 +13,8 @@ import importlib.util
 import sys
 from pathlib import Path
 
-from glmcore.backend import Backend, Capabilities, LoadOptions, Probe, default_capacity, hookimpl
-from glmcore.config import FAMILIES
+from glmcore.backend import Backend, Capabilities, LoadOptions, Probe, default_capacity, hookimpl, kernels_run
+from glmcore import arch
 from glmcore.cpuinfo import cpu_name
 from glmcore.errors import BackendError
 
@@ -62,7 +62,13 @@ class OpenVINOBackend(Backend):
                             default_precision="bf16" if native_bf16() else "f32", default_weights="int8",
                             max_context=None, can_shift=False, native_batch=True,
                             # above cpu_int4 (5) only where OpenVINO has integer kernels for compressed weights
-                            speed_rank=20 if integer_isa() else 3, families=FAMILIES)
+                            speed_rank=20 if integer_isa() else 3)
+
+    def supports(self, config) -> str | None:
+        return kernels_run(self, config, ("glm",))
+
+    def architectures(self) -> list[str]:
+        return [arch.get("glm").describe()]
 
     def _require(self) -> None:
         problem = _runtime_problem()

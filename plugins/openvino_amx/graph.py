@@ -26,6 +26,7 @@ import openvino as ov
 import openvino.opset13 as ops
 from openvino.op.util import Variable, VariableInfo
 
+from glmcore.arch.rotary import rotary_tables
 from glmcore.config import ModelConfig
 
 from .quant import dequantize, dequantize_sym, quantize_asym, quantize_sym
@@ -132,10 +133,8 @@ def _pack_4bit(q: np.ndarray) -> np.ndarray:
 def rotary_table(cfg: ModelConfig) -> np.ndarray:
     """[max_seq_len, rot/2, 2] (cos, sin) in fp32, as the reference computes them. A table gathered by position
     (not angles computed from float positions in the graph) keeps positions exact when the plugin runs bf16."""
-    dim = cfg.rotary_dim
-    inv_freq = (1.0 / (np.float32(cfg.rope_base) ** (np.arange(0, dim, 2, dtype=np.float32) / np.float32(dim))))
-    angles = np.arange(cfg.max_seq_len, dtype=np.float32)[:, None] * inv_freq.astype(np.float32)[None, :]
-    return np.stack([np.cos(angles), np.sin(angles)], axis=-1).astype(np.float32)
+    cos, sin = rotary_tables(cfg, np.arange(cfg.max_seq_len))       # the core's table
+    return np.stack([cos, sin], axis=-1)
 
 
 def _rms_norm(x: ov.Output, gamma: ov.Node, eps: float) -> ov.Output:

@@ -7,8 +7,23 @@ from __future__ import annotations
 
 import importlib.util
 
-from glmcore.backend import Backend, Capabilities, LoadOptions, Probe, hookimpl
-from glmcore.config import FAMILIES
+from glmcore import arch
+from glmcore.backend import Backend, Capabilities, LoadOptions, Probe, describe, hookimpl
+
+# The architectures forward.py has a torch forward for (its FORWARDS keys), named here so that
+# supports() answers without importing torch.
+TORCH_FORWARDS = ("glm", "glm4_moe", "glm4_moe_lite")
+
+
+def torch_forward_runs(backend: Backend, config) -> str | None:
+    """supports() of a backend that runs the shared torch forward (torch, ascend_npu)."""
+    if arch.of(config).torch_forward in TORCH_FORWARDS:
+        return None
+    return f"the shared torch forward (plugins/torch_ref) has no block for {describe(config)}"
+
+
+def torch_forward_architectures() -> list[str]:
+    return [a.describe() for a in arch.architectures() if a.torch_forward in TORCH_FORWARDS]
 
 
 class TorchBackend(Backend):
@@ -25,8 +40,13 @@ class TorchBackend(Backend):
                                                   "runs on": "this machine's CPU"})
 
     def capabilities(self) -> Capabilities:
-        return Capabilities(precisions=("f32",), weight_formats=("f32",), speed_rank=0, native_batch=True,
-                            families=FAMILIES)
+        return Capabilities(precisions=("f32",), weight_formats=("f32",), speed_rank=0, native_batch=True)
+
+    def supports(self, config) -> str | None:
+        return torch_forward_runs(self, config)
+
+    def architectures(self) -> list[str]:
+        return torch_forward_architectures()
 
     def load(self, config, weights, options: LoadOptions):
         from .model import TorchRefSession

@@ -23,8 +23,8 @@ import importlib.util
 import sys
 from pathlib import Path
 
-from glmcore.backend import Backend, Capabilities, LoadOptions, Probe, default_capacity, hookimpl
-from glmcore.config import FAMILIES
+from glmcore.backend import Backend, Capabilities, LoadOptions, Probe, default_capacity, hookimpl, kernels_run
+from glmcore import arch
 from glmcore.errors import BackendError
 
 from .spec import DEFAULT_SEQ_LEN, PROTOBUF_LIMIT, TORCH_OPSET, default_quantize
@@ -98,8 +98,13 @@ class TpuBm1684xBackend(Backend):
             on_device = False
         return Capabilities(precisions=("f32", "f16"), weight_formats=("f32", "f16"), default_precision="f32",
                             default_weights="f32", max_context=None, can_shift=False,
-                            speed_rank=100 if on_device else -1,   # emulation is for checking graphs, not speed
-                            families=FAMILIES)
+                            speed_rank=100 if on_device else -1)   # emulation is for checking graphs, not speed
+
+    def supports(self, config) -> str | None:
+        return kernels_run(self, config, ("glm",))
+
+    def architectures(self) -> list[str]:
+        return [arch.get("glm").describe()]
 
     def resolve(self, options: LoadOptions) -> LoadOptions:
         # The graphs hold their weights in the compute precision: either option implies the other.

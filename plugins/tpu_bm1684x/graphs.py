@@ -229,15 +229,15 @@ def group_weights(cfg: ModelConfig, weights, group: str, seq_len: int, dtype: st
         return {"final_norm": weights.f32("final_norm.weight"), "lm_head_w": lin("lm_head.weight")}
     if group == "greedy":
         return {}
-    from glmcore_plugins.torch_ref.model import rotary_tables
+    from glmcore.arch.rotary import rotary_tables
     p = f"layers.{int(group.split('_')[1])}."
-    cos, sin = rotary_tables(cfg, torch.arange(seq_len))
+    cos, sin = rotary_tables(cfg, np.arange(seq_len))
     w = {"input_norm": weights.f32(p + "input_norm.weight"), "qkv_w": lin(p + "qkv.weight")}
     if cfg.qkv_bias:
         w["qkv_b"] = weights.f32(p + "qkv.bias").astype(dt)
     w.update(attn_out_w=lin(p + "attn_out.weight"), post_attn_norm=weights.f32(p + "post_attn_norm.weight"),
              ffn_up_w=lin(p + "ffn_up.weight"), ffn_down_w=lin(p + "ffn_down.weight"),
-             rope_cos=cos.numpy().astype(dt), rope_sin=sin.numpy().astype(dt))
+             rope_cos=cos.astype(dt), rope_sin=sin.astype(dt))
     if cfg.post_norms:
         w.update(post_self_attn_norm=weights.f32(p + "post_self_attn_norm.weight"),
                  post_mlp_norm=weights.f32(p + "post_mlp_norm.weight"))

@@ -1,0 +1,258 @@
+"""The MoE GLMs: GLM-4.5/4.5-Air/4.6/4.7 (glm4_moe) and GLM-4.7-Flash (glm4_moe_lite, latent attention).
+
+Held to transformers' own Glm4MoeForCausalLM / Glm4MoeLiteForCausalLM on checkpoints glmcore writes and on
+checkpoints transformers writes; their configs as published; bad configs and checkpoints refused in one line."""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from glmcore import arch
+from glmcore.backend import LoadOptions, registry
+from glmcore.config import ModelConfig
+from glmcore.errors import BackendError, CheckpointError, ConfigError
+from glmcore.weights import load_weights, read_safetensors, write_safetensors
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+SHARED = Path(__file__).resolve().parents[2] / "shared" / "models"
+HF_CLASS = {"glm4-moe": "Glm4MoeForCausalLM", "glm4-moe-lite": "Glm4MoeLiteForCausalLM"}
+MOE_FAMILIES = ["glm4-moe", "glm4-moe-lite"]
+
+
+def hf_model(path: Path, family: str):
+    transformers.logging.set_verbosity_error()      # it reports the NextN layer it does not use
+    return getattr(transformers, HF_CLASS[family]).from_pretrained(path, dtype=torch.float32).eval()
+
+
+def hf_logits(model, ids: list[int]) -> np.ndarray:
+    with torch.no_grad():
+        return model(torch.tensor([ids])).logits[0].float().numpy()
+
+
+def ours(backend: str, path: Path, steps, capacity: int = 512, slots: int = 1, **extra):
+    """Run `steps` (lists of (slot, ids) entries) on a backend; the all-position logits of each entry."""
+    cfg = ModelConfig.from_dir(path)
+    b = registry().get(backend)
+    opts = b.resolve(LoadOptions(capacity=capacity, threads=1, extra=extra))
+    with b.load_batch(cfg, load_weights(path, cfg), opts, slots) as batch:
+        return [batch.step(entries, all_logits=True) for entries in steps]
+
+
+def close(got, want, rel=2e-5):
+    scale = np.abs(want).max()
+    assert np.abs(got - want).max() <= rel * scale, (np.abs(got - want).max(), scale)
+
+
+# ---------------------------------------------------------------- the published configs
+
+@pytest.mark.skipif(not (SHARED / "GLM-4.5-Air").is_dir(), reason="../shared/models is not beside the checkout")
+def test_glm45_air_config_as_published():
+    cfg = ModelConfig.from_dir(SHARED / "GLM-4.5-Air")
+    assert (cfg.arch, cfg.family, cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads) == \
+        ("glm4_moe", "glm4-moe", 46, 4096, 96, 8)
+    assert (cfg.num_experts, cfg.experts_per_token, cfg.num_shared_experts, cfg.moe_ffn_hidden_size) == (128, 8, 1, 1408)
+    assert cfg.sparse_layers == (False,) + (True,) * 45 and cfg.rotary_dim == 64 and not cfg.rotary_interleaved
+    assert (cfg.qk_norm, cfg.qkv_bias, cfg.rope_base, cfg.routed_scaling, cfg.num_mtp_layers) == \
+        (False, True, 1e6, 1.0, 1)
+    # ~106B parameters (12B active): the count the model card gives
+    assert 105e9 < cfg.num_params() < 111e9
+    # make-model's air size is this shape
+    size = arch.for_family("glm4-moe").sizes("glm4-moe")["air"]
+    raw = json.loads((SHARED / "GLM-4.5-Air" / "config.json").read_text())
+    assert {k: raw[k] for k in size if k != "vocab"} == {k: v for k, v in size.items() if k != "vocab"}
+
+
+@pytest.mark.skipif(not (SHARED / "GLM-4.7-Flash").is_dir(), reason="../shared/models is not beside the checkout")
+def test_glm47_flash_config_as_published():
+    cfg = ModelConfig.from_dir(SHARED / "GLM-4.7-Flash")
+    assert (cfg.arch, cfg.family, cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.vocab_size) == \
+        ("glm4_moe_lite", "glm4-moe-lite", 47, 2048, 20, 154880)
+    assert (cfg.q_lora_rank, cfg.kv_lora_rank, cfg.qk_nope_dim, cfg.qk_rope_dim, cfg.v_head_dim) == (768, 512, 192, 64, 256)
+    assert cfg.latent_size == 576 and cfg.head_dim == 256 and cfg.rotary_interleaved
+    assert (cfg.num_experts, cfg.experts_per_token, cfg.routed_scaling) == (64, 4, 1.8)
+    assert cfg.sparse_layers == (False,) + (True,) * 46
+    assert 29e9 < cfg.num_params() < 32e9           # "30B total"
+
+
+def test_transformers_4_and_5_config_forms_agree(tmp_path):
+    """Top-level rope keys (transformers 4.x) and rope_parameters (5.x) mean the same model."""
+    from glmcore.arch.glm4_moe import KEYS, SIZES
+    raw = {**KEYS, **{k: v for k, v in SIZES["tiny"].items() if k != "vocab"}, "vocab_size": 512}
+    v5 = {k: v for k, v in raw.items() if k not in ("rope_theta", "partial_rotary_factor", "rope_scaling")}
+    v5["rope_parameters"] = {"rope_type": "default", "rope_theta": raw["rope_theta"], "partial_rotary_factor": 0.5}
+    assert ModelConfig.from_dict(raw) == ModelConfig.from_dict(v5)
+    mixed = dict(raw, mlp_layer_types=["dense", "sparse", "dense"])        # mlp_layer_types wins when present
+    assert ModelConfig.from_dict(mixed).sparse_layers == (False, True, False)
+
+
+@pytest.mark.parametrize("change,match", [
+    ({"num_experts_per_tok": 9}, r"num_experts_per_tok 9 exceeds n_routed_experts 8; set num_experts_per_tok"),
+    ({"n_group": 3}, r"8 experts do not divide into n_group 3 groups; set n_group"),
+    ({"topk_group": 2}, r"topk_group 2 exceeds n_group 1"),
+    ({"mlp_layer_types": ["dense"]}, r"mlp_layer_types must name one kind per layer \(3\)"),
+    ({"routed_scaling_factor": -1}, r"routed_scaling_factor -1 is not a positive number"),
+    ({"hidden_act": "gelu"}, r"hidden_act 'gelu' is not supported"),
+])
+def test_bad_moe_configs_get_one_line_errors(change, match):
+    from glmcore.arch.glm4_moe import KEYS, SIZES
+    raw = {**KEYS, **{k: v for k, v in SIZES["tiny"].items() if k != "vocab"}, "vocab_size": 512, **change}
+    with pytest.raises(ConfigError, match=match) as e:
+        ModelConfig.from_dict(raw)
+    assert "\n" not in str(e.value)
+
+
+# ---------------------------------------------------------------- checkpoints
+
+@pytest.mark.parametrize("family", MOE_FAMILIES)
+def test_layout_per_expert_and_the_nextn_layer_kept_apart(make_tiny, family):
+    path = make_tiny(family)
+    cfg = ModelConfig.from_dir(path)
+    w = load_weights(path, cfg)
+    stored = json.loads((path / "model.safetensors.index.json").read_text())["weight_map"]
+    assert "model.layers.1.mlp.experts.7.gate_proj.weight" in stored and "model.layers.3.eh_proj.weight" in stored
+    f = cfg.moe_ffn_hidden_size
+    assert w["layers.1.experts.7.ffn_up.weight"].shape == (2 * f, cfg.hidden_size)     # gate rows, then up
+    assert w["layers.1.router.bias"].dtype == np.float32
+    # the NextN layer (index num_hidden_layers) is loaded for speculative decoding, never as a decoder layer
+    assert not any(n.startswith(f"layers.{cfg.num_layers}.") for n in w)
+    assert w["mtp.0.eh_proj.weight"].shape == (cfg.hidden_size, 2 * cfg.hidden_size)
+    assert "mtp.0.layer.experts.0.ffn_down.weight" in w and "mtp.0.final_norm.weight" in w
+
+
+def _copy_without(src: Path, dst: Path, drop=(), reshape: dict | None = None) -> Path:
+    shutil.copytree(src, dst)
+    for shard in dst.glob("*.safetensors"):
+        t = {k: np.array(v) for k, v in read_safetensors(shard).items() if not any(k.startswith(d) for d in drop)}
+        for k, shape in (reshape or {}).items():
+            if k in t:
+                t[k] = np.zeros(shape, t[k].dtype)
+        write_safetensors(shard, t)
+    index = dst / "model.safetensors.index.json"
+    wm = json.loads(index.read_text())
+    wm["weight_map"] = {k: v for k, v in wm["weight_map"].items() if not any(k.startswith(d) for d in drop)}
+    index.write_text(json.dumps(wm))
+    return dst
+
+
+def test_a_checkpoint_without_its_nextn_layer_loads(make_tiny, tmp_path):
+    path = _copy_without(make_tiny("glm4-moe"), tmp_path / "m", drop=("model.layers.3.",))
+    cfg = ModelConfig.from_dir(path)
+    w = load_weights(path, cfg)
+    assert not any(n.startswith("mtp.") for n in w)
+
+
+@pytest.mark.parametrize("broken,match", [
+    (dict(drop=("model.layers.2.mlp.experts.5.down_proj",)), r"tensor layers\.2\.experts\.5\.ffn_down\.weight is missing"),
+    (dict(drop=("model.layers.1.mlp.experts.3.up_proj",)), r"layers\.1\.experts\.3\.ffn_up\.weight lacks up"),
+    (dict(reshape={"model.layers.3.eh_proj.weight": (64, 96)}), r"mtp\.0\.eh_proj\.weight has shape \(64, 96\) but "
+                                                                r"config\.json implies \(64, 128\)"),
+    (dict(drop=("model.layers.3.enorm",)), r"tensor mtp\.0\.enorm\.weight is missing"),
+])
+def test_bad_moe_checkpoints_get_one_line_errors(make_tiny, tmp_path, broken, match):
+    path = _copy_without(make_tiny("glm4-moe"), tmp_path / "m", **broken)
+    cfg = ModelConfig.from_dir(path)
+    with pytest.raises(CheckpointError, match=match) as e:
+        load_weights(path, cfg)
+    assert "\n" not in str(e.value)
+
+
+def test_a_layer_past_the_nextn_layers_belongs_to_another_model(make_tiny, tmp_path):
+    path = _copy_without(make_tiny("glm4-moe"), tmp_path / "m")
+    raw = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps(dict(raw, num_hidden_layers=2)))   # layer 2 and 3 now past it
+    with pytest.raises(CheckpointError, match=r"lies past the 2 decoder layers and 1 NextN layer"):
+        load_weights(path, ModelConfig.from_dir(path))
+
+
+# ---------------------------------------------------------------- the math, against transformers
+
+@pytest.mark.parametrize("family", MOE_FAMILIES)
+@pytest.mark.parametrize("backend,extra", [("torch", {}), ("ascend_npu", {"mode": "eager"})])
+def test_logits_match_transformers(make_tiny, family, backend, extra):
+    """Prefill, decode token by token and a 300-token prompt, two sequences in one batch."""
+    if backend not in registry().ready():
+        pytest.skip(f"{backend} is not ready here")
+    path = make_tiny(family)
+    model = hf_model(path, family)
+    rng = np.random.default_rng(3)
+    a, b = [int(t) for t in rng.integers(0, 2000, 300)], [int(t) for t in rng.integers(0, 2000, 20)]
+    steps = [[(0, a[:40]), (1, b[:12])]] + [[(0, [a[40 + k]]), (1, [b[12 + k]])] for k in range(6)] + \
+        [[(0, a[46:])]]
+    got = ours(backend, path, steps, slots=2, **extra)
+    close(np.concatenate([got[0][0]] + [g[0] for g in got[1:]]), hf_logits(model, a))
+    close(np.concatenate([got[0][1]] + [g[1] for g in got[1:7]]), hf_logits(model, b[:18]))
+
+
+def test_transformers_own_checkpoint_with_group_limited_routing(tmp_path):
+    """A checkpoint transformers writes itself (its names, its init), with n_group 4 / topk_group 2 so the
+    group limit decides, q/k norms on and a correction bias that changes choices."""
+    cfg = transformers.Glm4MoeConfig(
+        vocab_size=300, hidden_size=48, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=12, first_k_dense_replace=1, n_routed_experts=8, num_experts_per_tok=3,
+        moe_intermediate_size=24, n_group=4, topk_group=2, use_qk_norm=True, attention_bias=True,
+        routed_scaling_factor=2.5, partial_rotary_factor=0.5)
+    torch.manual_seed(0)
+    model = transformers.Glm4MoeForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.normal_(0, 0.3 if "norm" not in name else 0.1).add_(1.0 if "norm" in name else 0.0)
+        for layer in model.model.layers[1:]:
+            layer.mlp.gate.e_score_correction_bias.normal_(0, 0.1)
+    model.save_pretrained(tmp_path, safe_serialization=True)
+    ids = [int(t) for t in np.random.default_rng(4).integers(0, 300, 50)]
+    got = ours("torch", tmp_path, [[(0, ids)]])[0][0]
+    close(got, hf_logits(model, ids))
+
+
+# ---------------------------------------------------------------- backends and commands
+
+@pytest.mark.parametrize("family", MOE_FAMILIES)
+@pytest.mark.parametrize("backend", ["cpu_int4", "openvino_amx", "tpu_bm1684x"])
+def test_backends_without_moe_kernels_refuse_naming_those_that_run_it(make_tiny, family, backend):
+    from glmcore.model import load_model
+    with pytest.raises(BackendError, match=r"cannot run this checkpoint: .* implement glm, not glm4_moe.*backends "
+                                           r"that run it: ascend_npu, torch") as e:
+        load_model(make_tiny(family), backend)
+    assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("family", MOE_FAMILIES)
+def test_glmcore_run_answers_with_the_checkpoints_own_template(make_tiny, family, capsys):
+    """The default backend for an MoE checkpoint is the best ready one that runs it; the prompt is the
+    GLM-4.5/4.6 template's ([gMASK]<sop><|user|>\\n...<|assistant|>), and the answer streams."""
+    from glmcore.cli import main
+    path = make_tiny(family)
+    assert main(["run", "--model", str(path), "--prompt", "你好", "--max-new-tokens", "4", "--temperature", "0"]) == 0
+    err = capsys.readouterr().err
+    assert "generated 4 tok" in err and err.startswith("[torch]") or "[torch]" in err, err
+    from glmcore.model import load_model
+    m = load_model(path)
+    try:
+        ids = m.chat_format.encode_messages([__import__("glmcore.chat", fromlist=["as_message"]).as_message(
+            {"role": "user", "content": "你好"})])
+        sp = m.tokenizer.special_ids
+        assert ids[:3] == [sp["[gMASK]"], sp["<sop>"], sp["<|user|>"]] and ids[-1] == sp["<|assistant|>"], ids
+        assert m.tokenizer.decode(ids[3:-1]) == "\n你好"
+        assert m.backend.supports(m.config) is None
+    finally:
+        m.close()
+
+
+def test_make_model_refuses_an_unknown_size(tmp_path):
+    from glmcore.errors import GlmcoreError
+    from glmcore.synth import make_model
+    with pytest.raises(GlmcoreError, match=r"unknown size '9b' for glm4-moe; choose tiny, small, air, 355b"):
+        make_model("glm4-moe", "9b", tmp_path / "m")
+
+
+def test_tensor_parallel_refuses_experts_in_one_line(make_tiny):
+    from glmcore.model import load_model
+    with pytest.raises(BackendError, match=r"--tp 2: tensor parallelism does not split Mixture-of-Experts models yet "
+                                           r"\(glm4_moe\); use --tp 1"):
+        load_model(make_tiny("glm4-moe"), "torch", LoadOptions(tp=2))
