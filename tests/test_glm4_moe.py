@@ -5,6 +5,7 @@ checkpoints transformers writes; their configs as published; bad configs and che
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -256,3 +257,52 @@ def test_tensor_parallel_refuses_experts_in_one_line(make_tiny):
     with pytest.raises(BackendError, match=r"--tp 2: tensor parallelism does not split Mixture-of-Experts models yet "
                                            r"\(glm4_moe\); use --tp 1"):
         load_model(make_tiny("glm4-moe"), "torch", LoadOptions(tp=2))
+
+
+@pytest.mark.parametrize("family", MOE_FAMILIES)
+def test_eval_perplexity_runs_on_the_moe_models(make_tiny, tmp_path, capsys, family):
+    from glmcore.cli import main
+    text = tmp_path / "text.txt"
+    text.write_text("The quick brown fox jumps over the lazy dog. 你好，世界！" * 8, encoding="utf-8")
+    assert main(["eval", "--model", str(make_tiny(family)), "--perplexity", str(text), "--ctx", "32", "--chunks", "2",
+                 "--threads", "1", "--backend", "torch"]) == 0
+    out = capsys.readouterr().out
+    ppl = float(re.search(r"PPL = ([0-9.e+]+) .* over 30 tokens \(torch", out).group(1))
+    assert np.isfinite(ppl) and ppl > 1, out      # random weights: large, but a number
+
+
+@pytest.mark.parametrize("family", MOE_FAMILIES)
+def test_serve_answers_through_the_openai_client(make_tiny, family):
+    """glmcore serve on an MoE checkpoint (its default backend, torch here): the reply the Pipeline gives, streamed
+    and not; the GLM-4.5/4.6 template's enable_thinking switch reaches the prompt (it renders /nothink)."""
+    pytest.importorskip("openai", reason="the server tests need the dev extra (openai, httpx)")
+    pytest.importorskip("uvicorn", reason='the server needs its extra: pip install "glmcore[server]"')
+    from test_server import client, serving
+
+    from glmcore.chat import as_message
+    from glmcore.model import load_model
+    from glmcore.pipeline import Pipeline
+    from glmcore.sampling import SamplingParams
+    d = make_tiny(family)
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "你好"}]
+    want = Pipeline(d, options=LoadOptions(threads=1)).chat(messages, params=SamplingParams(temperature=0),
+                                                           max_new_tokens=6).content
+    m = load_model(d, options=LoadOptions(threads=1), slots=2)
+    try:
+        assert m.backend.name in ("torch", "ascend_npu")
+        plain = m.chat_format.encode_messages([as_message(x) for x in messages])
+        nothink = m.chat_format.configured({"enable_thinking": False}).encode_messages(
+            [as_message(x) for x in messages])
+        assert m.tokenizer.special_ids["/nothink"] in nothink and nothink != plain     # a special token of GLM-4.5
+        with serving(m, family) as url:
+            c = client(url)
+            r = c.chat.completions.create(model=family, messages=messages, max_tokens=6, temperature=0)
+            assert r.choices[0].message.content == want
+            chunks = list(c.chat.completions.create(model=family, messages=messages, max_tokens=6, temperature=0,
+                                                   stream=True))
+            assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == want
+            r = c.chat.completions.create(model=family, messages=messages, max_tokens=6, temperature=0,
+                                          extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+            assert r.usage.prompt_tokens == len(nothink)
+    finally:
+        m.close()
