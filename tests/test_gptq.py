@@ -128,3 +128,26 @@ def test_calibration_text_errors(tmp_path):
     assert gptq.calibration_text()[0].strip()                          # the shipped sample is there
     seqs = gptq.calibration_sequences(list(range(1000)), [7, 8], seq_len=100, max_seqs=4)
     assert seqs.shape == (4, 100) and (seqs[:, :2] == [7, 8]).all()
+
+
+def test_convert_quant_gptq_writes_the_calibrated_values(make_tiny, tmp_path):
+    from glmcore import cli
+    p = CpuInt4Backend().probe()
+    if not p.ready:
+        pytest.skip(p.reason)
+    d = make_tiny("chatglm3")
+    calib = tmp_path / "calib.txt"
+    calib.write_text("床前明月光，疑是地上霜。举头望明月，低头思故乡。\n" * 30)
+    out = tmp_path / "packed"
+    assert cli.main(["convert", "--backend", "cpu_int4", "--model", str(d), "--out", str(out), "--quant", "gptq",
+                     "--calib", str(calib), "--group-size", "32"]) == 0
+    cfg = ModelConfig.from_dir(d)
+    w = load_weights(d, cfg)
+    extra = {"quant": "gptq", "calib": str(calib), "group_size": 32}
+    want = _calibrated(cfg, w, QuantOptions.from_extra(extra), extra, None)
+    meta, blob = q4.read_packed(out, cfg)
+    got = q4.dequantized_weights(meta, np.asarray(blob))
+    assert np.array_equal(got["layers.1.qkv.weight"], want["layers.1.qkv.weight"])
+    # it loads as a packed model of the original checkpoint (its seal names the checkpoint it came from)
+    s = CpuInt4Backend().load(cfg, w, LoadOptions(extra={"packed": str(out)}))
+    s.close()
