@@ -202,13 +202,6 @@ def measure_backend(name: str) -> Measured:
         batch.close()
 
 
-def rule_choice(reg) -> str:
-    """The speed_rank rule's choice (Registry.best() without the measurement), for `glmcore backends`."""
-    ranked = sorted((n for n in reg.names() if reg.entries[n].backend is not None),
-                    key=lambda n: (reg.get(n).capabilities().speed_rank, n), reverse=True)
-    return next((n for n in ranked if reg.probe(n).ready), "none ready")
-
-
 def describe(choice: Choice | None, rule_choice: str) -> list[str]:
     """The lines `glmcore backends` prints about the default."""
     if choice is None:

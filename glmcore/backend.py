@@ -421,12 +421,7 @@ class Registry:
         return [n for n in self.names() if self.probe(n).ready]
 
     def best(self) -> str:
-        """The ready backend with the highest speed_rank; only backends ranked above a ready one are probed.
-        Where the CPU backends can be compared, the fastest measured on this CPU instead (glmcore/autoselect.py)."""
-        from .autoselect import choose
-        measured = choose(self)
-        if measured is not None:
-            return measured.backend
+        """The ready backend with the highest speed_rank; only backends ranked above a ready one are probed."""
         ranked = sorted((n for n in self.names() if self.entries[n].backend is not None),
                         key=lambda n: (self.get(n).capabilities().speed_rank, n), reverse=True)
         for name in ranked:

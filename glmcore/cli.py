@@ -400,9 +400,9 @@ def cmd_backends(a) -> int:
             print(f"{'':<14} why: {r['why not']}" + (f"  fix: {r['install']}" if r["install"] else ""))
         for k, v in {**r["details"], "batching": r["batching"], "families": ", ".join(r["families"])}.items():
             print(f"{'':<14} {k}: {v}")
-    from .autoselect import choose, describe, rule_choice
+    from .autoselect import choose, describe
     if any(r["ready"] for r in rows):       # which one runs without --backend, with the numbers behind it
-        print("\n".join(describe(choose(reg), rule_choice(reg))))
+        print("\n".join(describe(choose(reg), reg.best())))
     return 0
 
 

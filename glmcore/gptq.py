@@ -161,8 +161,9 @@ def gptq(w: np.ndarray, h: np.ndarray, grid: Callable[[np.ndarray], tuple], g: i
     hinv = np.linalg.cholesky(np.linalg.inv(h)).T
     out = np.zeros_like(w)
     rows = np.arange(n)
-    for i1 in range(0, k, GPTQ_BLOCK):
-        i2 = min(i1 + GPTQ_BLOCK, k)
+    block = GPTQ_BLOCK if GPTQ_BLOCK % g == 0 else g      # a group never straddles two blocks (per-channel: one)
+    for i1 in range(0, k, block):
+        i2 = min(i1 + block, k)
         w1, err1 = w[:, i1:i2].copy(), np.zeros((n, i2 - i1))
         for i in range(i2 - i1):
             c = i1 + i

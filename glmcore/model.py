@@ -40,9 +40,9 @@ def resolve_backend(name: str | None) -> Backend:
     reg = registry()
     if name is not None and not name.strip():
         raise GlmcoreError("--backend is empty; name a backend (see `glmcore backends`) or leave --backend out")
-    if name == "auto":          # measure the ready backends again and take the fastest (glmcore/autoselect.py)
-        from .autoselect import choose
-        name = getattr(choose(reg, rerun=True), "backend", None)
+    if not name or name == "auto":    # the fastest measured on this CPU (glmcore/autoselect.py; auto: measure
+        from .autoselect import choose  # again), or None where the speed_rank rule of reg.best() stands
+        name = getattr(choose(reg, rerun=name == "auto"), "backend", None)
     name = name or reg.best()
     backend = reg.get(name)
     probe = reg.probe(name)

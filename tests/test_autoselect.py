@@ -1,5 +1,5 @@
 """The default backend by measurement (glmcore/autoselect.py), with fake timings: the choice, the cache and
-what invalidates it, the pin, `--backend auto`, the hook in Registry.best() and `glmcore backends`."""
+what invalidates it, the pin, `--backend auto`, the hook in resolve_backend and `glmcore backends`."""
 from __future__ import annotations
 
 import json
@@ -33,7 +33,19 @@ def registry(*backends) -> Registry:
     mod = types.SimpleNamespace(glmcore_backends=hookimpl(lambda: list(backends)))
     reg = Registry()
     reg.register(mod, "fakes")
+    reg.default = lambda name=None: default(reg, name)
     return reg
+
+
+def default(reg, name=None) -> str:
+    """What `glmcore run` picks with --backend `name` (None: left out) from this registry."""
+    from glmcore import model
+    real = model.registry
+    model.registry = lambda: reg
+    try:
+        return model.resolve_backend(name).name
+    finally:
+        model.registry = real
 
 
 # decode tok/s, prefill tok/s, format: the rule (speed_rank) prefers "ranked", the measurement "quick"
@@ -66,63 +78,61 @@ def test_decide_fastest_then_better_format_within_ten_percent():
         autoselect.decide([Measured("a", error="boom")])
 
 
-def test_measured_once_cached_and_used_by_best(env):
-    assert env.reg.best() == "quick"                                  # not the rule's "ranked"
+def test_measured_once_cached_and_used_as_the_default(env):
+    assert env.reg.default() == "quick"                                  # not the rule's "ranked"
     assert sorted(env.calls) == ["quick", "ranked"]                   # the reference (rank 0) is not timed
     saved = json.loads(env.cache.read_text())
     assert saved["backend"] == "quick" and saved["cpu"] == autoselect.cpu_identity()
     assert {r["backend"]: r["decode"] for r in saved["results"]} == {"ranked": 20.0, "quick": 40.0}
     env.calls.clear()
-    assert env.reg.best() == "quick" and env.calls == []              # from the cache
+    assert env.reg.default() == "quick" and env.calls == []              # from the cache
 
 
 @pytest.mark.parametrize("field, value", [("version", "0.0.0-old"), ("cpu", "another CPU")])
 def test_a_new_version_or_cpu_measures_again(env, field, value):
-    env.reg.best()
+    env.reg.default()
     raw = json.loads(env.cache.read_text())
     raw[field] = value
     env.cache.write_text(json.dumps(raw))
     env.calls.clear()
-    env.reg.best()
+    env.reg.default()
     assert sorted(env.calls) == ["quick", "ranked"]
 
 
 def test_a_new_ready_backend_measures_again(env):
-    env.reg.best()
+    env.reg.default()
     env.calls.clear()
     TIMES["extra"] = (80.0, 300.0, "int4")
     try:
         reg = registry(Fake("ranked", rank=20), Fake("quick", rank=5), Fake("extra", rank=1))
-        assert reg.best() == "extra" and sorted(env.calls) == ["extra", "quick", "ranked"]
+        assert reg.default() == "extra" and sorted(env.calls) == ["extra", "quick", "ranked"]
     finally:
         del TIMES["extra"]
 
 
-def test_backend_auto_measures_again(env, monkeypatch):
-    from glmcore import model
-    env.reg.best()
+def test_backend_auto_measures_again(env):
+    env.reg.default()
     env.calls.clear()
-    monkeypatch.setattr(model, "registry", lambda: env.reg)
-    assert model.resolve_backend("auto").name == "quick"
+    assert env.reg.default("auto") == "quick"
     assert sorted(env.calls) == ["quick", "ranked"]
 
 
 def test_pin_and_off_switch(env, monkeypatch):
     monkeypatch.setenv("GLMCORE_BACKEND", "ranked")
-    assert env.reg.best() == "ranked" and env.calls == []
+    assert env.reg.default() == "ranked" and env.calls == []
     monkeypatch.setenv("GLMCORE_BACKEND", "nope")
     with pytest.raises(BackendError, match="unknown backend 'nope'"):
-        env.reg.best()
+        env.reg.default()
     monkeypatch.delenv("GLMCORE_BACKEND")
     monkeypatch.setenv("GLMCORE_AUTOSELECT", "0")
-    assert env.reg.best() == "ranked" and env.calls == []             # the speed_rank rule
+    assert env.reg.default() == "ranked" and env.calls == []             # the speed_rank rule
 
 
 def test_an_accelerator_or_a_single_cpu_backend_keeps_the_rule(env):
     reg = registry(Fake("ranked", rank=20), Fake("quick", rank=5), Fake("npu", rank=100, device="npu"))
-    assert reg.best() == "npu" and env.calls == []
+    assert reg.default() == "npu" and env.calls == []
     reg = registry(Fake("quick", rank=5), Fake("reference", rank=0))
-    assert reg.best() == "quick" and env.calls == []
+    assert reg.default() == "quick" and env.calls == []
 
 
 def test_a_failing_backend_is_reported_not_chosen(env, monkeypatch):

@@ -56,16 +56,17 @@ def test_values_round_trip_through_the_cpu_int4_packer(group, sym):
     assert err(out) < 0.8 * err(rtn)                # and the layer's output error is well below RTN's
 
 
-def test_values_round_trip_through_the_openvino_int4_packer():
+@pytest.mark.parametrize("group", [64, None])        # None: per channel, one group wider than GPTQ's block
+def test_values_round_trip_through_the_openvino_int4_packer(group):
     quant = pytest.importorskip("glmcore_plugins.openvino_amx.quant")
 
     def grid(blk):                                  # as OpenVINOBackend._weights describes quantize_sym's grid
         amax = np.abs(blk).max(1)
         scale = np.where(amax > 0, amax / 7, 1.0).astype(np.float16).astype(np.float32)
         return scale, np.zeros_like(scale), -7, 7
-    w, x = _layer(np.random.default_rng(2), k=256)
-    out = gptq.gptq(w, x.T @ x / len(x), grid, 64)
-    assert np.array_equal(quant.dequantize_sym(*quant.quantize_sym(out, 4, 64)), out)
+    w, x = _layer(np.random.default_rng(2), k=320)
+    out = gptq.gptq(w, x.T @ x / len(x), grid, group or 320)
+    assert np.array_equal(quant.dequantize_sym(*quant.quantize_sym(out, 4, group)), out)
 
 
 def test_calibration_forward_matches_the_torch_reference(make_tiny):
