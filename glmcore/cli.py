@@ -401,6 +401,9 @@ def cmd_backends(a) -> int:
             print(f"{'':<14} why: {r['why not']}" + (f"  fix: {r['install']}" if r["install"] else ""))
         for k, v in {**r["details"], "batching": r["batching"], "architectures": "; ".join(r["architectures"])}.items():
             print(f"{'':<14} {k}: {v}")
+    from .autoselect import choose, describe
+    if any(r["ready"] for r in rows):       # which one runs without --backend, with the numbers behind it
+        print("\n".join(describe(choose(reg), reg.best())))
     return 0
 
 
@@ -467,7 +470,7 @@ def cmd_convert(a) -> int:
     opts = load_options(a)
     if opts.tp != 1:
         raise GlmcoreError("--tp splits a model while it runs; convert writes one converted model, drop --tp")
-    for key in ("seq_len", "group_size", "quantize"):
+    for key in ("seq_len", "group_size", "quantize", "quant", "calib"):
         if getattr(a, key) is not None:
             opts.extra[key] = getattr(a, key)
     opts = backend.resolve(opts)
@@ -548,6 +551,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seq-len", type=int, help="tpu_bm1684x: fixed context")
     p.add_argument("--quantize", help="tpu_bm1684x: F16|BF16|W8F16|W4F16")
     p.add_argument("--group-size", type=int, help="cpu_int4: quantization group")
+    p.add_argument("--quant", choices=["rtn", "gptq"], help="cpu_int4, openvino_amx int4: rtn (round to nearest, "
+                   "the default) or gptq (calibrated on --calib, same format)")
+    p.add_argument("--calib", help="with --quant gptq: a UTF-8 text file to calibrate on (default: the sample "
+                   "shipped with glmcore)")
     p.set_defaults(fn=cmd_convert)
 
     p = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (needs glmcore[server])")

@@ -1,9 +1,15 @@
 """Shared fixtures: tiny synthetic checkpoints of each family, made once per test session."""
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
+
+# No test may depend on timings: the default backend follows the speed_rank rule here (glmcore/autoselect.py
+# is tested with fake timings in test_autoselect.py), and a developer's pin does not leak in.
+os.environ["GLMCORE_AUTOSELECT"] = "0"
+os.environ.pop("GLMCORE_BACKEND", None)
 
 SHARED_MODELS = Path(__file__).resolve().parents[2] / "shared" / "models"
 

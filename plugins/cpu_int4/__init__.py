@@ -11,7 +11,9 @@ them: each weight matrix is multiplied once with every token of the step (the pr
 
 Options (LoadOptions.extra, `--opt key=value`): group_size 32|64|128 (32), sym true|false (true),
 scale_dtype f16|bf16 (f16), embed_bits 4|8 (4), head_bits 4|8 (8), kv_dtype f16|f32 (f16),
-isa auto|plain|avx2|avxvnni|avx512vnni (auto), packed DIR (a `glmcore convert` output to load).
+isa auto|plain|avx2|avxvnni|avx512vnni (auto), packed DIR (a `glmcore convert` output to load),
+quant rtn|gptq (rtn: round to nearest; gptq: calibrated, glmcore/gptq.py, the same packed format), calib
+FILE (gptq's calibration text; default glmcore/data/calibration.txt).
 Only numpy and a C compiler (or the library built at install) are needed: no torch.
 """
 from __future__ import annotations
@@ -26,7 +28,7 @@ from glmcore import arch
 from glmcore.errors import BackendError
 
 QUANT_OPTIONS = ("group_size", "sym", "scale_dtype", "embed_bits", "head_bits")
-OPTIONS = QUANT_OPTIONS + ("kv_dtype", "isa", "packed")
+OPTIONS = QUANT_OPTIONS + ("kv_dtype", "isa", "packed", "quant", "calib")
 
 
 def default_threads() -> int:
@@ -141,16 +143,48 @@ class CpuInt4Backend(Backend):
         from .quant import QuantOptions, ensure_packed
         q = QuantOptions.from_extra(options.extra)
         cache = Path(options.cache_dir) if options.cache_dir else cache_root() / "converted"
-        return ensure_packed(config, weights, q, cache, progress=_stderr)
+        return ensure_packed(config, _calibrated(config, weights, q, options.extra, _stderr), q, cache,
+                             progress=_stderr)
 
     def convert(self, config, weights, options: LoadOptions, out: Path, progress) -> None:
         from .quant import QuantOptions, write_packed
         extra = {k: v for k, v in options.extra.items() if v is not None}
         self.check_options(extra)
         q = QuantOptions.from_extra(extra)
+        weights = _calibrated(config, weights, q, extra, progress)
         fp = weights.fingerprint() if hasattr(weights, "fingerprint") else ""
         write_packed(config, weights, q, Path(out), progress, fingerprint=fp)
         progress(f"load it with: --backend cpu_int4 --opt packed={out}")
+
+
+def _calibrated(config, weights, q, extra: dict, progress):
+    """The weights to pack: as they are (quant=rtn), or with every block's linear layers quantized by GPTQ
+    onto this exact int4 grid (quant=gptq; glmcore/gptq.py): the packer's round to nearest then gives back
+    GPTQ's codes, so the packed format and the kernels are the same either way."""
+    method = str(extra.get("quant", "rtn")).lower()
+    if method == "rtn":
+        if extra.get("calib"):
+            raise BackendError("cpu_int4: calib=FILE is the calibration text of quant=gptq; add --opt quant=gptq")
+        return weights
+    if method != "gptq":
+        raise BackendError(f"cpu_int4: quant={method!r} is not supported; use rtn (round to nearest) or gptq "
+                           "(calibrated)")
+    from glmcore.gptq import calibrated
+    from .quant import SCALE_DTYPES, VERSION
+    sd, g = SCALE_DTYPES[q.scale_dtype], q.group_size
+
+    def grid(name, blk):
+        """The grid quantize4 derives from a group (zero-padded to the group size, as it pads a row)."""
+        if blk.shape[1] < g:
+            blk = np.pad(blk, ((0, 0), (0, g - blk.shape[1])))
+        if q.sym:
+            d = blk[np.arange(len(blk)), np.abs(blk).argmax(1)] / -8.0
+            d = d.astype(sd).astype(np.float32)
+            return d, -8.0 * d, 0, 15
+        lo, hi = blk.min(1), blk.max(1)
+        return ((hi - lo) / 15.0).astype(sd).astype(np.float32), lo.astype(sd).astype(np.float32), 0, 15
+    key = f"cpu_int4 v{VERSION} g{g} sym={q.sym} {q.scale_dtype}"
+    return calibrated(config, weights, grid, lambda name, k: g, key, extra.get("calib"), progress=progress)
 
 
 def _stderr(msg: str) -> None:

@@ -13,8 +13,10 @@ import importlib.util
 import sys
 from pathlib import Path
 
-from glmcore.backend import Backend, Capabilities, LoadOptions, Probe, default_capacity, hookimpl, kernels_run
+import numpy as np
+
 from glmcore import arch
+from glmcore.backend import Backend, Capabilities, LoadOptions, Probe, default_capacity, hookimpl, kernels_run
 from glmcore.cpuinfo import cpu_name
 from glmcore.errors import BackendError
 
@@ -23,7 +25,7 @@ from .cpu import compressed_matmul_kernel, has_amx, has_avx512_bf16, integer_isa
 
 class OpenVINOBackend(Backend):
     name = "openvino_amx"
-    option_keys = ("ir", "group_size", "kv_cache", "dynamic_quant", "prefill_chunk")
+    option_keys = ("ir", "group_size", "kv_cache", "dynamic_quant", "prefill_chunk", "quant", "calib")
     extra = "openvino"
     description = "OpenVINO stateful model on the CPU: fused attention/rotary/RMSNorm, bf16 on AMX, int8/int4 weights"
 
@@ -47,7 +49,7 @@ class OpenVINOBackend(Backend):
             "weights": "int8 (default), int4 (group 128), f16, f32",
             "kv cache": "in the model (stateful); f32 with --precision f32, f16 with bf16",
             "options": "--opt kv_cache=f32|f16|bf16|u8, dynamic_quant=0 (off)|N (default: 32 with bf16, 0 with f32), "
-                       "group_size=128, ir=DIR",
+                       "group_size=128, ir=DIR, quant=gptq (int4, calibrated) [calib=FILE]",
             "batch": "native: OpenVINO's paged-attention form of the same graph, many sequences per call",
             "runs on": "this machine's CPU through OpenVINO's CPU plugin",
             "int8/int4 matmuls": _kernel_line(),
@@ -86,7 +88,7 @@ class OpenVINOBackend(Backend):
             check_converted(ir.parent if ir.suffix == ".xml" else ir, weights, "OpenVINO IR")
             xml = session.checked_ir(ir, config, options.weights)
         elif options.cache_dir is not None:
-            xml = session.cached_ir(config, weights, options, _stderr)
+            xml = session.cached_ir(config, self._weights(config, weights, options, _stderr), options, _stderr)
         if xml is not None:
             import openvino as ov
             try:
@@ -95,7 +97,36 @@ class OpenVINOBackend(Backend):
                 raise BackendError(f"{xml}: OpenVINO cannot read this IR ({_last_line(e)}); "
                                    "convert the model again") from None
         opts = session.ir_options(options)       # no cache directory: built in memory, resident twice
-        return graph.build_model(config, weights, opts["weights"], opts.get("group_size", 128)), None
+        return graph.build_model(config, self._weights(config, weights, options, _stderr), opts["weights"],
+                                 opts.get("group_size", 128)), None
+
+    def _weights(self, config, weights, options: LoadOptions, progress):
+        """The weights the graph is built from: as they are (quant=rtn, the default), or for int4 with every
+        block's linear layers quantized by GPTQ onto the graph's own int4 grid (quant=gptq, glmcore/gptq.py):
+        quantize_sym then gives back GPTQ's codes, so the IR's format is the same."""
+        method = str(options.extra.get("quant", "rtn")).lower()
+        if method == "rtn":
+            if options.extra.get("calib"):
+                raise BackendError("openvino_amx: calib=FILE is the calibration text of quant=gptq; add --opt quant=gptq")
+            return weights
+        if method != "gptq" or options.weights != "int4":
+            raise BackendError(f"openvino_amx: quant={method!r} with --weights {options.weights} is not supported; "
+                               "use quant=rtn, or quant=gptq with --weights int4")
+        from glmcore.gptq import calibrated
+        from . import graph
+        from .session import ir_options
+        gs = ir_options(options)["group_size"]
+
+        def grid(name, blk):      # quantize_sym's int4 grid: q in -7..7 times an f16 scale of the group's max |w|
+            if name == "lm_head.weight":
+                return None
+            amax = np.abs(blk).max(1)
+            scale = np.where(amax > 0, amax / 7, 1.0).astype(np.float16)
+            scale = np.where(scale > 0, scale, np.float16(2 ** -24)).astype(np.float32)
+            return scale, np.zeros_like(scale), -7, 7
+        key = f"openvino_amx int4 sym g{gs}"
+        return calibrated(config, weights, grid, lambda name, k: graph.group_for(k, gs) or k, key,
+                          options.extra.get("calib"), progress=progress)
 
     def load(self, config, weights, options: LoadOptions):
         self._require()
@@ -130,14 +161,16 @@ class OpenVINOBackend(Backend):
         from . import graph, session
         options = self.resolve(options)
         opts = session.ir_options(options)
-        w = graph.WeightNodes(weights, opts["weights"], opts.get("group_size", 128))
+        w = graph.WeightNodes(self._weights(config, weights, options, _stderr), opts["weights"],
+                              opts.get("group_size", 128))
         return {name: w.effective(name) for name in weights}, options.precision
 
     def convert(self, config, weights, options: LoadOptions, out, progress) -> None:
         self._require()
         from . import session
         options = self.resolve(options)
-        session.write_ir(config, weights, session.ir_options(options), out, progress)
+        session.write_ir(config, self._weights(config, weights, options, progress), session.ir_options(options),
+                         out, progress)
         progress(f"run it with: glmcore run --backend {self.name} --weights {options.weights} --opt ir={out} ...; "
                  "or with openvino_genai.LLMPipeline (token ids in, token ids out)")
 

@@ -1,0 +1,218 @@
+"""The default backend by measurement: the first time glmcore runs on a kind of CPU without --backend, it times
+each ready CPU backend's default format (prefill and decode on a small synthetic checkpoint, a few seconds
+each) and keeps the fastest. A rule of CPU flags cannot know this: on AMD's AVX-512 OpenVINO's int8 decodes
+at half cpu_int4's speed although the flags say it has integer kernels (issue 43).
+
+The result is cached in the glmcore cache (autoselect.json) with the package version, the CPU's identity and
+the set of backends measured, so it is measured again only when one of those changes; `--backend auto`
+measures again; GLMCORE_BACKEND=NAME pins the default; GLMCORE_AUTOSELECT=0 turns the measurement off (the
+speed_rank rule, as before: the test suite does this, so no test depends on timings).
+
+Which backends: the ready ones on this CPU (probe device "cpu") with a positive speed_rank (the reference
+and the emulations of other hardware rank 0 or below; they are for checking, not speed). A ready backend on
+another device ranked above them (an accelerator) keeps the rule. The choice: the fastest decode, except that
+a backend within 10% of it whose default format keeps more bits wins (equal speed, better quality).
+"""
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from .errors import GlmcoreError
+
+ENV_PIN = "GLMCORE_BACKEND"
+ENV_OFF = "GLMCORE_AUTOSELECT"
+CACHE_FILE = "autoselect.json"
+NEAR = 0.9                 # within 10% of the fastest decode, the better format wins
+PROMPT, GEN, ROUNDS = 64, 16, 3
+# bits a weight keeps in each default format: the quality order (a format with more bits loses less)
+FORMAT_BITS = {"f32": 32, "bf16": 16, "f16": 16, "int8": 8, "int4": 4}
+
+
+@dataclass
+class Measured:
+    backend: str
+    weights: str = ""
+    decode: float = 0.0            # tok/s, one sequence
+    prefill: float = 0.0           # tok/s, a PROMPT-token prompt
+    error: str = ""
+
+
+@dataclass
+class Choice:
+    backend: str
+    why: str
+    results: list[Measured] = field(default_factory=list)
+    cpu: str = ""
+    version: str = ""
+    measured_at: str = ""
+
+
+def cpu_identity() -> str:
+    """What makes timings comparable: the CPU model, its ISA flags and how many CPUs this process may use."""
+    from .cpuinfo import cpu_flags, cpu_name
+    try:
+        n = len(os.sched_getaffinity(0))
+    except AttributeError:
+        n = os.cpu_count() or 1
+    import hashlib
+    flags = hashlib.sha256(" ".join(sorted(cpu_flags())).encode()).hexdigest()[:12]
+    return f"{cpu_name()} | {n} cpus | flags {flags}"
+
+
+def _version() -> str:
+    from . import __version__
+    return __version__
+
+
+def candidates(reg) -> tuple[list[str], str | None]:
+    """(the ready CPU speed backends to measure, the rule's choice where it must stand: an accelerator)."""
+    ready = [n for n in reg.names() if reg.entries[n].backend is not None and reg.probe(n).ready]
+    rank = {n: reg.get(n).capabilities().speed_rank for n in ready}
+    cpu = [n for n in ready if rank[n] > 0 and reg.probe(n).device == "cpu"]
+    others = [n for n in ready if n not in cpu and rank[n] > max((rank[c] for c in cpu), default=-10**9)
+              and reg.probe(n).device != "cpu"]
+    return sorted(cpu), (max(others, key=lambda n: (rank[n], n)) if others else None)
+
+
+def decide(results: list[Measured]) -> tuple[str, str]:
+    """(backend, why) from the measurements: see the module docstring."""
+    ok = [r for r in results if not r.error and r.decode > 0]
+    if not ok:
+        raise GlmcoreError("no backend could be measured: " + "; ".join(f"{r.backend}: {r.error}" for r in results))
+    fastest = max(ok, key=lambda r: r.decode)
+    near = [r for r in ok if r.decode >= NEAR * fastest.decode]
+    best = max(near, key=lambda r: (FORMAT_BITS.get(r.weights, 0), r.decode))
+    if best is fastest:
+        others = ", ".join(f"{r.backend} {r.decode:.1f}" for r in ok if r is not best)
+        why = f"fastest decode: {best.decode:.1f} tok/s" + (f" (vs {others})" if others else "")
+    else:
+        why = (f"decode {best.decode:.1f} tok/s is within {100 - 100 * NEAR:.0f}% of {fastest.backend}'s "
+               f"{fastest.decode:.1f} with a better format ({best.weights} vs {fastest.weights})")
+    return best.backend, why
+
+
+def _cache_path() -> Path:
+    from .cache import cache_root
+    return cache_root() / CACHE_FILE
+
+
+def cached(names: list[str]) -> Choice | None:
+    """The cached choice, if it was measured by this version on this CPU over these backends."""
+    try:
+        raw = json.loads(_cache_path().read_text(encoding="utf-8"))
+        choice = Choice(**{**raw, "results": [Measured(**r) for r in raw["results"]]})
+    except (OSError, ValueError, TypeError, KeyError):
+        return None       # none yet, or unreadable: measure again
+    if choice.version != _version() or choice.cpu != cpu_identity() or \
+            sorted(r.backend for r in choice.results) != sorted(names):
+        return None
+    return choice
+
+
+def _save(choice: Choice) -> None:
+    path = _cache_path()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(asdict(choice), indent=1), encoding="utf-8")
+        os.replace(tmp, path)            # whole or not at all, even with two first runs at once
+    except OSError as e:
+        print(f"note: could not cache the backend measurement in {path} ({e.strerror})", file=sys.stderr)
+
+
+def choose(reg, rerun: bool = False, measure: Callable[[str], Measured] | None = None,
+           progress: Callable[[str], None] | None = None) -> Choice | None:
+    """The measured default (cached; rerun=True measures again), or None where the rule stands: measurement
+    off, an accelerator ready, or fewer than two CPU backends to compare. GLMCORE_BACKEND pins it."""
+    pin = os.environ.get(ENV_PIN, "").strip()
+    if pin:
+        reg.get(pin)                      # an unknown name is a clear error
+        return Choice(pin, f"pinned by {ENV_PIN}={pin}")
+    if os.environ.get(ENV_OFF, "").strip().lower() in ("0", "false", "no", "off"):
+        return None
+    names, accelerator = candidates(reg)
+    if accelerator is not None or len(names) < 2:
+        return None
+    if not rerun:
+        found = cached(names)
+        if found is not None:
+            return found
+    measure = measure or measure_backend
+    say = progress or (lambda msg: print(msg, file=sys.stderr, flush=True))
+    say(f"note: measuring {', '.join(names)} once on this CPU to choose the default backend (a few seconds "
+        f"each; cached, `--backend auto` measures again, {ENV_PIN}=NAME pins one)")
+    results = []
+    for n in names:
+        try:
+            results.append(measure(n))
+        except Exception as e:           # a backend that fails here is not chosen; the others still are
+            results.append(Measured(n, error=f"{type(e).__name__}: {e}"))
+    backend, why = decide(results)
+    choice = Choice(backend, why, results, cpu_identity(), _version(), time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()))
+    _save(choice)
+    return choice
+
+
+# ---------------------------------------------------------------- the measurement
+
+def _bench_model() -> Path:
+    """A small synthetic ChatGLM3 (the `small` shape cut to 4 layers: ~40M parameters), made once."""
+    from .cache import build_once, cache_root
+    from .synth import make_model
+    final = cache_root() / "autoselect" / f"chatglm3-small-4l-{_version()}"
+    return build_once(final, lambda tmp: make_model("chatglm3", "small", tmp, layers=4),
+                      complete=lambda p: (p / "config.json").is_file())
+
+
+def measure_backend(name: str) -> Measured:
+    """Prefill of a PROMPT-token prompt and GEN decode steps on one sequence, the median of ROUNDS after a
+    warm-up, with the backend's default format (as `glmcore run` would load it)."""
+    import numpy as np
+
+    from .backend import LoadOptions, registry
+    from .config import ModelConfig
+    from .weights import load_weights
+    d = _bench_model()
+    cfg = ModelConfig.from_dir(d)
+    backend = registry().get(name)
+    opts = backend.resolve(LoadOptions(capacity=PROMPT + GEN + 8))
+    batch = backend.load_batch(cfg, load_weights(d, cfg), opts, 1)
+    try:
+        ids = [int(t) for t in np.random.default_rng(0).integers(0, cfg.vocab_size, PROMPT)]
+        pre, dec = [], []
+        for _ in range(ROUNDS + 1):                     # the first round warms up (compiles, pages in)
+            batch.reset(0)
+            t0 = time.perf_counter()
+            logits = batch.step([(0, ids)])
+            t1 = time.perf_counter()
+            for _ in range(GEN):
+                logits = batch.step([(0, [int(np.argmax(logits[-1]))])])
+            t2 = time.perf_counter()
+            pre.append(PROMPT / (t1 - t0))
+            dec.append(GEN / (t2 - t1))
+        return Measured(name, opts.weights or "", statistics.median(dec[1:]), statistics.median(pre[1:]))
+    finally:
+        batch.close()
+
+
+def describe(choice: Choice | None, rule_choice: str) -> list[str]:
+    """The lines `glmcore backends` prints about the default."""
+    if choice is None:
+        return [f"default: {rule_choice} (by speed_rank: measurement off ({ENV_OFF}=0), an accelerator is ready, "
+                "or only one CPU backend is ready)"]
+    lines = [f"default: {choice.backend} ({choice.why})"]
+    if choice.results:
+        lines.append(f"  measured {choice.measured_at} by glmcore {choice.version} on {choice.cpu} "
+                     f"(small synthetic checkpoint, one sequence; `--backend auto` measures again):")
+        for r in choice.results:
+            lines.append(f"  {r.backend:<14} " + (f"failed: {r.error}" if r.error else
+                                                  f"{r.weights:<5} decode {r.decode:8.1f} tok/s  "
+                                                  f"prefill {r.prefill:8.1f} tok/s"))
+    return lines

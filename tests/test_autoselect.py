@@ -1,0 +1,159 @@
+"""The default backend by measurement (glmcore/autoselect.py), with fake timings: the choice, the cache and
+what invalidates it, the pin, `--backend auto`, the hook in resolve_backend and `glmcore backends`."""
+from __future__ import annotations
+
+import json
+import types
+
+import pytest
+
+from glmcore import autoselect
+from glmcore.autoselect import Measured
+from glmcore.backend import Backend, Capabilities, Probe, Registry, hookimpl
+from glmcore.errors import BackendError, GlmcoreError
+
+
+class Fake(Backend):
+    extra = "fake"
+
+    def __init__(self, name, rank=5, device="cpu", weights="int8"):
+        self.name, self._rank, self._device, self._weights = name, rank, device, weights
+
+    def probe(self):
+        return Probe(True, device=self._device)
+
+    def capabilities(self):
+        return Capabilities(weight_formats=(self._weights,), default_weights=self._weights, speed_rank=self._rank)
+
+    def load(self, config, weights, options):
+        raise NotImplementedError
+
+
+def registry(*backends) -> Registry:
+    mod = types.SimpleNamespace(glmcore_backends=hookimpl(lambda: list(backends)))
+    reg = Registry()
+    reg.register(mod, "fakes")
+    reg.default = lambda name=None: default(reg, name)
+    return reg
+
+
+def default(reg, name=None) -> str:
+    """What `glmcore run` picks with --backend `name` (None: left out) from this registry."""
+    from glmcore import model
+    real = model.registry
+    model.registry = lambda: reg
+    try:
+        return model.resolve_backend(name).name
+    finally:
+        model.registry = real
+
+
+# decode tok/s, prefill tok/s, format: the rule (speed_rank) prefers "ranked", the measurement "quick"
+TIMES = {"ranked": (20.0, 100.0, "int8"), "quick": (40.0, 250.0, "int4")}
+
+
+@pytest.fixture
+def env(monkeypatch, tmp_path):
+    monkeypatch.setenv("GLMCORE_CACHE", str(tmp_path))
+    monkeypatch.delenv("GLMCORE_AUTOSELECT", raising=False)        # conftest turns it off for every other test
+    monkeypatch.delenv("GLMCORE_BACKEND", raising=False)
+    calls = []
+
+    def measure(name):
+        calls.append(name)
+        d, p, w = TIMES[name]
+        return Measured(name, w, d, p)
+    monkeypatch.setattr(autoselect, "measure_backend", measure)
+    reg = registry(Fake("ranked", rank=20), Fake("quick", rank=5), Fake("reference", rank=0, weights="f32"))
+    return types.SimpleNamespace(reg=reg, calls=calls, cache=tmp_path / "autoselect.json")
+
+
+def test_decide_fastest_then_better_format_within_ten_percent():
+    assert autoselect.decide([Measured("a", "int8", 20, 1), Measured("b", "int4", 40, 1)])[0] == "b"
+    backend, why = autoselect.decide([Measured("a", "int8", 37, 1), Measured("b", "int4", 40, 1)])
+    assert backend == "a" and "better format" in why                  # 7.5% slower, int8 keeps more bits
+    assert autoselect.decide([Measured("a", "int8", 35, 1), Measured("b", "int4", 40, 1)])[0] == "b"   # 12.5%
+    assert autoselect.decide([Measured("a", error="boom"), Measured("b", "int4", 1, 1)])[0] == "b"
+    with pytest.raises(GlmcoreError, match="no backend could be measured: a: boom"):
+        autoselect.decide([Measured("a", error="boom")])
+
+
+def test_measured_once_cached_and_used_as_the_default(env):
+    assert env.reg.default() == "quick"                                  # not the rule's "ranked"
+    assert sorted(env.calls) == ["quick", "ranked"]                   # the reference (rank 0) is not timed
+    saved = json.loads(env.cache.read_text())
+    assert saved["backend"] == "quick" and saved["cpu"] == autoselect.cpu_identity()
+    assert {r["backend"]: r["decode"] for r in saved["results"]} == {"ranked": 20.0, "quick": 40.0}
+    env.calls.clear()
+    assert env.reg.default() == "quick" and env.calls == []              # from the cache
+
+
+@pytest.mark.parametrize("field, value", [("version", "0.0.0-old"), ("cpu", "another CPU")])
+def test_a_new_version_or_cpu_measures_again(env, field, value):
+    env.reg.default()
+    raw = json.loads(env.cache.read_text())
+    raw[field] = value
+    env.cache.write_text(json.dumps(raw))
+    env.calls.clear()
+    env.reg.default()
+    assert sorted(env.calls) == ["quick", "ranked"]
+
+
+def test_a_new_ready_backend_measures_again(env):
+    env.reg.default()
+    env.calls.clear()
+    TIMES["extra"] = (80.0, 300.0, "int4")
+    try:
+        reg = registry(Fake("ranked", rank=20), Fake("quick", rank=5), Fake("extra", rank=1))
+        assert reg.default() == "extra" and sorted(env.calls) == ["extra", "quick", "ranked"]
+    finally:
+        del TIMES["extra"]
+
+
+def test_backend_auto_measures_again(env):
+    env.reg.default()
+    env.calls.clear()
+    assert env.reg.default("auto") == "quick"
+    assert sorted(env.calls) == ["quick", "ranked"]
+
+
+def test_pin_and_off_switch(env, monkeypatch):
+    monkeypatch.setenv("GLMCORE_BACKEND", "ranked")
+    assert env.reg.default() == "ranked" and env.calls == []
+    monkeypatch.setenv("GLMCORE_BACKEND", "nope")
+    with pytest.raises(BackendError, match="unknown backend 'nope'"):
+        env.reg.default()
+    monkeypatch.delenv("GLMCORE_BACKEND")
+    monkeypatch.setenv("GLMCORE_AUTOSELECT", "0")
+    assert env.reg.default() == "ranked" and env.calls == []             # the speed_rank rule
+
+
+def test_an_accelerator_or_a_single_cpu_backend_keeps_the_rule(env):
+    reg = registry(Fake("ranked", rank=20), Fake("quick", rank=5), Fake("npu", rank=100, device="npu"))
+    assert reg.default() == "npu" and env.calls == []
+    reg = registry(Fake("quick", rank=5), Fake("reference", rank=0))
+    assert reg.default() == "quick" and env.calls == []
+
+
+def test_a_failing_backend_is_reported_not_chosen(env, monkeypatch):
+    def measure(name):
+        if name == "quick":
+            raise RuntimeError("kernel exploded")
+        return Measured(name, "int8", 20.0, 100.0)
+    monkeypatch.setattr(autoselect, "measure_backend", measure)
+    choice = autoselect.choose(env.reg)
+    assert choice.backend == "ranked"
+    lines = "\n".join(autoselect.describe(choice, "ranked"))
+    assert "quick" in lines and "failed: RuntimeError: kernel exploded" in lines
+
+
+def test_glmcore_backends_prints_the_numbers_and_why(env, monkeypatch, capsys):
+    from glmcore import cli
+    monkeypatch.setattr(cli, "registry", lambda: env.reg)
+    assert cli.main(["backends"]) == 0
+    out = capsys.readouterr().out
+    assert "default: quick (fastest decode: 40.0 tok/s (vs ranked 20.0))" in out
+    assert "decode     40.0 tok/s  prefill    250.0 tok/s" in out
+    monkeypatch.setenv("GLMCORE_AUTOSELECT", "0")
+    assert cli.main(["backends"]) == 0
+    assert "default: ranked (by speed_rank" in capsys.readouterr().out
