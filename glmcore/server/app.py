@@ -214,7 +214,8 @@ class Generation:
         self.metrics.generated.inc(len(h.tokens))
         if h.finish_reason == FinishReason.ERROR:
             if isinstance(h.error, GrammarError):       # the request's grammar allows no next token
-                raise ApiError(400, f"'{self.param}': {h.error}", self.param, "grammar_dead_end")
+                field = getattr(self.request.constraint, "field", None) or self.param
+                raise ApiError(400, f"'{field}': {h.error}", field, "grammar_dead_end")
             if isinstance(h.error, ContextOverflow):
                 raise ApiError(400, f"'{self.param}': {h.error}", self.param, "context_length_exceeded")
             raise ApiError(500, f"generation failed: {h.error}", type="server_error", code="backend_error")

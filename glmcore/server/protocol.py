@@ -220,7 +220,9 @@ def _bad_text(text: str, data) -> str | None:
         v, path = todo.pop()
         items = v.items() if isinstance(v, dict) else enumerate(v) if isinstance(v, list) else ()
         for k, x in items:
-            here = f"{path}.{k}" if path else str(k)
+            # a key is part of the path, which the error message quotes: escaped, so that message is text
+            key = k.encode("utf-8", "backslashreplace").decode("utf-8") if isinstance(k, str) else str(k)
+            here = f"{path}.{key}" if path else key
             for s in (k, x):
                 if isinstance(s, str):
                     try:
