@@ -92,6 +92,8 @@ def _functions(tools) -> list[dict]:
             if not isinstance(f, dict) or not isinstance(f.get("name"), str) or not _NAME.fullmatch(f["name"]):
                 raise ChatError(f"tool {str(t)[:80]} has no valid function name: use the OpenAI schema "
                                  '{"type": "function", "function": {"name": ..., "parameters": ...}}')
+            if any(g["name"] == f["name"] for g in out):    # a call would not say which one it means
+                raise ChatError(f"two tools are named {f['name']!r}; give each tool its own name")
             out.append(f)
         else:
             kind = t.get("type") if isinstance(t, dict) else type(t).__name__

@@ -484,14 +484,25 @@ def cmd_convert(a) -> int:
 
 def cmd_serve(a) -> int:
     from .server import ServeOptions, serve    # lazily: the web stack is the optional extra glmcore[server]
-    api_key = a.api_key or check_text(os.environ.get("GLMCORE_API_KEY", ""), "$GLMCORE_API_KEY") or None
+    api_key = a.api_key if a.api_key is not None else os.environ.get("GLMCORE_API_KEY")
+    if a.api_key is None and api_key is not None:
+        check_text(api_key, "$GLMCORE_API_KEY")
+        if not api_key.strip():
+            raise GlmcoreError("$GLMCORE_API_KEY is set but empty; give it a key, or unset it to serve without one")
     so = ServeOptions(a.host, a.port, a.slots, a.token_budget, a.max_queue,
                       api_key, a.served_name, a.max_body_mb << 20,
-                      a.grace, a.read_timeout, a.log_level, a.replicas, a.ray_address)
+                      a.grace, a.read_timeout, a.log_level, a.replicas, a.ray_address,
+                      _names(a.allowed_hosts), _names(a.cors_origins))
+    so.check()
     if so.replicas != 1 or so.ray_address:       # replicas of the server behind Ray Serve's proxy
         from .server.replicas import serve_replicas
         return serve_replicas(a.model, a.backend, load_options(a), so)
     return serve(a.model, a.backend, load_options(a), so)
+
+
+def _names(value: str | None) -> tuple[str, ...]:
+    """A comma-separated option's entries."""
+    return tuple(v.strip() for v in (value or "").split(",") if v.strip())
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -558,6 +569,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="tokens per batched step: more admits prompts faster, fewer keeps decoding smoother")
     p.add_argument("--max-queue", type=int, default=64, help="requests waiting for a slot before 429")
     p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' (default: $GLMCORE_API_KEY, else none)")
+    p.add_argument("--allowed-hosts", metavar="NAMES", help="comma-separated host names clients may reach the server "
+                   "by, besides the listening address and localhost (other Host headers get 421; '*': any). Default: "
+                   "any when listening on 0.0.0.0 or ::")
+    p.add_argument("--cors-origins", metavar="ORIGINS", help="comma-separated web origins whose pages may call the API "
+                   "from a browser, e.g. http://localhost:3000 (default: none; the chat page at / needs none)")
     p.add_argument("--served-name", help="the model id clients send (default: the model directory's name)")
     p.add_argument("--max-body-mb", type=int, default=4, help="largest request body, MiB (413 above)")
     p.add_argument("--grace", type=float, default=10.0, help="seconds running requests get to finish on SIGTERM")

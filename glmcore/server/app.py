@@ -270,8 +270,14 @@ class State:
 # ----------------------------------------------------------------------------- request -> scheduler
 
 async def read_body(request: Request, limit: int, timeout: float = READ_TIMEOUT) -> bytes:
-    """The body, at most `limit` bytes, arrived within `timeout` seconds (a client dripping bytes holds a
-    connection and a task; it gets a 408 and the connection is closed)."""
+    """The body, JSON (415 otherwise), at most `limit` bytes, arrived within `timeout` seconds (a client dripping
+    bytes holds a connection and a task; it gets a 408 and the connection is closed). JSON only: a browser sends
+    a text/plain or form body to any origin without asking (a CORS "simple request"), application/json only
+    after a preflight that this server answers only for --cors-origins."""
+    media = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    if media != "application/json" and not (media.startswith("application/") and media.endswith("+json")):
+        raise ApiError(415, f"the request body is {media or 'untyped'}; send JSON with the header "
+                       "'Content-Type: application/json'", code="unsupported_media_type")
     size = request.headers.get("content-length")
     if size is not None and size.isdigit() and int(size) > limit:
         raise ApiError(413, f"the request body has {size} bytes; the limit is {limit}", code="request_too_large")
@@ -464,15 +470,49 @@ async def _respond(state: State, request: Request, endpoint: str, gen: Generatio
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
 
+LOCAL_HOSTS = ("localhost", "127.0.0.1", "::1")
+
+
+class HostCheck:
+    """Answers a request whose Host header names none of `allowed` with a 421 (any host with "*"). A page on
+    another site that rebinds its own name to this server's address (DNS rebinding) sends its own name, so
+    it cannot read a reply: by default only the listening address and localhost are served."""
+
+    def __init__(self, app, allowed):
+        self.app, self.allowed = app, {h.lower().rstrip(".") for h in allowed}
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and "*" not in self.allowed:
+            host = dict(scope["headers"]).get(b"host", b"").decode("latin-1")
+            name = (host[1:host.find("]")] if host.startswith("[") else host.rsplit(":", 1)[0]).lower().rstrip(".")
+            if name not in self.allowed and not name.endswith(".localhost"):
+                shown = ", ".join(sorted(self.allowed))
+                response = JSONResponse(error_body(
+                    f"this server does not answer to the host {host[:60]!r} (it answers to {shown}); start it "
+                    "with --allowed-hosts NAME to add a name", code="misdirected_request"), status_code=421)
+                return await response(scope, receive, send)
+        return await self.app(scope, receive, send)
+
+
 def create_app(model, name: str, api_key: str | None = None, max_body: int = MAX_BODY,
-               retry_after: int = 1, read_timeout: float = READ_TIMEOUT) -> FastAPI:
+               retry_after: int = 1, read_timeout: float = READ_TIMEOUT, allowed_hosts=LOCAL_HOSTS,
+               cors_origins=()) -> FastAPI:
     """The ASGI app over a LoadedModel with a scheduler (load_model(..., slots=N)); the caller starts the
-    scheduler's thread (scheduler.start()) and stops it."""
+    scheduler's thread (scheduler.start()) and stops it. allowed_hosts: the names the Host header may give
+    ("*": any); cors_origins: the web origins whose pages may call the API (none by default)."""
     if model.scheduler is None:
         raise GlmcoreError("the server needs a model loaded with slots (load_model(..., slots=N))")
+    if api_key is not None and not api_key.strip():
+        raise GlmcoreError("the API key is empty (was --api-key given an unset variable?); give a key, or leave "
+                           "the option out to serve without one")
     state = State(model, name, api_key, max_body, retry_after, read_timeout)
     app = FastAPI(title="glmcore", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.glmcore = state
+    if cors_origins:
+        from starlette.middleware.cors import CORSMiddleware
+        app.add_middleware(CORSMiddleware, allow_origins=list(cors_origins), allow_methods=["GET", "POST"],
+                           allow_headers=["Authorization", "Content-Type"], max_age=600)
+    app.add_middleware(HostCheck, allowed=list(allowed_hosts))      # added last: runs first
 
     @app.exception_handler(ApiError)
     async def _api_error(_request, e: ApiError):
@@ -633,7 +673,7 @@ def create_app(model, name: str, api_key: str | None = None, max_body: int = MAX
     app.include_router(v1)
     add_chat_page(app)
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])      # HEAD: what uptime monitors send
     async def health():
         s = state.scheduler
         return {"status": "ok", "model": state.name, "slots": s.batch.n_slots, "busy_slots": s.busy_slots,
