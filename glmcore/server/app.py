@@ -18,7 +18,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, G
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..chat import Message, ToolCall, ToolCallStream, as_message
-from ..errors import ContextOverflow, GlmcoreError
+from ..errors import ContextOverflow, GlmcoreError, TokenizerError
 from ..events import ChatEvent, FinishReason, ReasoningDelta, TextDelta, ToolCallEvent
 from ..pipeline import chat_request
 from ..sampling import SamplingParams
@@ -256,7 +256,7 @@ class State:
         if self._preparing is None:
             self._preparing = asyncio.Semaphore(PREPARING)
         async with self._preparing:
-            return await asyncio.to_thread(fn, *args)
+            return await asyncio.to_thread(_as_exception, fn, *args)
 
     def check_size(self, chars: int, param: str) -> None:
         """Refuse, before any expansion, a prompt whose text alone is longer than the context could hold."""
@@ -265,6 +265,17 @@ class State:
             raise ApiError(400, f"'{param}' has {chars} characters, more than a context of {self.scheduler.capacity} "
                            f"tokens can hold (at most {self.max_token_bytes} characters a token); shorten it", param,
                            "context_length_exceeded")
+
+
+def _as_exception(fn, *args):
+    """fn(*args), with a BaseException that is not an Exception (pyo3's PanicException from a Rust library)
+    raised as an Exception: the app's handler turns it into a counted 500 with OpenAI's error JSON."""
+    try:
+        return fn(*args)
+    except (KeyboardInterrupt, SystemExit, Exception):
+        raise
+    except BaseException as e:
+        raise RuntimeError(f"{type(e).__name__}: {str(e)[:200]}") from e
 
 
 # ----------------------------------------------------------------------------- request -> scheduler
@@ -569,6 +580,9 @@ def create_app(model, name: str, api_key: str | None = None, max_body: int = MAX
                            "context_length_exceeded")
         try:
             sreq = chat_request(fmt, messages, tools, params)
+        except TokenizerError as e:                 # the checkpoint's tokenizer, not the request, is broken
+            raise ApiError(500, f"the model's tokenizer failed on this request: {e}", type="server_error",
+                           code="tokenizer_error") from None
         except GlmcoreError as e:
             raise ApiError(400, str(e), "messages") from None
         except (ValueError, UnicodeError) as e:     # a tokenizer refusing text the protocol let through
@@ -698,6 +712,9 @@ def prompt_ids(state: State, prompt) -> list[int]:
         state.check_size(len(prompt), "prompt")
         try:
             ids = list(state.model.chat_format.prefix) + tok.encode(prompt)
+        except TokenizerError as e:
+            raise ApiError(500, f"the model's tokenizer failed on this request: {e}", type="server_error",
+                           code="tokenizer_error") from None
         except (ValueError, UnicodeError) as e:     # a tokenizer refusing text the protocol let through
             raise ApiError(400, f"'prompt' cannot be tokenized ({str(e)[:80]}); send plain Unicode text",
                            "prompt") from None
