@@ -247,15 +247,35 @@ def _input(prompt: str) -> str:
     if not line:
         raise EOFError
     if len(line) > MAX_LINE_CHARS:
-        raise GlmcoreError(f"a line of input is longer than {MAX_LINE_CHARS >> 20} Mi characters; send shorter lines "
-                           "(or a file of prompts with `glmcore run --prompts`)")
+        # the rest of that line is read and dropped (a bounded amount: stdin from /dev/zero never ends a line)
+        dropped = len(line)
+        while not line.endswith("\n") and line:
+            if dropped > MAX_DROPPED_CHARS:
+                raise GlmcoreError(f"a line of input goes on past {MAX_DROPPED_CHARS >> 20} Mi characters; is stdin "
+                                   "a stream without lines?")
+            line = sys.stdin.readline(MAX_LINE_CHARS)
+            dropped += len(line)
+        raise _LongLine(f"that line has {dropped} characters, more than {MAX_LINE_CHARS >> 20} Mi; it was not sent: "
+                        "send shorter lines (or a file of prompts with `glmcore run --prompts`)")
     return line.rstrip("\n")
 
 
+class _LongLine(GlmcoreError):
+    """One line of input too long to take: refused, and the session goes on."""
+
+
+MAX_DROPPED_CHARS = 256 << 20
+
+
 def _read_line(prompt: str) -> str | None:
-    """One line of stdin (EOFError at the end); bytes that are not UTF-8 are an error for that line only."""
+    """One line of stdin (EOFError at the end); a line that is too long or not UTF-8 is an error for that line
+    only."""
     while True:
-        line = _input(prompt)
+        try:
+            line = _input(prompt)
+        except _LongLine as e:
+            print(f"error: {e}", file=sys.stderr)
+            continue
         try:
             return check_text(line, "the line", "type it again as UTF-8 text")
         except GlmcoreError as e:
@@ -437,7 +457,7 @@ def cmd_cache(a) -> int:
             cache.remove(e)
             print(f"removed {e.name} ({e.size / 2**20:.1f} MiB)")
     else:
-        if a.older_than < 0:
+        if not a.older_than >= 0:       # nan compares false both ways
             raise GlmcoreError(f"invalid --older-than {a.older_than}: use a number of days >= 0")
         gone = cache.prune(a.older_than)
         for e in gone:
@@ -448,8 +468,14 @@ def cmd_cache(a) -> int:
 
 def cmd_make_model(a) -> int:
     from .synth import make_model
-    cfg = make_model(a.family, a.size, a.out, fmt=a.format, shards=a.shards, seed=a.seed,
-                     tokenizer_from=a.tokenizer_from, dtype=a.dtype, progress=progress, layers=a.layers)
+    if not 0 <= a.seed < 2**64:
+        raise GlmcoreError(f"invalid --seed {a.seed}: use an integer from 0 to 2**64-1")
+    try:
+        cfg = make_model(a.family, a.size, a.out, fmt=a.format, shards=a.shards, seed=a.seed,
+                         tokenizer_from=a.tokenizer_from, dtype=a.dtype, progress=progress, layers=a.layers)
+    except OSError as e:            # the output directory cannot be written (a read-only or virtual filesystem)
+        raise GlmcoreError(f"--out {a.out}: cannot write the checkpoint there ({e.strerror or e}); choose "
+                           "another directory") from None
     print(f"wrote {a.family} {a.size} ({cfg.num_params() / 1e6:.1f}M parameters, random weights) to {a.out}")
     return 0
 

@@ -327,10 +327,14 @@ def _text(content, where: str) -> str:
         return content or ""
     parts = []
     for i, part in enumerate(content):
-        if part.get("type") != "text" or not isinstance(part.get("text"), str):
+        if part.get("type") != "text":
             raise ApiError(400, f"{where}.{i}: content part type {part.get('type')!r} is not supported: this model "
                            "reads text parts only ({\"type\": \"text\", \"text\": ...})", f"{where}.{i}",
                            "unsupported_value")
+        if not isinstance(part.get("text"), str):
+            given = "missing" if "text" not in part else json.dumps(part["text"], ensure_ascii=True)[:40]
+            raise ApiError(400, f"{where}.{i}.text is {given}, not a string; send the part's text as a string",
+                           f"{where}.{i}.text", "invalid_value")
         parts.append(part["text"])
     return "".join(parts)
 
