@@ -404,10 +404,13 @@ class _Compiler:
     def _start(self) -> None:
         with self.lock:
             while len(self.threads) < self.n:
+                t = threading.Thread(target=self._work, name=f"glmcore-grammar-{len(self.threads)}", daemon=True)
                 old = threading.stack_size(COMPILE_STACK)
                 try:
-                    t = threading.Thread(target=self._work, name=f"glmcore-grammar-{len(self.threads)}",
-                                         daemon=True)
+                    t.start()
+                except RuntimeError:      # no room for such a stack (strict overcommit): the bounds still hold
+                    threading.stack_size(old)
+                    t = threading.Thread(target=self._work, name=t.name, daemon=True)
                     t.start()
                 finally:
                     threading.stack_size(old)
