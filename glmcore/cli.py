@@ -251,8 +251,8 @@ def _input(prompt: str) -> str:
         dropped = len(line)
         while not line.endswith("\n") and line:
             if dropped > MAX_DROPPED_CHARS:
-                raise GlmcoreError(f"a line of input goes on past {MAX_DROPPED_CHARS >> 20} Mi characters; is stdin "
-                                   "a stream without lines?")
+                raise GlmcoreError(f"a line of input is longer than {MAX_DROPPED_CHARS >> 20} Mi characters and goes "
+                                   "on; is stdin a stream without lines? Send text lines")
             line = sys.stdin.readline(MAX_LINE_CHARS)
             dropped += len(line)
         raise _LongLine(f"that line has {dropped} characters, more than {MAX_LINE_CHARS >> 20} Mi; it was not sent: "
@@ -264,7 +264,7 @@ class _LongLine(GlmcoreError):
     """One line of input too long to take: refused, and the session goes on."""
 
 
-MAX_DROPPED_CHARS = 256 << 20
+MAX_DROPPED_CHARS = 64 << 20     # of one over-long line, read and dropped before giving up
 
 
 def _read_line(prompt: str) -> str | None:
