@@ -178,3 +178,17 @@ def test_a_tokenizer_json_without_the_role_tokens_is_refused_with_the_fix(ckpt):
     p.write_text(json.dumps(tj))
     with pytest.raises(ChatError, match=r"writes <\|user\|>, which is not a special token.*same one"):
         _fmt(d, "glm4-0414")
+
+
+def test_a_sentencepiece_model_with_a_piece_that_is_not_utf8_is_refused_at_load(ckpt):
+    """Found by test_fuzz.py's random mutations: sp.decode raised UnicodeDecodeError on such a piece."""
+    import sentencepiece.sentencepiece_model_pb2 as pb
+    d = ckpt("chatglm3")
+    data = (d / "tokenizer.model").read_bytes()
+    m = pb.ModelProto()
+    m.ParseFromString(data)
+    piece = next(p.piece for p in m.pieces if len(p.piece) >= 4 and p.piece.isascii() and p.piece.isalpha()).encode()
+    at = data.index(bytes([len(piece)]) + piece) + 1
+    (d / "tokenizer.model").write_bytes(data[:at] + b"\xba" + data[at + 1:])
+    with pytest.raises(TokenizerError, match="not UTF-8.*copy tokenizer.model"):
+        load_tokenizer(d, "chatglm3")
