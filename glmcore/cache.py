@@ -140,6 +140,9 @@ def new_output_dir(path, flag: str = "--out") -> Path:
             raise GlmcoreError(f"{flag} {p} is a symlink to {target}, which does not exist; create that directory "
                                "or give a new or empty directory")
         p = target
+    if p.resolve() == cache_root().resolve():
+        raise GlmcoreError(f"{flag} {p} is glmcore's cache directory itself, where `glmcore cache` would not see "
+                           f"it; give a directory of its own, e.g. {p / 'my-model'}")
     if p.exists() and not p.is_dir():
         raise GlmcoreError(f"{flag} {p} is a file; give a new or empty directory")
     if p.is_dir() and any(p.iterdir()):

@@ -17,6 +17,7 @@ import ast
 import copy
 import json
 import re
+import secrets
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -92,6 +93,8 @@ def _functions(tools) -> list[dict]:
             if not isinstance(f, dict) or not isinstance(f.get("name"), str) or not _NAME.fullmatch(f["name"]):
                 raise ChatError(f"tool {str(t)[:80]} has no valid function name: use the OpenAI schema "
                                  '{"type": "function", "function": {"name": ..., "parameters": ...}}')
+            if any(g["name"] == f["name"] for g in out):    # a call would not say which one it means
+                raise ChatError(f"two tools are named {f['name']!r}; give each tool its own name")
             out.append(f)
         else:
             kind = t.get("type") if isinstance(t, dict) else type(t).__name__
@@ -397,6 +400,15 @@ class TemplateFormat(ChatFormat):
                             "original checkpoint (glmcore does not guess a format for tokenizer.json checkpoints)")
         self.family = tokenizer.family
         self.template = tokenizer.chat_template
+        # the role and prefix tokens the template writes must be the tokenizer's special tokens: otherwise the
+        # prompt spells them as text and the model reads a chat format it was never trained on
+        missing = sorted({t for t in re.findall(r"<\|[a-z_]+\|>|\[gMASK\]|<sop>", self.template)
+                          if t not in tokenizer.special_ids})
+        if missing:
+            raise ChatError(f"{tokenizer.path}: the chat template writes {', '.join(missing)}, which "
+                            f"{'is not a special token' if len(missing) == 1 else 'are not special tokens'} of "
+                            "tokenizer.json; the files are from different checkpoints: copy tokenizer.json and "
+                            "tokenizer_config.json from the same one")
         self.stop_ids = list(tokenizer.stop_ids)
         self.assistant_id = self.special.get("<|assistant|>")
         # GLM templates call tool results "observation" and write a call as an assistant turn with the tool
@@ -440,7 +452,9 @@ class TemplateFormat(ChatFormat):
         out._derive()
         return out
 
-    def _dicts(self, messages: list[Message]) -> list[dict]:
+    def _dicts(self, messages: list[Message], text=lambda s: s) -> list[dict]:
+        """The messages as the template takes them; text(s) is applied to what the client wrote (not to a
+        reply re-encoded from its generated ids, whose special tokens are the model's own)."""
         out = []
         for m in messages:
             role = "observation" if m.role == "tool" and self.glm_roles else m.role
@@ -449,39 +463,59 @@ class TemplateFormat(ChatFormat):
                 out.append({"role": role, "content": content.lstrip("\n") if self.glm_roles else content})
                 continue
             # thinking as transformers' templates take it (GLM-Z1's drops it from earlier replies anyway)
-            extra = {"reasoning_content": m.reasoning} if m.role == "assistant" and m.reasoning else {}
+            extra = {"reasoning_content": text(m.reasoning)} if m.role == "assistant" and m.reasoning else {}
+            content = text(m.content) if isinstance(m.content, str) else m.content
             if not self.glm_roles:
-                d = {"role": role, "content": m.content, **extra}
+                d = {"role": role, "content": content, **extra}
                 if m.tool_calls:
                     d["tool_calls"] = [{"type": "function", "id": c.id, "function": {"name": c.name,
-                                        "arguments": c.arguments}} for c in m.tool_calls]
+                                        "arguments": _map_strings(c.arguments, text)}} for c in m.tool_calls]
                 out.append(d)
                 continue
             if m.content or not m.tool_calls:
-                d = {"role": role, "content": m.content, **extra}
+                d = {"role": role, "content": content, **extra}
                 if m.metadata:
-                    d["metadata"] = m.metadata
+                    d["metadata"] = text(m.metadata)
                 out.append(d)
             for c in m.tool_calls:
                 out.append({"role": "assistant", "metadata": c.name,
-                            "content": json.dumps(c.arguments, ensure_ascii=False)})
+                            "content": text(json.dumps(c.arguments, ensure_ascii=False))})
         return out
 
-    def render(self, messages, tools=None, add_generation_prompt: bool = True, **variables) -> str:
+    def render(self, messages, tools=None, add_generation_prompt: bool = True, text=lambda s: s,
+               **variables) -> str:
         functions = _functions(tools)
-        tools_json = [{"type": "function", "function": f} for f in functions] or None
-        return render_template(self.template, self._dicts([as_message(m) for m in messages]), tools_json,
-                      add_generation_prompt, **{**self.tok.template_vars, **self.variables, **variables})
+        tools_json = [{"type": "function", "function": _map_strings(f, text)} for f in functions] or None
+        return render_template(self.template, self._dicts([as_message(m) for m in messages], text), tools_json,
+                               add_generation_prompt, **{**self.tok.template_vars, **self.variables, **variables})
+
+    def _encode(self, messages, tools, add_generation_prompt, skip: str = "") -> list[int]:
+        """The rendered prompt's ids, the special tokens the template writes matched, and those spelled in the
+        client's text (a user typing "<|assistant|>") kept as text, as the native tokenizers keep them: each is
+        rendered as a marker that no text holds, and encoded as plain text. skip: a rendered opening to drop."""
+        names = sorted(self.tok.special_ids, key=len, reverse=True)
+        if not names:
+            return self.tok.encode_rendered(self.render(messages, tools, add_generation_prompt)[len(skip):])
+        mark = f"glmcoretext{secrets.token_hex(8)}x"
+        spelled = re.compile("|".join(map(re.escape, names)))
+        rendered = self.render(messages, tools, add_generation_prompt,
+                               text=lambda s: spelled.sub(lambda m: f"{mark}{names.index(m.group(0))}x", s))
+        if not rendered.startswith(skip):
+            raise ChatError("this chat template does not render a conversation as its opening plus the turns")
+        ids, parts = [], re.split(f"{mark}(\\d+)x", rendered[len(skip):])
+        for i, part in enumerate(parts):
+            ids += self.tok.encode(names[int(part)]) if i % 2 else self.tok.encode_rendered(part) if part else []
+        return ids
 
     def _build(self, messages, tools, add_generation_prompt):
-        ids = self.tok.encode_rendered(self.render(messages, tools, add_generation_prompt))
+        ids = self._encode(messages, tools, add_generation_prompt)
         # Turn starts: where the prompt of the messages before each user message ends, when that prompt is
         # a prefix of the whole one (it is for GLM's templates); else one span.
         starts, seen_user = [], False
         for k, m in enumerate(messages):
             if m.role == "user" or (not seen_user and m.role != "system"):
                 seen_user = True
-                head = self.tok.encode_rendered(self.render(messages[:k], tools, False))
+                head = self._encode(messages[:k], tools, False)
                 if ids[:len(head)] == head:
                     starts.append(len(head))
         return ids, self._spans(starts, len(ids))
@@ -491,11 +525,7 @@ class TemplateFormat(ChatFormat):
             raise ChatError("this chat template rewrites earlier replies; build the whole prompt again")
         # The reply stopped on a stop token (not fed): the new messages render as the template renders them
         # after the template's own opening (the [gMASK]<sop> of GLM-4-0414, nothing for GLM-Edge).
-        full = self.render(new_messages, None, True)
-        opening = self.render([], None, False)
-        if not full.startswith(opening):
-            raise ChatError("this chat template does not render a conversation as its opening plus the turns")
-        return self.tok.encode_rendered(full[len(opening):])
+        return self._encode(new_messages, None, True, skip=self.render([], None, False))
 
     def call_prefix(self, name: str) -> list[int]:
         return self.tok.encode(f"{name}\n")
@@ -505,6 +535,17 @@ class TemplateFormat(ChatFormat):
 
     def parse_call(self, body):
         return parse_glm4_call(body)
+
+
+def _map_strings(value, f):
+    """value (parsed JSON) with f applied to every string in it, keys included."""
+    if isinstance(value, str):
+        return f(value)
+    if isinstance(value, dict):
+        return {_map_strings(k, f): _map_strings(v, f) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_map_strings(v, f) for v in value]
+    return value
 
 
 def chat_format_for(tokenizer) -> ChatFormat:

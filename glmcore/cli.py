@@ -247,15 +247,35 @@ def _input(prompt: str) -> str:
     if not line:
         raise EOFError
     if len(line) > MAX_LINE_CHARS:
-        raise GlmcoreError(f"a line of input is longer than {MAX_LINE_CHARS >> 20} Mi characters; send shorter lines "
-                           "(or a file of prompts with `glmcore run --prompts`)")
+        # the rest of that line is read and dropped (a bounded amount: stdin from /dev/zero never ends a line)
+        dropped = len(line)
+        while not line.endswith("\n") and line:
+            if dropped > MAX_DROPPED_CHARS:
+                raise GlmcoreError(f"a line of input is longer than {MAX_DROPPED_CHARS >> 20} Mi characters and goes "
+                                   "on; is stdin a stream without lines? Send text lines")
+            line = sys.stdin.readline(MAX_LINE_CHARS)
+            dropped += len(line)
+        raise _LongLine(f"that line has {dropped} characters, more than {MAX_LINE_CHARS >> 20} Mi; it was not sent: "
+                        "send shorter lines (or a file of prompts with `glmcore run --prompts`)")
     return line.rstrip("\n")
 
 
+class _LongLine(GlmcoreError):
+    """One line of input too long to take: refused, and the session goes on."""
+
+
+MAX_DROPPED_CHARS = 64 << 20     # of one over-long line, read and dropped before giving up
+
+
 def _read_line(prompt: str) -> str | None:
-    """One line of stdin (EOFError at the end); bytes that are not UTF-8 are an error for that line only."""
+    """One line of stdin (EOFError at the end); a line that is too long or not UTF-8 is an error for that line
+    only."""
     while True:
-        line = _input(prompt)
+        try:
+            line = _input(prompt)
+        except _LongLine as e:
+            print(f"error: {e}", file=sys.stderr)
+            continue
         try:
             return check_text(line, "the line", "type it again as UTF-8 text")
         except GlmcoreError as e:
@@ -441,7 +461,7 @@ def cmd_cache(a) -> int:
             cache.remove(e)
             print(f"removed {e.name} ({e.size / 2**20:.1f} MiB)")
     else:
-        if a.older_than < 0:
+        if not a.older_than >= 0:       # nan compares false both ways
             raise GlmcoreError(f"invalid --older-than {a.older_than}: use a number of days >= 0")
         gone = cache.prune(a.older_than)
         for e in gone:
@@ -452,8 +472,14 @@ def cmd_cache(a) -> int:
 
 def cmd_make_model(a) -> int:
     from .synth import make_model
-    cfg = make_model(a.family, a.size, a.out, fmt=a.format, shards=a.shards, seed=a.seed,
-                     tokenizer_from=a.tokenizer_from, dtype=a.dtype, progress=progress, layers=a.layers)
+    if not 0 <= a.seed < 2**64:
+        raise GlmcoreError(f"invalid --seed {a.seed}: use an integer from 0 to 2**64-1")
+    try:
+        cfg = make_model(a.family, a.size, a.out, fmt=a.format, shards=a.shards, seed=a.seed,
+                         tokenizer_from=a.tokenizer_from, dtype=a.dtype, progress=progress, layers=a.layers)
+    except OSError as e:            # the output directory cannot be written (a read-only or virtual filesystem)
+        raise GlmcoreError(f"--out {a.out}: cannot write the checkpoint there ({e.strerror or e}); choose "
+                           "another directory") from None
     print(f"wrote {a.family} {a.size} ({cfg.num_params() / 1e6:.1f}M parameters, random weights) to {a.out}")
     return 0
 
@@ -488,14 +514,25 @@ def cmd_convert(a) -> int:
 
 def cmd_serve(a) -> int:
     from .server import ServeOptions, serve    # lazily: the web stack is the optional extra glmcore[server]
-    api_key = a.api_key or check_text(os.environ.get("GLMCORE_API_KEY", ""), "$GLMCORE_API_KEY") or None
+    api_key = a.api_key if a.api_key is not None else os.environ.get("GLMCORE_API_KEY")
+    if a.api_key is None and api_key is not None:
+        check_text(api_key, "$GLMCORE_API_KEY")
+        if not api_key.strip():
+            raise GlmcoreError("$GLMCORE_API_KEY is set but empty; give it a key, or unset it to serve without one")
     so = ServeOptions(a.host, a.port, a.slots, a.token_budget, a.max_queue,
                       api_key, a.served_name, a.max_body_mb << 20,
-                      a.grace, a.read_timeout, a.log_level, a.replicas, a.ray_address)
+                      a.grace, a.read_timeout, a.log_level, a.replicas, a.ray_address,
+                      _names(a.allowed_hosts), _names(a.cors_origins))
+    so.check()
     if so.replicas != 1 or so.ray_address:       # replicas of the server behind Ray Serve's proxy
         from .server.replicas import serve_replicas
         return serve_replicas(a.model, a.backend, load_options(a), so)
     return serve(a.model, a.backend, load_options(a), so)
+
+
+def _names(value: str | None) -> tuple[str, ...]:
+    """A comma-separated option's entries."""
+    return tuple(v.strip() for v in (value or "").split(",") if v.strip())
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -566,6 +603,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="tokens per batched step: more admits prompts faster, fewer keeps decoding smoother")
     p.add_argument("--max-queue", type=int, default=64, help="requests waiting for a slot before 429")
     p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' (default: $GLMCORE_API_KEY, else none)")
+    p.add_argument("--allowed-hosts", metavar="NAMES", help="comma-separated host names clients may reach the server "
+                   "by, besides the listening address and localhost (other Host headers get 421; '*': any). Default: "
+                   "any when listening on 0.0.0.0 or ::")
+    p.add_argument("--cors-origins", metavar="ORIGINS", help="comma-separated web origins whose pages may call the API "
+                   "from a browser, e.g. http://localhost:3000 (default: none; the chat page at / needs none)")
     p.add_argument("--served-name", help="the model id clients send (default: the model directory's name)")
     p.add_argument("--max-body-mb", type=int, default=4, help="largest request body, MiB (413 above)")
     p.add_argument("--grace", type=float, default=10.0, help="seconds running requests get to finish on SIGTERM")

@@ -243,6 +243,9 @@ class HFTokenizer(Tokenizer):
             raise TokenizerError(f"{cfg_path}: chat_template is not a string; copy the file from the original checkpoint")
         self.chat_template: str | None = tmpl
         self.stop_ids = _stop_ids(model_dir, self)
+        # text a catastrophic pre-tokenizer regex, such as (a+)+$, fails on: refused now, not on a user's prompt
+        for probe in ("a" * 40 + "!", " " * 40 + "!", "1" * 40 + "x", "你好" * 20 + "!"):
+            self.encode(probe)
 
     def encode(self, text: str) -> list[int]:
         """Plain text to ids; text that spells a special token stays text (glmcore's contract)."""
@@ -251,15 +254,30 @@ class HFTokenizer(Tokenizer):
         if not text:
             return []
         tk = self.tk
-        if tk.normalizer is not None:
-            text = tk.normalizer.normalize_str(text)
-        pieces = tk.pre_tokenizer.pre_tokenize_str(text) if tk.pre_tokenizer is not None else [(text, None)]
-        return [t.id for piece, _ in pieces for t in tk.model.tokenize(piece)]
+
+        def run():
+            t = tk.normalizer.normalize_str(text) if tk.normalizer is not None else text
+            pieces = tk.pre_tokenizer.pre_tokenize_str(t) if tk.pre_tokenizer is not None else [(t, None)]
+            return [x.id for piece, _ in pieces for x in tk.model.tokenize(piece)]
+        return self._guarded(run, text)
 
     def encode_rendered(self, text: str) -> list[int]:
         """A rendered chat template to ids as apply_chat_template(tokenize=True) does: special tokens in the
         text are matched, no post-processor tokens are added (the template writes its own prefix)."""
-        return self.tk.encode(text, add_special_tokens=False).ids
+        return self._guarded(lambda: self.tk.encode(text, add_special_tokens=False).ids, text)
+
+    def _guarded(self, fn, text: str):
+        """fn() with the `tokenizers` library's failures -- a pre-tokenizer regex that backtracks past Oniguruma's
+        limit raises pyo3's PanicException, which is not even an Exception -- as a one-line TokenizerError."""
+        try:
+            return fn()
+        except (KeyboardInterrupt, SystemExit, MemoryError):
+            raise
+        except BaseException as e:
+            detail = (str(e).splitlines() or [""])[0][:120]
+            raise TokenizerError(f"{self.path} fails on a text of {len(text)} characters ({type(e).__name__}: "
+                                 f"{detail}); its pre-tokenizer or normalizer is broken: copy tokenizer.json from "
+                                 "the original checkpoint again") from None
 
     def decode(self, ids, skip_special: bool = True) -> str:
         ids = self._check_ids(ids)

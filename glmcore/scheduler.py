@@ -390,8 +390,12 @@ class Scheduler:
                 self._finish(h, FinishReason.STOP)
                 continue
             if h.matcher is not None and (why := h.matcher.advance(token)) is not None:
-                h.error = GrammarError(f"the sampled token {token} does not continue the grammar ({why}); please "
-                                       "report")
+                if h.matcher.too_complex:         # a limit of llguidance's, hit by the request's grammar
+                    h.error = GrammarError(f"the grammar is too large for the constraint engine after {len(h.tokens)} "
+                                           f"tokens ({why}); simplify it: smaller repetition counts, fewer rules")
+                else:
+                    h.error = GrammarError(f"the sampled token {token} does not continue the grammar ({why}); "
+                                           "please report")
                 self._finish(h, FinishReason.ERROR)
                 continue
             h.tokens.append(token)

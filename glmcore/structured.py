@@ -18,10 +18,13 @@ from __future__ import annotations
 
 import json
 import os
+import queue
 import re
 import threading
 import weakref
 from collections.abc import Sequence
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 
 import numpy as np
@@ -66,6 +69,7 @@ class Grammar:
             want = {"json_schema": "a JSON Schema object", "json_object": "nothing", "regex": "a non-empty pattern",
                     "lark": "a non-empty Lark grammar", "choice": "a non-empty list of strings"}[self.kind]
             raise GrammarError(f"a {self.kind} grammar takes {want}, not {json.dumps(self.spec)[:60]}")
+        check_limits(self.kind, self.spec)
 
     @classmethod
     def json_schema(cls, schema) -> "Grammar":
@@ -109,6 +113,217 @@ def regex_terminal(pattern: str) -> str:
 def lark_string(text: str) -> str:
     """A literal as a Lark string (JSON escapes are Lark's)."""
     return json.dumps(text, ensure_ascii=False)
+
+
+# ----------------------------------------------------------------------------- what the compiler can take
+
+# llguidance's compiler recurses once per link of a rule chain (Lark `r0: r1`, `r1: r2`, ...) or a $ref chain, with
+# no bound of its own: ~3 KB of stack a Lark link, ~10 KB a linked JSON object, so a 40 KB grammar overflows an
+# 8 MB thread stack (SIGSEGV, the whole server). Its own limits (LLParserLimits: max_grammar_size 500k symbols,
+# max_items_in_row 2000, initial_lexer_fuel 1M, step_lexer_fuel 200k, step_max_items 50k, max_lexer_states 250k)
+# bound the work per step, not the chain depth, the compile time of a long list (100k choices: 20 s, then a
+# Rust panic on its u16 symbol table), nor the regex expansion of a long forced repetition (a{100000} fails at
+# the first token with "too many expressions constructed"). So every grammar is checked against these first:
+MAX_GRAMMAR_BYTES = 128 << 10   # the grammar's text (a schema as compact JSON); OpenAI's own cap is 120,000 chars
+MAX_CHAIN = 256                 # rules (Lark) or nested subschemas through $ref (JSON Schema) in one chain
+MAX_CHOICES = 1000              # strings of a choice, values of an enum (OpenAI's enum cap)
+MAX_REPEAT = 10000              # repetition counts of a grammar, added up (nested ones multiply): a{10000}
+                                # passes llguidance's lexer, a{10000}a{10000}... and a{100000} do not
+# and it compiles on threads of its own with this stack, under this time (see _Compiler)
+COMPILE_STACK = 256 << 20
+COMPILE_SECONDS = 5.0
+
+
+def check_limits(kind: str, spec) -> None:
+    """GrammarError naming the first bound a grammar exceeds (above), before anything is compiled."""
+    if kind == "json_object":
+        return
+    if kind == "choice":
+        if len(spec) > MAX_CHOICES:
+            raise GrammarError(f"the choice has {len(spec)} strings; the limit is {MAX_CHOICES}: offer fewer "
+                               "(or a regex/grammar that describes them)")
+        size = sum(len(c.encode("utf-8", "surrogatepass")) for c in spec)
+    else:
+        text = spec if isinstance(spec, str) else json.dumps(spec, ensure_ascii=False, separators=(",", ":"))
+        size = len(text.encode("utf-8", "surrogatepass"))
+    if size > MAX_GRAMMAR_BYTES:
+        raise GrammarError(f"the {kind} grammar has {size} bytes; the limit is {MAX_GRAMMAR_BYTES}: shorten it")
+    if kind == "regex":
+        repeat = repeat_total(spec)
+    elif kind == "lark":
+        chain, repeat, schemas = _lark_stats(spec)
+        if chain > MAX_CHAIN:
+            raise GrammarError(f"the lark grammar chains {chain} rules (a rule whose body names the next); the "
+                               f"limit is {MAX_CHAIN}: inline some of them")
+        for schema in schemas:
+            check_limits("json_schema", schema)
+    elif kind == "json_schema":
+        chain, repeat, enum = _schema_stats(spec)
+        if chain > MAX_CHAIN:
+            raise GrammarError(f"the JSON Schema nests {chain} subschemas deep (counting each $ref); the limit is "
+                               f"{MAX_CHAIN}: flatten it")
+        if enum > MAX_CHOICES:
+            raise GrammarError(f"the JSON Schema has an enum of {enum} values; the limit is {MAX_CHOICES}: "
+                               "offer fewer")
+    else:
+        return
+    if repeat > MAX_REPEAT:
+        raise GrammarError(f"the {kind} grammar repeats {repeat} times in all (repetition counts such as {{n}} "
+                           f"and minItems, nested ones multiplied); the limit is {MAX_REPEAT}: use smaller counts")
+
+
+_QUANT = re.compile(r"\{\s*(\d+)\s*(?:,\s*(\d*)\s*)?\}")
+
+
+def repeat_total(pattern: str) -> int:
+    """The repetition counts of a regex added up, a quantified group's count times what is inside it:
+    a{3}b{4} -> 7, (a{10}){10} -> 100, (ab){5} -> 5."""
+    sums = [0]                    # per open group: the counts inside it so far
+    base, added = 1, 0            # the previous atom: what a quantifier multiplies, what it already counted
+    i, n = 0, len(pattern)
+    while i < n:
+        c = pattern[i]
+        if c == "\\":
+            base, added, i = 1, 0, i + 2
+        elif c == "[":            # a class: one atom
+            j = i + 1 + (pattern[i + 1:i + 2] == "^")
+            j += pattern[j:j + 1] == "]"
+            while j < n and pattern[j] != "]":
+                j += 2 if pattern[j] == "\\" else 1
+            base, added, i = 1, 0, j + 1
+        elif c == "(":
+            sums.append(0)
+            i += 1
+        elif c == ")":
+            inner = sums.pop() if len(sums) > 1 else 0
+            sums[-1] += inner
+            base, added, i = max(1, inner), inner, i + 1
+        elif c == "{" and (m := _QUANT.match(pattern, i)):
+            count = max(int(m.group(1)), int(m.group(2) or 0))
+            sums[-1] += base * count - added
+            base, added, i = base * count, base * count, m.end()
+        else:
+            base, added, i = 1, 0, i + 1
+    while len(sums) > 1:          # an unclosed group (llguidance reports it)
+        inner = sums.pop()
+        sums[-1] += inner
+    return sums[0]
+
+
+_LARK_TOKEN = re.compile(
+    r'(?P<comment>//[^\n]*)|(?P<string>"(?:[^"\\\n]|\\.)*"i?)|(?P<regex>/(?:[^/\\\n]|\\.)+/[imsxlu]*)'
+    r'|(?P<json>%json\b)|(?P<ref>@[A-Za-z_]\w*)|(?P<directive>%\w+[^\n]*)'
+    r'|(?P<define>^[ \t]*[?!]?(?P<dname>[A-Za-z_]\w*)(?:\{[^}\n]*\})?(?:\.-?\d+)?[ \t]*:)'
+    r'|(?P<name>[A-Za-z_]\w*)|(?P<tilde>~\s*(?P<t1>\d+)(?:\s*\.\.\s*(?P<t2>\d+))?)', re.M)
+
+
+def _lark_stats(text: str) -> tuple[int, int, list]:
+    """(the longest chain of rule references, the repetition total, the %json schemas) of a Lark grammar."""
+    graph: dict[str, set[str]] = {}
+    current: set[str] = set()
+    skeleton, repeat, schemas = [], 0, []
+    pos, decoder = 0, json.JSONDecoder()
+    while (m := _LARK_TOKEN.search(text, pos)) is not None:
+        skeleton.append(text[pos:m.start()])
+        pos, kind = m.end(), m.lastgroup
+        if m.group("define") is not None:
+            current = graph.setdefault(m.group("dname"), set())
+            skeleton.append("\n")
+        elif kind == "name":
+            current.add(m.group(0))
+            skeleton.append("a")
+        elif kind in ("string", "ref"):
+            skeleton.append("a")
+        elif kind == "regex":
+            body = m.group(0)
+            repeat += repeat_total(body[1:body.rindex("/")])
+            skeleton.append("a")
+        elif kind == "tilde":
+            skeleton.append("{%d}" % max(int(m.group("t1")), int(m.group("t2") or 0)))
+        elif kind == "json":
+            start = len(text) - len(text[pos:].lstrip())
+            try:
+                schema, pos = decoder.raw_decode(text, start)
+                schemas.append(schema)
+            except (ValueError, RecursionError):
+                pass               # llguidance says what is wrong with it
+            skeleton.append("a")
+    skeleton.append(text[pos:])
+    # [ ] in Lark is an optional group, never a character class
+    repeat += repeat_total("".join(skeleton).replace("\\", "").replace("[", "(").replace("]", ")"))
+    return _longest_chain(graph), repeat, schemas
+
+
+def _longest_chain(graph: dict) -> int:
+    """Nodes on the longest path of a graph (node -> successors; a link back into the path is not followed):
+    an iterative depth-first search, so no grammar depends on Python's recursion limit either."""
+    depth: dict = {}
+    for root in graph:
+        if root in depth:
+            continue
+        stack, on_path = [(root, iter(graph[root]))], {root}
+        while stack:
+            node, children = stack[-1]
+            for child in children:
+                if child in graph and child not in depth and child not in on_path:
+                    stack.append((child, iter(graph[child])))
+                    on_path.add(child)
+                    break
+            else:
+                stack.pop()
+                on_path.discard(node)
+                depth[node] = 1 + max((depth.get(c, 0) for c in graph[node] if c not in on_path), default=0)
+    return max(depth.values(), default=0)
+
+
+def _schema_stats(schema) -> tuple[int, int, int]:
+    """(the longest chain of nested subschemas, each $ref followed; the repetition total of patterns and
+    minItems; the longest enum) of a JSON Schema."""
+    graph: dict[int, list[int]] = {}
+    repeat, enum = 0, 0
+    todo = [schema]
+    while todo:
+        s = todo.pop()
+        if not isinstance(s, dict) or id(s) in graph:
+            continue
+        kids = []
+        for key, value in s.items():
+            if key in _SUBSCHEMA_MAPS and isinstance(value, dict):
+                kids += value.values()
+            elif key in _SUBSCHEMA_LISTS + ("items",) and isinstance(value, list):
+                kids += value
+            elif key in _SUBSCHEMAS:
+                kids.append(value)
+            elif key == "$ref" and isinstance(value, str):
+                kids.append(_resolve(schema, value))
+        if isinstance(s.get("pattern"), str):
+            repeat += repeat_total(s["pattern"])
+        if isinstance(s.get("patternProperties"), dict):
+            repeat += sum(repeat_total(k) for k in s["patternProperties"])
+        if isinstance(s.get("minItems"), int) and not isinstance(s["minItems"], bool):
+            repeat += s["minItems"]
+        if isinstance(s.get("enum"), list):
+            enum = max(enum, len(s["enum"]))
+        kids = [k for k in kids if isinstance(k, dict)]
+        graph[id(s)] = [id(k) for k in kids]
+        todo += kids
+    return _longest_chain(graph), repeat, enum
+
+
+def _resolve(root, ref: str):
+    """The subschema a local $ref ("#", "#/$defs/x", any JSON pointer) names, or None."""
+    if not ref.startswith("#"):
+        return None
+    node = root
+    for part in ref[1:].split("/")[1:]:
+        part = part.replace("~1", "/").replace("~0", "~")
+        if isinstance(node, dict) and part in node:
+            node = node[part]
+        elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
+            node = node[int(part)]
+        else:
+            return None
+    return node
 
 
 # ----------------------------------------------------------------------------- token table
@@ -177,19 +392,94 @@ def token_table(tokenizer, n_logits: int | None = None) -> TokenTable:
 
 # ----------------------------------------------------------------------------- compiled grammars
 
+class _Compiler:
+    """Runs llguidance's compiler on threads of its own, each with a COMPILE_STACK stack (the grammar bounds
+    keep a chain far below it; this is the margin for what they cannot see), and gives up on a compile after
+    COMPILE_SECONDS: the caller gets a GrammarError, the thread finishes it in the background. The bounds keep
+    a compile well under a second, so a thread is not held for long either way."""
+
+    def __init__(self, threads: int = 4):
+        self.n, self.jobs, self.threads, self.lock = threads, queue.SimpleQueue(), [], threading.Lock()
+
+    def _start(self) -> None:
+        with self.lock:
+            while len(self.threads) < self.n:
+                t = threading.Thread(target=self._work, name=f"glmcore-grammar-{len(self.threads)}", daemon=True)
+                old = threading.stack_size(COMPILE_STACK)
+                try:
+                    t.start()
+                except RuntimeError:      # no room for such a stack (strict overcommit): the bounds still hold
+                    threading.stack_size(old)
+                    t = threading.Thread(target=self._work, name=t.name, daemon=True)
+                    t.start()
+                finally:
+                    threading.stack_size(old)
+                self.threads.append(t)
+
+    def _work(self) -> None:
+        while True:
+            future, fn, args = self.jobs.get()
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(fn(*args))
+                except BaseException as e:      # pyo3's PanicException is a BaseException
+                    future.set_exception(e)
+
+    def run(self, fn, *args):
+        if threading.current_thread() in self.threads:
+            return fn(*args)
+        if len(self.threads) < self.n:
+            self._start()
+        future: Future = Future()
+        self.jobs.put((future, fn, args))
+        try:
+            return future.result(timeout=COMPILE_SECONDS)
+        except FutureTimeout:
+            future.cancel()
+            raise GrammarError(f"compiling it took over {COMPILE_SECONDS:g} s; simplify it") from None
+
+
+_compiler = _Compiler()
+
+
+def _limits():
+    """llguidance's own limits at their defaults, without the parser state in error messages."""
+    return _llg().LLParserLimits(verbose_errors=False)
+
+
+def _compile(table: TokenTable, grammar: str):
+    """(the matcher at the start of the grammar, or None; the error, or None). The first mask is computed
+    too: a grammar too large for the lexer fails there, when the request is made, not at its first token."""
+    llg = _llg()
+    try:
+        is_error, messages = llg.LLMatcher.validate_grammar_with_warnings(grammar, table.ll, limits=_limits())
+        if is_error:
+            return None, messages[0]
+        first = llg.LLMatcher(table.ll, grammar, log_level=0, limits=_limits())
+        if first.is_error():
+            return None, first.get_error()
+        probe = first.deep_copy()
+        words = np.zeros(table.words, dtype=np.int32)
+        probe.unsafe_compute_mask_ptr(words.ctypes.data, words.nbytes)
+        if probe.is_error():
+            return None, probe.get_error()
+        return first, None
+    except BaseException as e:           # a Rust panic (pyo3 PanicException) is not an Exception
+        if isinstance(e, (KeyboardInterrupt, SystemExit)):
+            raise
+        return None, f"the compiler failed ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
+
+
 class Constraint:
     """A compiled grammar bound to a token table; `start()` gives a request its own Matcher. Compiling
     checks the grammar, so a bad one is a GrammarError when the request is made, never mid-generation."""
 
     def __init__(self, table: TokenTable, grammar: str, what: str):
-        llg = _llg()
         self.table, self.grammar, self.what = table, grammar, what
-        is_error, messages = llg.LLMatcher.validate_grammar_with_warnings(grammar, table.ll)
-        if is_error:
-            raise GrammarError(f"the {what} cannot be compiled: {_clean(messages[0])}")
-        first = llg.LLMatcher(table.ll, grammar, log_level=0)
-        if first.is_error():
-            raise GrammarError(f"the {what} cannot be compiled: {_clean(first.get_error())}")
+        self.field: str | None = None     # the request field it came from (the server names it in errors)
+        first, error = _compiler.run(_compile, table, grammar)
+        if error is not None:
+            raise GrammarError(f"the {what} cannot be compiled: {_clean(error)}")
         self._first = first
 
     def start(self) -> "Matcher":
@@ -197,6 +487,8 @@ class Constraint:
 
 
 def _clean(msg: str) -> str:
+    """llguidance's message on one line, without its backtrace or parser state."""
+    msg = re.split(r"<backtrace>|<state>|<non-verbose/>", msg)[0]
     return " ".join(msg.split())[:300]
 
 
@@ -242,6 +534,15 @@ class Matcher:
         if not self.ll.consume_token(int(token)):
             return _clean(self.ll.get_error()) or f"token {token} does not continue the grammar"
         return None
+
+    @property
+    def too_complex(self) -> bool:
+        """The matcher failed on one of llguidance's limits (the grammar is too large for it), not on a token."""
+        return any(k in self.ll.get_error() for k in _TOO_COMPLEX)
+
+
+# llguidance's messages for a limit hit while matching (lexer expressions/states/fuel, Earley items)
+_TOO_COMPLEX = ("too many expressions", "Too many items", "too many states", "fuel", "too complex", "limit")
 
 
 # byte of a bitmask -> the 8 logit biases it stands for (0: allowed, -inf: not): a mask is applied with one
@@ -359,6 +660,7 @@ def strict_schemas(functions: list[dict]) -> dict[str, dict]:
             schema = f.get("parameters") or {"type": "object", "properties": {}}
             try:
                 check_schema(schema)
+                check_limits("json_schema", schema)
             except GrammarError as e:
                 raise GrammarError(f"tool {f['name']!r}: {e}") from None
             out[f["name"]] = schema

@@ -57,6 +57,11 @@ class SentencePieceTokenizer(Tokenizer):
                                  f"{str(e).splitlines()[0] if str(e) else type(e).__name__}; "
                                  "copy tokenizer.model from the original checkpoint again") from None
         n = self.sp.get_piece_size()
+        try:                    # a piece that is not UTF-8 would fail every decode that meets it
+            self.sp.id_to_piece(list(range(n)))
+        except UnicodeDecodeError as e:
+            raise TokenizerError(f"{path} holds a piece that is not UTF-8 ({e.reason} at byte {e.start}); the file is "
+                                 "corrupt, copy tokenizer.model from the original checkpoint again") from None
         if self.sp.eos_id() < 0 or self.sp.unk_id() < 0 or n < 259:
             raise TokenizerError(f"{path} is a SentencePiece model without <unk>/</s> or byte pieces, not a "
                                  "ChatGLM tokenizer; copy tokenizer.model from the original checkpoint again")

@@ -1,7 +1,8 @@
 """Property-based fuzzing of the server's request schema against a real loopback server (issue 27).
 
 Hypothesis builds chat and completion bodies from OpenAI's schema -- every field, valid values and edge
-values -- and then mutates them: a field replaced by any JSON value (lone surrogates included), a field
+values, grammars of the shapes that crashed or stalled the constraint compiler (flat rule/$ref chains, long
+choice lists and enums, long repetitions; issue 41) -- and then mutates them: a field replaced by any JSON value (lone surrogates included), a field
 dropped, an unknown field added, nesting, or raw bytes. Each body goes to a real `glmcore serve` stack
 (uvicorn with glmcore's read timeouts, the scheduler, a tiny model). Every reply must be a 2xx or a 4xx
 with OpenAI's error JSON -- never a 500 --, /health (polled throughout by another thread) must never take
@@ -34,10 +35,11 @@ FUZZ = settings(max_examples=EXAMPLES, deadline=None, database=None, suppress_he
 
 SURROGATES = st.text(st.characters(min_codepoint=0xD800, max_codepoint=0xDFFF), min_size=1, max_size=3)
 TEXT = st.text(max_size=40) | SURROGATES | st.sampled_from(["", " ", "\x00", "<|user|>", "[gMASK]", "词" * 50])
+KEYS = st.text(max_size=6) | SURROGATES               # a lone surrogate in a key, too (issue 41 item 8)
 ANY = st.recursive(
     st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.sampled_from([0, -1, 1, 2**31, 2**63, 2**64 + 1])
     | st.floats(allow_nan=False) | TEXT,
-    lambda c: st.lists(c, max_size=4) | st.dictionaries(st.text(max_size=6), c, max_size=4), max_leaves=10)
+    lambda c: st.lists(c, max_size=4) | st.dictionaries(KEYS, c, max_size=4), max_leaves=10)
 NAMES = st.sampled_from(["get_weather", "get_time", "f", "", "1bad", "x" * 300])
 SCHEMA = st.recursive(st.fixed_dictionaries({"type": st.sampled_from(["string", "number", "object"])}),
                       lambda c: st.fixed_dictionaries({"type": st.just("object"),
@@ -55,6 +57,33 @@ MESSAGE = st.fixed_dictionaries(
     {"role": st.sampled_from(["system", "developer", "user", "assistant", "tool"])},
     optional={"content": CONTENT, "tool_calls": st.lists(CALL, max_size=2), "tool_call_id": st.text(max_size=8),
               "name": st.text(max_size=8)})
+# grammars of the shapes that crashed or stalled llguidance (issue 41 items 1, 2, 9): flat rule and $ref chains
+# (SIGSEGV past ~2500 links), linked objects, long choice lists and enums (20 s at 100k), long repetitions
+CHAIN = st.sampled_from([3, 300, 3000])
+
+
+def _lark_chain(n):
+    return "start: r0\n" + "".join(f"r{i}: r{i + 1}\n" for i in range(n)) + f'r{n}: "a"\n'
+
+
+def _ref_chain(n, linked):
+    one = (lambda i: {"type": "object", "properties": {"x": {"$ref": f"#/$defs/d{i + 1}"}}}) if linked else \
+        (lambda i: {"$ref": f"#/$defs/d{i + 1}"})
+    return {"$defs": {**{f"d{i}": one(i) for i in range(n)}, f"d{n}": {"type": "string"}}, "$ref": "#/$defs/d0"}
+
+
+LONG = st.sampled_from([1, 5, 1001, 100_000])
+SCHEMAS = (CHAIN.map(lambda n: _ref_chain(n, False)) | st.sampled_from([3, 100, 1000]).map(lambda n: _ref_chain(n, True))
+           | LONG.map(lambda n: {"enum": [f"v{i}" for i in range(n)]}) | SCHEMA)
+STRUCTURED = st.one_of(
+    st.fixed_dictionaries({"grammar": CHAIN.map(_lark_chain)}),
+    st.fixed_dictionaries({"json": SCHEMAS}),
+    st.fixed_dictionaries({"choice": LONG.map(lambda n: [f"option {i}" for i in range(n)])}),
+    st.fixed_dictionaries({"regex": st.sampled_from(["a{3}", "a{10000}", "a{1000000}", "(a{1000}){1000}", "[0-9]+"])}))
+RESPONSE_FORMAT = st.fixed_dictionaries({"type": st.just("json_schema"), "json_schema": st.fixed_dictionaries(
+    {"name": st.just("x"), "schema": SCHEMAS})})
+STRICT_TOOL = st.fixed_dictionaries({"type": st.just("function"), "function": st.fixed_dictionaries(
+    {"name": st.just("chained"), "strict": st.just(True), "parameters": SCHEMAS})})
 SAMPLING = {
     "stream": st.booleans(), "stream_options": st.fixed_dictionaries({"include_usage": st.booleans()}),
     "temperature": st.floats(0, 2), "top_p": st.floats(0.01, 1),
@@ -62,9 +91,17 @@ SAMPLING = {
     "top_k": st.integers(0, 100), "repetition_penalty": st.floats(0.01, 100), "n": st.just(1),
     "presence_penalty": st.just(0), "frequency_penalty": st.just(0), "logprobs": st.just(False),
 }
+# at most one of them (two is a plain 400 that never reaches the compiler)
+CONSTRAINT = st.one_of(st.just({}), STRUCTURED.map(lambda v: {"structured_outputs": v}),
+                       RESPONSE_FORMAT.map(lambda v: {"response_format": v}))
+
+
+def _with(base, extra):
+    return {**base, **extra}
+
 CHAT = st.fixed_dictionaries(
     {"model": st.just("tiny"), "messages": st.lists(MESSAGE, min_size=1, max_size=4), "max_tokens": st.integers(1, 3)},
-    optional={**SAMPLING, "tools": st.lists(TOOL, max_size=3),
+    optional={**SAMPLING, "tools": st.lists(TOOL | STRICT_TOOL, max_size=3),
               "tool_choice": st.sampled_from(["auto", "none", "required"]) | st.fixed_dictionaries(
                   {"type": st.just("function"), "function": st.fixed_dictionaries({"name": NAMES})}),
               "parallel_tool_calls": st.booleans(), "max_completion_tokens": st.integers(1, 3)})
@@ -72,6 +109,8 @@ COMPLETION = st.fixed_dictionaries(
     {"model": st.just("tiny"), "prompt": TEXT | st.lists(st.integers(-5, 5000), max_size=6) | st.lists(TEXT, max_size=2),
      "max_tokens": st.integers(1, 3)},
     optional={**SAMPLING, "echo": st.just(False), "best_of": st.just(1)})
+CHAT = st.builds(_with, CHAT, CONSTRAINT)
+COMPLETION = st.builds(_with, COMPLETION, st.one_of(st.just({}), STRUCTURED.map(lambda v: {"structured_outputs": v})))
 
 
 def _paths(v, path=()):
@@ -91,7 +130,7 @@ def mutated(draw, schema):
         paths = [p for p in _paths(body) if p]
         kind = draw(st.sampled_from(["replace", "delete", "add", "wrap"]))
         if kind == "add" or not paths:
-            body[draw(st.sampled_from(["frobnicate", "functions", "logit_bias", "n", "suffix"]))] = draw(ANY)
+            body[draw(st.sampled_from(["frobnicate", "functions", "logit_bias", "n", "suffix"]) | SURROGATES)] = draw(ANY)
             continue
         path = draw(st.sampled_from(paths))
         parent = body
@@ -112,7 +151,7 @@ def mutated(draw, schema):
 @pytest.fixture(scope="module")
 def fuzz_server(make_tiny):
     m = load_model(make_tiny("chatglm3"), "torch", LoadOptions(threads=1, capacity=96), slots=2, token_budget=64)
-    with serving(m, max_body=256 << 10, read_timeout=5.0) as url:
+    with serving(m, max_body=4 << 20, read_timeout=5.0) as url:       # room for a 100k-entry choice
         stalls, stop = [], threading.Event()
 
         def watch():                  # /health, polled the whole time: the event loop never waits on a request
@@ -132,13 +171,17 @@ def fuzz_server(make_tiny):
 
 def _check(url, endpoint, body):
     data = body[0] if isinstance(body, tuple) else json.dumps(body).encode()     # ASCII: \ud800 stays escaped
+    t = time.monotonic()
     with httpx.Client(timeout=120) as c:
         r = c.post(f"{url}/v1/{endpoint}", content=data, headers={"content-type": "application/json"})
     assert r.status_code < 500, (r.status_code, r.text[:300], data[:300])
+    # no request holds a preparation thread for long (a 100k choice took 20 s of CPU before it was bounded)
+    assert time.monotonic() - t < 15, (time.monotonic() - t, data[:300])
     if r.status_code >= 400:
         err = r.json()["error"]
         assert set(err) == {"message", "type", "param", "code"} and err["message"], r.text
         assert "\n" not in err["message"], err
+        assert not any(w in err["message"] for w in ("panic", "backtrace", "<state>", "please report")), err
     elif "text/event-stream" in r.headers.get("content-type", ""):
         assert r.text.rstrip().endswith("data: [DONE]") and "server_error" not in r.text, r.text[-300:]
 
@@ -153,6 +196,28 @@ def test_fuzzed_chat_requests_are_never_a_500(fuzz_server, body):
 @given(body=mutated(COMPLETION))
 def test_fuzzed_completion_requests_are_never_a_500(fuzz_server, body):
     _check(fuzz_server[0], "completions", body)
+
+
+def _odd_keys(schema):
+    """A schema with a property named by a lone surrogate, or an empty or huge name."""
+    return st.sampled_from(["\ud800", "", "k" * 5000, "\udfff\ud800"]).map(
+        lambda k: {"type": "object", "properties": {k: schema}, "required": [k]})
+
+
+# a well-formed request around each constraint, so it reaches the compiler (a random body mostly stops earlier)
+CONSTRAINED = st.builds(_with, st.just({"model": "tiny", "messages": [{"role": "user", "content": "hi"}],
+                                        "max_tokens": 2}),
+                        st.one_of(CONSTRAINT.filter(bool),
+                                  st.lists(STRICT_TOOL, min_size=1, max_size=1).map(lambda t: {"tools": t}),
+                                  _odd_keys({"type": "string"}).map(lambda v: {"structured_outputs": {"json": v}}),
+                                  st.builds(lambda n, k: {"structured_outputs": {"json": {**_ref_chain(n, k)}}},
+                                            CHAIN, st.booleans())))
+
+
+@FUZZ
+@given(body=CONSTRAINED)
+def test_fuzzed_constraints_are_never_a_500_nor_a_crash(fuzz_server, body):
+    _check(fuzz_server[0], "chat/completions", body)
 
 
 def test_after_the_fuzz_nothing_leaked_and_health_never_stalled(fuzz_server):

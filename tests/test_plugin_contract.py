@@ -112,7 +112,7 @@ def test_a_session_only_plugin_is_served(make_tiny):
     app = create_app(m, "tiny")
     m.scheduler.start()
     try:
-        with TestClient(app) as http:
+        with TestClient(app, base_url="http://localhost") as http:
             r = http.post("/v1/chat/completions", json={"model": "tiny", "max_tokens": 5, "temperature": 0,
                                                        "messages": [{"role": "user", "content": "hi"}]})
             assert r.status_code == 200, r.text

@@ -230,7 +230,7 @@ def test_errors_are_openai_error_json_with_a_4xx(url, body, status, param, code)
 
 
 def test_body_limit_unknown_routes_and_the_openai_client_errors(url):
-    r = httpx.post(f"{url}/v1/chat/completions", content=b"x" * (65 << 10))
+    r = httpx.post(f"{url}/v1/chat/completions", content=b"x" * (65 << 10), headers={"content-type": "application/json"})
     assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
     r = httpx.get(f"{url}/v1/nowhere")
     assert r.status_code == 404 and "error" in r.json()
@@ -636,7 +636,8 @@ HOSTILE_400 = {
 def test_hostile_chat_fields_are_400_naming_the_field(url, case):
     fields, param = HOSTILE_400[case]
     body = {"model": "tiny", "messages": MSG, "max_tokens": 2, **fields}
-    r = httpx.post(f"{url}/v1/chat/completions", content=json.dumps(body).encode(), timeout=60)  # ASCII: \ud800
+    r = httpx.post(f"{url}/v1/chat/completions", content=json.dumps(body).encode(), timeout=60,
+                   headers={"content-type": "application/json"})  # ASCII: \ud800
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert err["message"] and (param is None or err["param"] == param), err
@@ -645,7 +646,7 @@ def test_hostile_chat_fields_are_400_naming_the_field(url, case):
 @pytest.mark.parametrize("prompt", [[True, False], [1.5], "a\ud800", ["\udc00"], [[1]], {"a": 1}])
 def test_hostile_completion_prompts_are_400(url, prompt):
     body = json.dumps({"model": "tiny", "prompt": prompt, "max_tokens": 2}).encode()
-    r = httpx.post(f"{url}/v1/completions", content=body, timeout=60)
+    r = httpx.post(f"{url}/v1/completions", content=body, timeout=60, headers={"content-type": "application/json"})
     assert r.status_code == 400 and r.json()["error"]["param"].startswith("prompt"), r.text
 
 
@@ -701,7 +702,7 @@ def test_expensive_requests_never_stall_health(own_model, monkeypatch):
         def hammer():
             with httpx.Client(timeout=120) as c:
                 for body in bodies * 3:
-                    r = c.post(f"{u}/v1/chat/completions", content=body)
+                    r = c.post(f"{u}/v1/chat/completions", content=body, headers={"content-type": "application/json"})
                     errors.append(r.status_code)
         threads = [threading.Thread(target=hammer) for _ in range(2)]
         for t in threads:
@@ -721,9 +722,9 @@ def test_slow_drip_connections_are_closed(own_model):
     with serving(own_model, read_timeout=1.0) as u:
         port = int(u.rsplit(":", 1)[1])
         head = socketlib.create_connection(("127.0.0.1", port))
-        head.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n")        # the head never ends
+        head.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\n")        # the head never ends
         body = socketlib.create_connection(("127.0.0.1", port))
-        body.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        body.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
                      b"Content-Length: 1000\r\n\r\n{")                           # the body never ends
         idle = socketlib.create_connection(("127.0.0.1", port))                  # says nothing at all
         for s in (head, body, idle):

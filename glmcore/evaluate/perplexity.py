@@ -172,7 +172,11 @@ def measure(model, spec: Spec, text: str, ctx: int, stride: int | None = None, c
     model = Path(model) if model else demo_model_dir()
     if not (model / "config.json").is_file():
         raise GlmcoreError(f"--model {str(model)!r} is not a checkpoint directory (no config.json)")
-    tok = load_tokenizer(model, ModelConfig.from_dir(model).family)
+    config = ModelConfig.from_dir(model)
+    if ctx > config.max_seq_len:
+        raise GlmcoreError(f"--ctx {ctx} is longer than the model's context of {config.max_seq_len} tokens; use "
+                           f"--ctx {config.max_seq_len} or less")
+    tok = load_tokenizer(model, config.family)
     prefix = list(chat_format_for(tok).prefix)     # [gMASK]sop: what the GLM models expect first
     tokens = tok.encode(text)
     wins = windows(len(tokens), ctx, stride, chunks, n_prefix=len(prefix))    # checked before the load

@@ -7,6 +7,7 @@ stack (FastAPI, uvicorn, prometheus_client) is the optional extra `glmcore[serve
 from __future__ import annotations
 
 import ipaddress
+import re
 import signal
 import socket
 import sys
@@ -34,6 +35,34 @@ class ServeOptions:
     log_level: str = "warning"
     replicas: int = 1                # >1 (or a ray_address): replicas on Ray Serve (glmcore[ray])
     ray_address: str | None = None
+    allowed_hosts: tuple = ()        # names the Host header may give besides the listening address and localhost
+    cors_origins: tuple = ()         # web origins whose pages may call the API (CORS); none by default
+
+    def check(self) -> None:
+        """GlmcoreError for options that cannot be served, before anything is loaded."""
+        if self.api_key is not None and not self.api_key.strip():
+            raise GlmcoreError("--api-key is empty (was it given an unset variable, as in --api-key \"$KEY\"?); "
+                               "give a key, or leave the option out to serve without one")
+        if self.max_queue < 0:
+            raise GlmcoreError(f"invalid --max-queue {self.max_queue}: use 0 or more")
+        if not 0 <= self.port <= 65535:
+            raise GlmcoreError(f"invalid --port {self.port}: use 0..65535 (0: any free port)")
+        if self.grace_s < 0:
+            raise GlmcoreError(f"invalid --grace {self.grace_s}: use 0 or more seconds")
+        if not self.read_timeout > 0:
+            raise GlmcoreError(f"invalid --read-timeout {self.read_timeout}: use a positive number of seconds")
+        for origin in self.cors_origins:
+            if origin != "*" and not re.fullmatch(r"https?://[^/\s]+", origin):
+                raise GlmcoreError(f"invalid --cors-origins entry {origin[:60]!r}: give origins such as "
+                                   "http://localhost:3000 (scheme://host[:port], no path)")
+
+    def hosts(self, bound_host: str) -> list[str]:
+        """The Host names served: the listening address, localhost and --allowed-hosts; any ("*") when
+        listening on every interface without --allowed-hosts (the machine's names are not known here)."""
+        if not self.allowed_hosts and bound_host in ("0.0.0.0", "::", ""):
+            return ["*"]
+        from .app import LOCAL_HOSTS
+        return [*LOCAL_HOSTS, bound_host, *self.allowed_hosts]
 
 
 def require_stack() -> None:
@@ -120,19 +149,13 @@ def serve(model_dir, backend, options, so: ServeOptions) -> int:
     from ..model import load_model
     from .app import MAX_BODY, create_app
 
-    if so.max_queue < 0:
-        raise GlmcoreError(f"invalid --max-queue {so.max_queue}: use 0 or more")
-    if not 0 <= so.port <= 65535:
-        raise GlmcoreError(f"invalid --port {so.port}: use 0..65535 (0: any free port)")
-    if so.grace_s < 0:
-        raise GlmcoreError(f"invalid --grace {so.grace_s}: use 0 or more seconds")
-    if not so.read_timeout > 0:
-        raise GlmcoreError(f"invalid --read-timeout {so.read_timeout}: use a positive number of seconds")
+    so.check()
     sock = _bind(so.host, so.port)
     model = load_model(model_dir, backend, options, slots=so.slots, token_budget=so.token_budget)
     model.scheduler.max_queue = so.max_queue
     name = so.name or model.model_dir.name
-    app = create_app(model, name, so.api_key, so.max_body or MAX_BODY, read_timeout=so.read_timeout)
+    app = create_app(model, name, so.api_key, so.max_body or MAX_BODY, read_timeout=so.read_timeout,
+                     allowed_hosts=so.hosts(sock.getsockname()[0]), cors_origins=so.cors_origins)
     config = uvicorn_config(app, so.read_timeout, log_level=so.log_level, timeout_graceful_shutdown=so.grace_s,
                             access_log=False)
     server = uvicorn.Server(config)

@@ -18,7 +18,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, G
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..chat import Message, ToolCall, ToolCallStream, as_message
-from ..errors import ContextOverflow, GlmcoreError
+from ..errors import ContextOverflow, GlmcoreError, TokenizerError
 from ..events import ChatEvent, FinishReason, ReasoningDelta, TextDelta, ToolCallEvent
 from ..pipeline import chat_request
 from ..sampling import SamplingParams
@@ -214,7 +214,8 @@ class Generation:
         self.metrics.generated.inc(len(h.tokens))
         if h.finish_reason == FinishReason.ERROR:
             if isinstance(h.error, GrammarError):       # the request's grammar allows no next token
-                raise ApiError(400, f"'{self.param}': {h.error}", self.param, "grammar_dead_end")
+                field = getattr(self.request.constraint, "field", None) or self.param
+                raise ApiError(400, f"'{field}': {h.error}", field, "grammar_dead_end")
             if isinstance(h.error, ContextOverflow):
                 raise ApiError(400, f"'{self.param}': {h.error}", self.param, "context_length_exceeded")
             raise ApiError(500, f"generation failed: {h.error}", type="server_error", code="backend_error")
@@ -255,7 +256,7 @@ class State:
         if self._preparing is None:
             self._preparing = asyncio.Semaphore(PREPARING)
         async with self._preparing:
-            return await asyncio.to_thread(fn, *args)
+            return await asyncio.to_thread(_as_exception, fn, *args)
 
     def check_size(self, chars: int, param: str) -> None:
         """Refuse, before any expansion, a prompt whose text alone is longer than the context could hold."""
@@ -266,11 +267,28 @@ class State:
                            "context_length_exceeded")
 
 
+def _as_exception(fn, *args):
+    """fn(*args), with a BaseException that is not an Exception (pyo3's PanicException from a Rust library)
+    raised as an Exception: the app's handler turns it into a counted 500 with OpenAI's error JSON."""
+    try:
+        return fn(*args)
+    except (KeyboardInterrupt, SystemExit, Exception):
+        raise
+    except BaseException as e:
+        raise RuntimeError(f"{type(e).__name__}: {str(e)[:200]}") from e
+
+
 # ----------------------------------------------------------------------------- request -> scheduler
 
 async def read_body(request: Request, limit: int, timeout: float = READ_TIMEOUT) -> bytes:
-    """The body, at most `limit` bytes, arrived within `timeout` seconds (a client dripping bytes holds a
-    connection and a task; it gets a 408 and the connection is closed)."""
+    """The body, JSON (415 otherwise), at most `limit` bytes, arrived within `timeout` seconds (a client dripping
+    bytes holds a connection and a task; it gets a 408 and the connection is closed). JSON only: a browser sends
+    a text/plain or form body to any origin without asking (a CORS "simple request"), application/json only
+    after a preflight that this server answers only for --cors-origins."""
+    media = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    if media != "application/json" and not (media.startswith("application/") and media.endswith("+json")):
+        raise ApiError(415, f"the request body is {media or 'untyped'}; send JSON with the header "
+                       "'Content-Type: application/json'", code="unsupported_media_type")
     size = request.headers.get("content-length")
     if size is not None and size.isdigit() and int(size) > limit:
         raise ApiError(413, f"the request body has {size} bytes; the limit is {limit}", code="request_too_large")
@@ -309,10 +327,14 @@ def _text(content, where: str) -> str:
         return content or ""
     parts = []
     for i, part in enumerate(content):
-        if part.get("type") != "text" or not isinstance(part.get("text"), str):
+        if part.get("type") != "text":
             raise ApiError(400, f"{where}.{i}: content part type {part.get('type')!r} is not supported: this model "
                            "reads text parts only ({\"type\": \"text\", \"text\": ...})", f"{where}.{i}",
                            "unsupported_value")
+        if not isinstance(part.get("text"), str):
+            given = "missing" if "text" not in part else json.dumps(part["text"], ensure_ascii=True)[:40]
+            raise ApiError(400, f"{where}.{i}.text is {given}, not a string; send the part's text as a string",
+                           f"{where}.{i}.text", "invalid_value")
         parts.append(part["text"])
     return "".join(parts)
 
@@ -463,15 +485,49 @@ async def _respond(state: State, request: Request, endpoint: str, gen: Generatio
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
 
+LOCAL_HOSTS = ("localhost", "127.0.0.1", "::1")
+
+
+class HostCheck:
+    """Answers a request whose Host header names none of `allowed` with a 421 (any host with "*"). A page on
+    another site that rebinds its own name to this server's address (DNS rebinding) sends its own name, so
+    it cannot read a reply: by default only the listening address and localhost are served."""
+
+    def __init__(self, app, allowed):
+        self.app, self.allowed = app, {h.lower().rstrip(".") for h in allowed}
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and "*" not in self.allowed:
+            host = dict(scope["headers"]).get(b"host", b"").decode("latin-1")
+            name = (host[1:host.find("]")] if host.startswith("[") else host.rsplit(":", 1)[0]).lower().rstrip(".")
+            if name not in self.allowed and not name.endswith(".localhost"):
+                shown = ", ".join(sorted(self.allowed))
+                response = JSONResponse(error_body(
+                    f"this server does not answer to the host {host[:60]!r} (it answers to {shown}); start it "
+                    "with --allowed-hosts NAME to add a name", code="misdirected_request"), status_code=421)
+                return await response(scope, receive, send)
+        return await self.app(scope, receive, send)
+
+
 def create_app(model, name: str, api_key: str | None = None, max_body: int = MAX_BODY,
-               retry_after: int = 1, read_timeout: float = READ_TIMEOUT) -> FastAPI:
+               retry_after: int = 1, read_timeout: float = READ_TIMEOUT, allowed_hosts=LOCAL_HOSTS,
+               cors_origins=()) -> FastAPI:
     """The ASGI app over a LoadedModel with a scheduler (load_model(..., slots=N)); the caller starts the
-    scheduler's thread (scheduler.start()) and stops it."""
+    scheduler's thread (scheduler.start()) and stops it. allowed_hosts: the names the Host header may give
+    ("*": any); cors_origins: the web origins whose pages may call the API (none by default)."""
     if model.scheduler is None:
         raise GlmcoreError("the server needs a model loaded with slots (load_model(..., slots=N))")
+    if api_key is not None and not api_key.strip():
+        raise GlmcoreError("the API key is empty (was --api-key given an unset variable?); give a key, or leave "
+                           "the option out to serve without one")
     state = State(model, name, api_key, max_body, retry_after, read_timeout)
     app = FastAPI(title="glmcore", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.glmcore = state
+    if cors_origins:
+        from starlette.middleware.cors import CORSMiddleware
+        app.add_middleware(CORSMiddleware, allow_origins=list(cors_origins), allow_methods=["GET", "POST"],
+                           allow_headers=["Authorization", "Content-Type"], max_age=600)
+    app.add_middleware(HostCheck, allowed=list(allowed_hosts))      # added last: runs first
 
     @app.exception_handler(ApiError)
     async def _api_error(_request, e: ApiError):
@@ -528,6 +584,9 @@ def create_app(model, name: str, api_key: str | None = None, max_body: int = MAX
                            "context_length_exceeded")
         try:
             sreq = chat_request(fmt, messages, tools, params)
+        except TokenizerError as e:                 # the checkpoint's tokenizer, not the request, is broken
+            raise ApiError(500, f"the model's tokenizer failed on this request: {e}", type="server_error",
+                           code="tokenizer_error") from None
         except GlmcoreError as e:
             raise ApiError(400, str(e), "messages") from None
         except (ValueError, UnicodeError) as e:     # a tokenizer refusing text the protocol let through
@@ -632,7 +691,7 @@ def create_app(model, name: str, api_key: str | None = None, max_body: int = MAX
     app.include_router(v1)
     add_chat_page(app)
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])      # HEAD: what uptime monitors send
     async def health():
         s = state.scheduler
         return {"status": "ok", "model": state.name, "slots": s.batch.n_slots, "busy_slots": s.busy_slots,
@@ -657,6 +716,9 @@ def prompt_ids(state: State, prompt) -> list[int]:
         state.check_size(len(prompt), "prompt")
         try:
             ids = list(state.model.chat_format.prefix) + tok.encode(prompt)
+        except TokenizerError as e:
+            raise ApiError(500, f"the model's tokenizer failed on this request: {e}", type="server_error",
+                           code="tokenizer_error") from None
         except (ValueError, UnicodeError) as e:     # a tokenizer refusing text the protocol let through
             raise ApiError(400, f"'prompt' cannot be tokenized ({str(e)[:80]}); send plain Unicode text",
                            "prompt") from None

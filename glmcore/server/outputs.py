@@ -67,12 +67,14 @@ def constrain_chat(model, req, sreq, tools, must_call: list[str], calls: bool) -
     several functions) on the scheduler Request; returns the ids forced at the start of the reply (a named
     function's name line, or the empty metadata line of a text reply), already appended to its prompt."""
     grammar, param = request_grammar(req)
+    where = param or ("tool_choice" if must_call else "tools")
     try:
         opening, sreq.constraint = reply_constraint(model.chat_format, model.config.vocab_size, grammar, tools,
                                                     must_call, calls)
     except GrammarError as e:
-        where = param or "tools"
         raise ApiError(400, f"'{where}': {e}", where, "invalid_value") from None
+    if sreq.constraint is not None:
+        sreq.constraint.field = where
     sreq.prompt = list(sreq.prompt) + opening
     return opening
 
@@ -85,6 +87,7 @@ def constrain_completion(model, req, sreq) -> None:
             sreq.constraint = compile_grammar(model.tokenizer, grammar, model.config.vocab_size)
         except GrammarError as e:
             raise ApiError(400, f"'{param}': {e}", param, "invalid_value") from None
+        sreq.constraint.field = param
 
 
 def load_test_fields(req, sreq) -> None:

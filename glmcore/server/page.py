@@ -21,7 +21,7 @@ HEADERS = {
 
 
 def add_chat_page(app: FastAPI) -> None:
-    @app.get("/", include_in_schema=False)
+    @app.api_route("/", methods=["GET", "HEAD"], include_in_schema=False)
     async def page():
         return FileResponse(STATIC / "index.html", media_type="text/html; charset=utf-8", headers=HEADERS)
 

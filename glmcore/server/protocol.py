@@ -141,9 +141,20 @@ class StructuredOutputs(_Strict):
     choice: list[str] | None = None
 
 
-# Parameters OpenAI defines that this server accepts only at the value that means "off".
-_ONLY_DEFAULT = {"n": 1, "presence_penalty": 0, "frequency_penalty": 0, "logprobs": False, "top_logprobs": None,
-                 "logit_bias": None, "best_of": 1, "echo": False, "suffix": None}
+# Parameters OpenAI defines that this server accepts only at the value that means "off" (or null), of its type:
+# logprobs 0 is not false, top_logprobs {} is not 0 (_is_default).
+_ONLY_DEFAULT = {"n": 1, "presence_penalty": 0.0, "frequency_penalty": 0.0, "logprobs": False, "top_logprobs": 0,
+                 "logit_bias": {}, "best_of": 1, "echo": False, "suffix": None}
+
+
+def _is_default(value, default) -> bool:
+    if value is None:
+        return True
+    if isinstance(default, bool) or isinstance(value, bool):
+        return value is default
+    if isinstance(default, float):
+        return isinstance(value, (int, float)) and value == default
+    return type(value) is type(default) and value == default
 
 
 class _Sampling(_Strict):
@@ -220,7 +231,9 @@ def _bad_text(text: str, data) -> str | None:
         v, path = todo.pop()
         items = v.items() if isinstance(v, dict) else enumerate(v) if isinstance(v, list) else ()
         for k, x in items:
-            here = f"{path}.{k}" if path else str(k)
+            # a key is part of the path, which the error message quotes: escaped, so that message is text
+            key = k.encode("utf-8", "backslashreplace").decode("utf-8") if isinstance(k, str) else str(k)
+            here = f"{path}.{key}" if path else key
             for s in (k, x):
                 if isinstance(s, str):
                     try:
@@ -288,7 +301,7 @@ def parse(cls: type[_Sampling], body: bytes) -> _Sampling:
             from None
     for name, default in _ONLY_DEFAULT.items():
         value = getattr(req, name, None)
-        if value not in (None, default, {}):
+        if not _is_default(value, default):
             raise ApiError(400, f"unsupported value for '{name}': {json.dumps(value)[:40]}; this server supports only "
                            f"{json.dumps(default)}", name, "unsupported_value")
     if req.stream_options is not None and not req.stream:      # as OpenAI and vLLM: never silently ignored

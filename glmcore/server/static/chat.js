@@ -173,8 +173,10 @@ async function send(text) {
   const history = [];
   const system = $("system").value.trim();
   if (system) history.push({ role: "system", content: system });
-  state.messages.push({ role: "user", content: text });
-  addMessage("user", text);
+  const turn = { role: "user", content: text };
+  state.messages.push(turn);
+  const asked = addMessage("user", text);
+  let failed = false;
   const body = {
     model: state.model || "default", messages: history.concat(state.messages), stream: true,
     temperature: number("temperature"), top_p: number("top_p"), max_tokens: Math.round(number("max_tokens")) || undefined,
@@ -227,6 +229,7 @@ async function send(text) {
       reply.note("(stopped)");
       status("stopped");
     } else {
+      failed = true;
       reply.box.classList.add("error");
       reply.note(String(e.message || e));
       status("error: " + (e.message || e));
@@ -236,7 +239,15 @@ async function send(text) {
     state.controller = null;
     busy(false);
     renderMarkdown(reply.content, reply.text);
-    state.messages.push(reply.message());
+    if (failed) {
+      // a failed turn leaves the conversation as it was: neither the message nor the error is sent again
+      const i = state.messages.lastIndexOf(turn);
+      if (i >= 0) state.messages.splice(i, 1);
+      asked.classList.add("failed");
+      asked.title = "not part of the conversation: the server refused it";
+    } else {
+      state.messages.push(reply.message());
+    }
     $("input").focus();
   }
 }
