@@ -102,6 +102,9 @@ class ModelConfig:
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> "ModelConfig":
         path = Path(model_dir) / "config.json"
+        if path.exists() and not path.is_file():
+            raise ConfigError(f"{path}: not a regular file (a FIFO, device or directory); copy the real config.json "
+                              "from the checkpoint")
         if not path.is_file():
             raise ConfigError(f"{path}: not found; point --model at a checkpoint directory that has config.json")
         fix = "restore the file from the original checkpoint"

@@ -82,7 +82,7 @@ def load_model(model: str | Path | None = None, backend: str | None = None, opti
     caps = b.capabilities()
     tokenizer = load_tokenizer(model_dir, config.family)
     if tokenizer.n_vocab > config.vocab_size:
-        raise GlmcoreError(f"{model_dir}: tokenizer.model has {tokenizer.n_vocab} ids but the model only "
+        raise GlmcoreError(f"{model_dir}: {Path(tokenizer.path).name} has {tokenizer.n_vocab} ids but the model only "
                            f"{config.vocab_size} embedding rows; the tokenizer is from another checkpoint, copy "
                            "the one that came with these weights")
     if opts.cache_dir is None:

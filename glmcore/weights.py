@@ -100,6 +100,10 @@ def _read_raw(model_dir: Path) -> tuple[dict[str, np.ndarray], list[Path]]:
         if index.is_file():
             weight_map = _read_index(index)
             files = sorted({model_dir / f for f in weight_map.values()})
+            odd = [f.name for f in files if f.exists() and not f.is_file()]
+            if odd:
+                raise CheckpointError(f"{model_dir}: shard {odd[0]} (listed in {index_name}) is not a regular file "
+                                      "(a FIFO, device or directory); replace it with the real shard")
             missing = [f.name for f in files if not f.is_file()]
             if missing:
                 raise CheckpointError(f"{model_dir}: missing shard {missing[0]} (listed in {index_name}); "

@@ -192,3 +192,48 @@ def test_a_sentencepiece_model_with_a_piece_that_is_not_utf8_is_refused_at_load(
     (d / "tokenizer.model").write_bytes(data[:at] + b"\xba" + data[at + 1:])
     with pytest.raises(TokenizerError, match="not UTF-8.*copy tokenizer.model"):
         load_tokenizer(d, "chatglm3")
+
+
+# ---------------------------------------------------------------- messages that named the wrong thing
+
+def test_a_fifo_config_json_is_not_reported_as_missing(tmp_path):
+    from glmcore.config import ModelConfig
+    from glmcore.errors import ConfigError
+    os.mkfifo(tmp_path / "config.json")
+    with pytest.raises(ConfigError, match=r"config\.json: not a regular file \(a FIFO, device or directory\)"):
+        ModelConfig.from_dir(tmp_path)
+
+
+def test_a_fifo_shard_is_not_reported_as_missing(make_tiny, tmp_path):
+    from glmcore.config import ModelConfig
+    from glmcore.errors import CheckpointError
+    from glmcore.weights import load_weights
+    d = tmp_path / "m"
+    shutil.copytree(make_tiny("chatglm3"), d)
+    shard = sorted(d.glob("model-*.safetensors"))[0]
+    shard.unlink()
+    os.mkfifo(shard)
+    with pytest.raises(CheckpointError, match=rf"shard {shard.name} .* is not a regular file"):
+        load_weights(d, ModelConfig.from_dir(d))
+
+
+def test_a_tokenizer_json_larger_than_the_model_names_tokenizer_json(make_tiny, tmp_path):
+    from glmcore.errors import GlmcoreError
+    from glmcore.model import load_model
+    d = tmp_path / "m"
+    shutil.copytree(make_tiny("glm4-0414"), d)
+    raw = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps(dict(raw, vocab_size=1024)))
+    with pytest.raises(GlmcoreError, match=r"tokenizer\.json has \d+ ids but the model only 1024 embedding rows"):
+        load_model(d, "torch")
+
+
+def test_a_partial_rotary_factor_past_one_names_the_key(make_tiny, tmp_path):
+    from glmcore.config import ModelConfig
+    from glmcore.errors import ConfigError
+    d = tmp_path / "m"
+    shutil.copytree(make_tiny("glm-edge"), d)
+    raw = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps(dict(raw, partial_rotary_factor=2.0)))
+    with pytest.raises(ConfigError, match=r"partial_rotary_factor 2\.0 must be in \(0, 1\]"):
+        ModelConfig.from_dir(d)
