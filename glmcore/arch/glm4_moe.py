@@ -203,7 +203,7 @@ class Glm4MoeArchitecture(Architecture):
     # ------------------------------------------------------------ checkpoint names
 
     def to_canonical(self, raw: dict[str, np.ndarray], where: Path) -> dict[str, np.ndarray]:
-        return moe_to_canonical(raw, where, _LAYER, _FUSED)
+        return moe_to_canonical(raw, where, LAYER_NAMES, FUSED_PARTS)
 
     def complete(self, cfg: MoeConfig, tensors: dict[str, np.ndarray], where: Path) -> None:
         if cfg.tie_embeddings and "embed.weight" in tensors:
@@ -231,7 +231,7 @@ class Glm4MoeArchitecture(Architecture):
 
 # ---------------------------------------------------------------- names (shared with glm4_moe_lite)
 
-_LAYER = {
+LAYER_NAMES = {
     "input_layernorm.weight": "input_norm.weight",
     "post_attention_layernorm.weight": "post_attn_norm.weight",
     "self_attn.o_proj.weight": "attn_out.weight",
@@ -244,9 +244,9 @@ _LAYER = {
     "mlp.shared_experts.down_proj.weight": "shared.ffn_down.weight",
     "mlp.shared_experts.gate_up_proj.weight": "shared.ffn_up.weight",
 }
-_INV_LAYER = {v: k for k, v in _LAYER.items() if "gate_up" not in k}
+_INV_LAYER = {v: k for k, v in LAYER_NAMES.items() if "gate_up" not in k}
 # Parts stored separately and fused into one canonical tensor (rows concatenated in this order).
-_FUSED = {
+FUSED_PARTS = {
     "qkv.weight": ["self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"],
     "qkv.bias": ["self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"],
     "ffn_up.weight": ["mlp.gate_proj.weight", "mlp.up_proj.weight"],
@@ -372,10 +372,10 @@ def hf_moe_names(canonical: str, cfg, inv_layer: dict) -> dict[str, slice | None
         return {p + f"mlp.experts.{me.group(1)}.down_proj.weight": None}
     if rest in ("qkv.weight", "qkv.bias"):
         q, kv = cfg.q_size, cfg.kv_size
-        names = _FUSED[rest]
+        names = FUSED_PARTS[rest]
         return {p + names[0]: slice(0, q), p + names[1]: slice(q, q + kv), p + names[2]: slice(q + kv, q + 2 * kv)}
     if rest in ("ffn_up.weight", "shared.ffn_up.weight"):
-        names = _FUSED[rest]
+        names = FUSED_PARTS[rest]
         half = cfg.ffn_hidden_size if rest == "ffn_up.weight" else cfg.moe_ffn_hidden_size * cfg.num_shared_experts
         return {p + names[0]: slice(0, half), p + names[1]: slice(half, 2 * half)}
     return {p + inv_layer[rest]: None}

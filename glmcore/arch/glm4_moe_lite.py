@@ -16,7 +16,7 @@ import numpy as np
 
 from ..errors import ConfigError
 from .base import Axis, Role, Split, TensorSpec
-from .glm4_moe import (_FUSED, _LAYER, Glm4MoeArchitecture, MoeConfig, getter, hf_moe_names, moe_fields,
+from .glm4_moe import (FUSED_PARTS, LAYER_NAMES, Glm4MoeArchitecture, MoeConfig, getter, hf_moe_names, moe_fields,
                        moe_to_canonical, synthetic_moe_config)
 from .glm import hf_rope
 
@@ -136,7 +136,7 @@ class Glm4MoeLiteArchitecture(Glm4MoeArchitecture):
                                     real_vocab=154880)
 
 
-_MLA_LAYER = {k: v for k, v in _LAYER.items() if not k.startswith("self_attn.")}
+_MLA_LAYER = {k: v for k, v in LAYER_NAMES.items() if not k.startswith("self_attn.")}
 _MLA_LAYER.update({
     "self_attn.q_a_proj.weight": "q_a.weight", "self_attn.q_a_proj.bias": "q_a.bias",
     "self_attn.q_a_layernorm.weight": "q_a_norm.weight", "self_attn.q_b_proj.weight": "q_b.weight",
@@ -146,7 +146,7 @@ _MLA_LAYER.update({
     "self_attn.o_proj.weight": "attn_out.weight", "self_attn.o_proj.bias": "attn_out.bias",
 })
 _INV_MLA_LAYER = {v: k for k, v in _MLA_LAYER.items() if "gate_up" not in k}
-_MLA_FUSED = {k: v for k, v in _FUSED.items() if not k.startswith("qkv")}
+_MLA_FUSED = {k: v for k, v in FUSED_PARTS.items() if not k.startswith("qkv")}
 
 # make-model sizes. flash: GLM-4.7-Flash's shape (47 layers: --layers N for fewer); tiny/small for tests.
 SIZES = {
