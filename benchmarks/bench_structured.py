@@ -47,7 +47,8 @@ SCHEMA = {"type": "object", "properties": {"items": {"type": "array", "items": I
 # greedy: the figures compare the model's steps with and without masking, not the sampler's nucleus over a
 # random-weight model's flat distribution (which masking shrinks, flattering the constrained side)
 GREEDY = SamplingParams(temperature=0)
-ENDLESS = {"type": "array", "items": ITEM, "minItems": 100000}     # never complete within --gen tokens
+ENDLESS = {"type": "array", "items": ITEM, "minItems": 5000}     # never complete within --gen tokens (under the
+# server's repetition limit, glmcore.structured.MAX_REPEAT)
 
 
 def masking(tokenizer, n_logits: int, steps: int, batch: int, seed: int = 0) -> tuple[list[float], list[float]]:
