@@ -218,7 +218,7 @@ def test_transformers_own_checkpoint_with_group_limited_routing(tmp_path):
 def test_backends_without_moe_kernels_refuse_naming_those_that_run_it(make_tiny, family, backend):
     from glmcore.model import load_model
     with pytest.raises(BackendError, match=r"cannot run this checkpoint: .* implement glm, not glm4_moe.*backends "
-                                           r"that run it: ascend_npu, torch") as e:
+                                           r"that run it: .*ascend_npu.*torch") as e:
         load_model(make_tiny(family), backend)
     assert "\n" not in str(e.value)
 
