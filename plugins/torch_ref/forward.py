@@ -137,9 +137,9 @@ class DenseGLM(nn.Module):
         # The residual stream stays fp32 in every precision; matmuls and the cache run in self.dtype.
         dt = self.dtype
         x = self.tp.embed(self.embed, ids).float()
+        step = Step(pos, slots, cos, sin, allowed, seq_lens, one_slot)     # what every layer's attention shares
         for i, layer in enumerate(self.layers):
             h = ops.rms_norm(x, layer.input_norm, cfg.norm_eps).to(dt)
-            step = Step(pos, slots, cos, sin, allowed, seq_lens, one_slot)
             out = self.tp.reduce(self.attention(layer, h, step, k_cache[i], v_cache[i]).float())
             if layer.post_self_attn_norm is not None:     # on the whole (reduced) output, in fp32
                 out = ops.rms_norm(out, layer.post_self_attn_norm, cfg.norm_eps)
