@@ -152,3 +152,17 @@ def test_no_core_module_outside_arch_branches_on_model_type_or_parses_tensor_nam
                 or re.search(r"""fullmatch\(r["']layers""", text):
             offenders.append(str(path.relative_to(ROOT)))
     assert offenders == [], offenders
+
+
+def test_no_ready_backend_that_runs_it_is_one_line(toy_checkpoint):
+    from glmcore.backend import PluginEntry, Registry
+    from glmcore_plugins.cpu_int4 import CpuInt4Backend
+    path, _ = toy_checkpoint
+    reg = Registry()
+    reg.entries["cpu_int4"] = PluginEntry("cpu_int4", backend=CpuInt4Backend())
+    if not reg.probe("cpu_int4").ready:
+        pytest.skip("cpu_int4 is not ready here (no C compiler)")
+    with pytest.raises(BackendError, match=r"no ready backend runs toy_dense_neox checkpoints .*\(ready: cpu_int4\); "
+                                           r"no installed backend runs it") as e:
+        reg.best(ModelConfig.from_dir(path))
+    assert "\n" not in str(e.value)
