@@ -45,20 +45,27 @@ def to_device(arr: np.ndarray, device: torch.device, dtype: torch.dtype) -> nn.P
     return nn.Parameter(t, requires_grad=False)
 
 
+def cast(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """x in dtype, recording no cast where it is one already (an exported graph gets no no-op Cast nodes)."""
+    return x if x.dtype == dtype else x.to(dtype)
+
+
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool = True) -> torch.Tensor:
     """x [..., T, heads, head_dim], cos/sin [..., T, rot/2]; rotate the first rot = rotary_dim dims (ChatGLM/
-    GLM-4: half the head, GLM-Edge: all of it) in fp32, as pairs (2i, 2i+1) when interleaved, else as the
-    NeoX halves (i, i + rot/2); the rest pass through."""
+    GLM-4: half the head, GLM-Edge: all of it) in fp32, as pairs (2i, 2i+1) when interleaved (split by a
+    reshape, as the original ChatGLM code does and TPU-MLIR's front end expects), else as the NeoX halves
+    (i, i + rot/2); the rest pass through."""
     rot = 2 * cos.shape[-1]
-    xf = x.float()
+    xf = cast(x, torch.float32)
     if interleaved:
-        x0, x1 = xf[..., 0:rot:2], xf[..., 1:rot:2]
+        pairs = xf[..., :rot].reshape(*xf.shape[:-1], rot // 2, 2)
+        x0, x1 = pairs[..., 0], pairs[..., 1]
     else:
         x0, x1 = xf[..., :rot // 2], xf[..., rot // 2:rot]
     c, s = cos.unsqueeze(-2), sin.unsqueeze(-2)
     y0, y1 = x0 * c - x1 * s, x1 * c + x0 * s
-    out = torch.stack((y0, y1), dim=-1).flatten(-2) if interleaved else torch.cat((y0, y1), dim=-1)
-    return torch.cat((out, xf[..., rot:]), dim=-1).to(x.dtype)
+    out = torch.stack((y0, y1), dim=-1).reshape(*xf.shape[:-1], rot) if interleaved else torch.cat((y0, y1), dim=-1)
+    return cast(torch.cat((out, xf[..., rot:]), dim=-1), x.dtype)
 
 
 class Layer(nn.Module):
@@ -97,7 +104,56 @@ class Step:
         return cache if self.one_slot else cache.index_select(0, self.slots)
 
 
-class DenseGLM(nn.Module):
+class DenseBlock(nn.Module):
+    """The dense GLM decoder layer's math, once for every torch runtime: the torch forwards below run it over
+    their weights and caches, tpu_bm1684x's static graphs export it (with their own norm, linear and attention
+    kernels: the hooks `norm` and `linear`). A layer is any object holding the layer's weights under Layer's
+    attribute names. The residual stream stays fp32 in every precision; matmuls run in self.dtype."""
+
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, ops: Ops | None, tp=LOCAL):
+        super().__init__()
+        self.cfg, self.dtype, self.ops, self.tp = cfg, dtype, ops, tp
+
+    def block(self, layer, x: torch.Tensor, attend) -> torch.Tensor:
+        """One decoder layer on the fp32 residual x [B, T, hidden]; attend(h) is its attention of the normed h."""
+        dt, f32 = self.dtype, torch.float32
+        out = self.tp.reduce(cast(attend(cast(self.norm(layer, "input_norm", x), dt)), f32))
+        if layer.post_self_attn_norm is not None:     # glm4 (GLM-4-0414): on the whole (reduced) output, in fp32
+            out = self.norm(layer, "post_self_attn_norm", out)
+        x = x + out
+        out = self.tp.reduce(cast(self.mlp(layer, cast(self.norm(layer, "post_attn_norm", x), dt)), f32))
+        if layer.post_mlp_norm is not None:
+            out = self.norm(layer, "post_mlp_norm", out)
+        return x + out
+
+    def norm(self, owner, name: str, x: torch.Tensor) -> torch.Tensor:
+        """RMSNorm of fp32 x by owner's weight `name`, in fp32."""
+        return self.ops.rms_norm(x, getattr(owner, name), self.cfg.norm_eps)
+
+    def linear(self, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """x @ w.T (+ bias), w [out, in] as checkpoints store it."""
+        return F.linear(x, w, bias)
+
+    def project_qkv(self, layer, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """h [B, T, hidden] -> q [B, T, H, D], k and v [B, T, Hkv, D]: fused QKV (+ bias), the q/k norms where
+        the architecture has them, the rotary on q and k (keys are cached after rotation)."""
+        cfg = self.cfg
+        b, t, _ = h.shape
+        hd, il = cfg.head_dim, cfg.rotary_interleaved
+        q, k, v = self.linear(h, layer.qkv, layer.qkv_bias).split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
+        q, k = self.qk_norm(layer, q.reshape(b, t, cfg.num_heads, hd), k.reshape(b, t, cfg.num_kv_heads, hd))
+        return apply_rotary(q, cos, sin, il), apply_rotary(k, cos, sin, il), v.reshape(b, t, cfg.num_kv_heads, hd)
+
+    def qk_norm(self, layer, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """q [B, T, H, D], k [B, T, Hkv, D] before the rotary: the dense GLM block has no q/k norm."""
+        return q, k
+
+    def mlp(self, layer, h: torch.Tensor) -> torch.Tensor:
+        gate, up = self.linear(h, layer.ffn_up).chunk(2, dim=-1)
+        return self.linear(F.silu(gate) * up, layer.ffn_down)
+
+
+class DenseGLM(DenseBlock):
     """Weights on the device in the compute dtype (norm weights in fp32); `forward` is the captured step.
     Under tensor parallelism cfg and weights are this rank's part and `tp` (glmcore.parallel.Shard) joins
     the parts with collectives that trace into the graph; on one device it is LOCAL and does nothing."""
@@ -106,8 +162,7 @@ class DenseGLM(nn.Module):
 
     def __init__(self, cfg: ModelConfig, weights, device: torch.device, dtype: torch.dtype, ops: Ops, positions: int,
                  tp=LOCAL):
-        super().__init__()
-        self.cfg, self.ops, self.dtype, self.tp = cfg, ops, dtype, tp
+        super().__init__(cfg, dtype, ops, tp)
         self.embed = to_device(weights["embed.weight"], device, dtype)
         self.layers = nn.ModuleList(self.layer_class(cfg, weights, f"layers.{i}.", i, device, dtype)
                                     for i in range(cfg.num_layers))
@@ -126,7 +181,6 @@ class DenseGLM(nn.Module):
         (float32 logits [B, vocab] of each row's token `last[b]`, final hidden states [B, T, hidden]).
         Tokens past a row's real ones are padding; their results are unused. seq_lens: each row's KV
         length start[b]+T as host ints, for kernels that take it (Ops.seq_lens), else None."""
-        cfg, ops = self.cfg, self.ops
         b, t = ids.shape
         pos = start[:, None] + self.position_ids[:t]                       # [B, T] absolute positions
         cos, sin = self.cos[pos], self.sin[pos]
@@ -134,22 +188,11 @@ class DenseGLM(nn.Module):
         # first S positions: every row's keys lie there)
         allowed = self.position_ids[None, None, :k_cache[0].shape[2]] <= pos[:, :, None]
         one_slot = k_cache[0].shape[0] == 1                            # a static fact of the cache, not data
-        # The residual stream stays fp32 in every precision; matmuls and the cache run in self.dtype.
-        dt = self.dtype
-        x = self.tp.embed(self.embed, ids).float()
         step = Step(pos, slots, cos, sin, allowed, seq_lens, one_slot)     # what every layer's attention shares
-        for i, layer in enumerate(self.layers):
-            h = ops.rms_norm(x, layer.input_norm, cfg.norm_eps).to(dt)
-            out = self.tp.reduce(self.attention(layer, h, step, k_cache[i], v_cache[i]).float())
-            if layer.post_self_attn_norm is not None:     # on the whole (reduced) output, in fp32
-                out = ops.rms_norm(out, layer.post_self_attn_norm, cfg.norm_eps)
-            x = x + out
-            h = ops.rms_norm(x, layer.post_attn_norm, cfg.norm_eps).to(dt)
-            out = self.tp.reduce(self.mlp(layer, h).float())
-            if layer.post_mlp_norm is not None:
-                out = ops.rms_norm(out, layer.post_mlp_norm, cfg.norm_eps)
-            x = x + out
-        x = ops.rms_norm(x, self.final_norm, cfg.norm_eps).to(dt)
+        x = self.tp.embed(self.embed, ids).float()
+        for layer, k, v in zip(self.layers, k_cache, v_cache):
+            x = self.block(layer, x, lambda h: self.attention(layer, h, step, k, v))
+        x = self.norm(self, "final_norm", x).to(self.dtype)
         rows = x.gather(1, last[:, None, None].expand(b, 1, x.shape[-1]))[:, 0]     # [B, hidden]
         logits = self.tp.gather(F.linear(rows, self.lm_head).float())
         return logits, x
@@ -161,30 +204,18 @@ class DenseGLM(nn.Module):
 
     def attention(self, layer, h: torch.Tensor, step: "Step", k_cache: torch.Tensor, v_cache: torch.Tensor):
         """Grouped-query attention of h [B, T, hidden] over each row's slot; writes the new K/V first."""
-        cfg, ops = self.cfg, self.ops
         b, t, _ = h.shape
-        hd, il = cfg.head_dim, cfg.rotary_interleaved
-        q, k, v = F.linear(h, layer.qkv, layer.qkv_bias).split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
-        q, k = self.qk_norm(layer, q.view(b, t, cfg.num_heads, hd), k.view(b, t, cfg.num_kv_heads, hd))
-        q = apply_rotary(q, step.cos, step.sin, il).transpose(1, 2)             # BNSD [B, H, T, D]
-        k = apply_rotary(k, step.cos, step.sin, il)                             # keys cached after rotation
-        ops.cache_write(k_cache, step.slots, step.pos, k.transpose(1, 2))
-        ops.cache_write(v_cache, step.slots, step.pos, v.view(b, t, cfg.num_kv_heads, hd).transpose(1, 2))
-        attn = ops.attention(q, step.read(k_cache), step.read(v_cache), step.allowed, step.seq_lens)
-        return F.linear(attn.transpose(1, 2).reshape(b, t, cfg.q_size), layer.attn_out)
+        q, k, v = self.project_qkv(layer, h, step.cos, step.sin)
+        self.ops.cache_write(k_cache, step.slots, step.pos, k.transpose(1, 2))
+        self.ops.cache_write(v_cache, step.slots, step.pos, v.transpose(1, 2))
+        attn = self.ops.attention(q.transpose(1, 2), step.read(k_cache), step.read(v_cache), step.allowed,
+                                  step.seq_lens)
+        return self.linear(attn.transpose(1, 2).reshape(b, t, self.cfg.q_size), layer.attn_out)
 
     def rerotate(self, keys: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """Cached keys [P, kv_heads, head_dim] rotated further by the angles cos/sin [P or 1, rot/2] (a StreamingLLM
         shift moves kept keys to their new positions this way)."""
         return apply_rotary(keys, cos, sin, self.cfg.rotary_interleaved)
-
-    def qk_norm(self, layer, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """q [B, T, H, D], k [B, T, Hkv, D] before the rotary: the dense GLM block has no q/k norm."""
-        return q, k
-
-    def mlp(self, layer, h: torch.Tensor) -> torch.Tensor:
-        gate, up = F.linear(h, layer.ffn_up).chunk(2, dim=-1)
-        return F.linear(F.silu(gate) * up, layer.ffn_down)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """float32 logits of final hidden rows (all-positions requests, outside the captured step)."""

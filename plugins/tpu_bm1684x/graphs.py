@@ -17,11 +17,11 @@ layer and kind (so no part of a 6B/9B model needs a >2 GB protobuf):
                                                                          greedy fast path: TopK over the
                                                                          logits on the device, no weights)
 
-S is the fixed context SEQ_LEN chosen at export. The math mirrors plugins/torch_ref/model.py exactly
-(the same rotary tables, interleaved pairs on the first half of each head, keys cached after
-rotation, GQA, SwiGLU); only the layout differs. The attention mask is additive (0 or MASK_VALUE)
-and computed on the host. RMSNorm always runs in float32, also in the f16 graphs, as TPU-MLIR
-requires.
+S is the fixed context SEQ_LEN chosen at export. A block is the reference's own dense GLM block
+(plugins/torch_ref/forward.py DenseBlock: the core's rotary table, keys cached after rotation, GQA,
+SwiGLU, post norms) with this graph's kernels: transposed MatMul weights, scoped RMSNorms, a 4-D
+attention over an additive mask (0 or MASK_VALUE, computed on the host). The residual stream and
+RMSNorm run in float32, also in the f16 graphs (TPU-MLIR requires the norms in float32).
 
 The modules take their weights as extra forward arguments and are traced on the meta device;
 export.py then turns the weight inputs into initializers backed by shared external data. That keeps
@@ -32,12 +32,14 @@ from __future__ import annotations
 
 import inspect
 import warnings
+from types import SimpleNamespace
 
 import numpy as np
 import torch
 from torch import nn
 
 from glmcore.config import ModelConfig
+from glmcore_plugins.torch_ref.forward import DenseBlock, cast
 
 from .spec import TORCH_OPSET
 
@@ -46,87 +48,73 @@ _NP_DTYPE = {"f32": np.float32, "f16": np.float16}
 _TORCH_OF_NP = {np.dtype(np.float32): torch.float32, np.dtype(np.float16): torch.float16}
 
 
-def _to(x, dtype):
-    """A cast only where it changes something: the f32 graphs (TPU-MLIR's input) get no no-op Casts."""
-    return x if x.dtype == dtype else x.to(dtype)
-
-
 class RMSNorm(nn.Module):
-    """RMSNorm in fp32 whatever the graph dtype (fp16 sums of squares overflow); a submodule so that
-    its ONNX nodes carry a scope name (".../input_norm/...") the TPU-MLIR quantize table can list."""
+    """RMSNorm in fp32 (fp16 sums of squares overflow) as the seven ops TPU-MLIR fuses into its RMSNorm; a
+    submodule so that its ONNX nodes carry a scope name (".../input_norm/...") the quantize table can list."""
 
-    def __init__(self, eps: float, dtype: torch.dtype):
+    def __init__(self, eps: float):
         super().__init__()
-        self.eps, self.dtype = eps, dtype
+        self.eps = eps
 
     def forward(self, x, weight):
-        x = _to(x, torch.float32)
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * weight
-        return _to(x, self.dtype)
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * weight
 
 
-class Layer(nn.Module):
-    """One GLM block's math. Linear weights arrive transposed ([in, out]) so `x @ w` is a plain MatMul."""
+class Layer(DenseBlock):
+    """The shared dense GLM block (plugins/torch_ref/forward.py) with this graph's kernels: linear weights
+    arrive transposed ([in, out]) so `x @ w` is a plain MatMul, each norm is its own scoped submodule, and
+    attention is the 4-D form below over an additive mask. `w` holds a part's weights by their graph names."""
+
+    NAMES = dict(input_norm="input_norm", qkv="qkv_w", qkv_bias="qkv_b", attn_out="attn_out_w",
+                 post_attn_norm="post_attn_norm", ffn_up="ffn_up_w", ffn_down="ffn_down_w",
+                 post_self_attn_norm="post_self_attn_norm", post_mlp_norm="post_mlp_norm")
 
     def __init__(self, cfg: ModelConfig, dtype: str):
-        super().__init__()
-        self.cfg, self.td = cfg, _TORCH_DTYPE[dtype]
-        self.input_norm = RMSNorm(cfg.norm_eps, self.td)
-        self.post_attn_norm = RMSNorm(cfg.norm_eps, self.td)
-        if cfg.post_norms:      # glm4 (GLM-4-0414): norms of the attention and MLP outputs (scoped "...norm/")
-            self.post_self_attn_norm = RMSNorm(cfg.norm_eps, self.td)
-            self.post_mlp_norm = RMSNorm(cfg.norm_eps, self.td)
+        super().__init__(cfg, _TORCH_DTYPE[dtype], ops=None)
+        for name in ("input_norm", "post_attn_norm") + (("post_self_attn_norm", "post_mlp_norm") if cfg.post_norms
+                                                         else ()):
+            setattr(self, name, RMSNorm(cfg.norm_eps))
 
-    @staticmethod
-    def rope(x, cos, sin):
-        """x [1, T, n, hd], cos/sin [1, T, rot/2]: rotate the first rot = rotary_dim dims (ChatGLM/GLM-4: half
-        the head, GLM-Edge: all of it) in interleaved pairs (2i, 2i+1)."""
-        _, T, n, hd = x.shape
-        rot = 2 * cos.shape[-1]
-        pairs = x[..., :rot].reshape(1, T, n, rot // 2, 2)
-        x0, x1 = pairs[..., 0], pairs[..., 1]
-        c, s = cos[:, :, None, :], sin[:, :, None, :]
-        out = torch.stack((x0 * c - x1 * s, x1 * c + x0 * s), dim=-1).reshape(1, T, n, rot)
-        return torch.cat((out, x[..., rot:]), dim=-1)
+    def weights(self, w: dict):
+        """The part's weights under the block's attribute names (absent ones None)."""
+        return SimpleNamespace(**{attr: w.get(name) for attr, name in self.NAMES.items()})
 
-    def qkv(self, w, x, position_ids):
-        cfg = self.cfg
-        T = x.shape[1]
-        qkv = self.input_norm(x, w["input_norm"]) @ w["qkv_w"]
-        if cfg.qkv_bias:
-            qkv = qkv + w["qkv_b"]
-        q = qkv[..., :cfg.q_size].reshape(1, T, cfg.num_heads, cfg.head_dim)
-        k = qkv[..., cfg.q_size:cfg.q_size + cfg.kv_size].reshape(1, T, cfg.num_kv_heads, cfg.head_dim)
-        v = qkv[..., cfg.q_size + cfg.kv_size:].reshape(1, T, cfg.num_kv_heads, cfg.head_dim)
+    def norm(self, owner, name, x):
+        return getattr(self, name)(x, getattr(owner, name))
+
+    def linear(self, x, w, bias=None):
+        return x @ w if bias is None else x @ w + bias
+
+    def run(self, w: dict, x, position_ids, mask, history=None):
+        """The block over input_states x [1, T, H] at position_ids; history (k, v) [1, S, kv_heads, hd] are
+        the cached keys/values the new ones follow. Returns (hidden states, k, v) with the new K/V appended."""
+        layer, kv = self.weights(w), {}
         cos, sin = w["rope_cos"][position_ids], w["rope_sin"][position_ids]     # [1, T, rot/2]
-        return self.rope(q, cos, sin), self.rope(k, cos, sin), v
+
+        def attend(h):
+            q, k, v = self.project_qkv(layer, h, cos, sin)
+            if history is not None:
+                k, v = torch.cat((history[0], k), dim=1), torch.cat((history[1], v), dim=1)
+            kv.update(k=k, v=v)
+            return self.linear(self.attention(q, k, v, mask), layer.attn_out)
+
+        out = self.block(layer, cast(x, torch.float32), attend)
+        return cast(out, self.dtype), kv["k"], kv["v"]
 
     def attention(self, q, k, v, mask):
         """q [1, T, heads, hd]; k, v [1, Sk, kv_heads, hd]; mask [1, 1, T, Sk] additive.
         GQA without copying K/V: the `group` query heads of one kv head (h // group, the reference's
         repeat_interleave) are stacked along the rows. Scores, mask and softmax run in fp32 (as
         ChatGLM's attention_softmax_in_fp32); every tensor stays 4-D for TPU-MLIR."""
-        cfg = self.cfg
+        cfg, td = self.cfg, self.dtype
         T, Sk, kvh, hd = q.shape[1], k.shape[1], cfg.num_kv_heads, cfg.head_dim
         group = cfg.num_heads // kvh
         q = q.reshape(1, T, kvh, group * hd).transpose(1, 2).reshape(1, kvh, T * group, hd)  # row t*group+g
-        scores = _to(q @ k.permute(0, 2, 3, 1), torch.float32) / hd ** 0.5                 # [1, kvh, T*g, Sk]
-        scores = scores.reshape(kvh, T, group, Sk) + _to(mask, torch.float32).reshape(1, T, 1, Sk)
-        probs = _to(torch.softmax(scores, dim=-1), self.td).reshape(1, kvh, T * group, Sk)
+        scores = cast(q @ k.permute(0, 2, 3, 1), torch.float32) / hd ** 0.5                 # [1, kvh, T*g, Sk]
+        scores = scores.reshape(kvh, T, group, Sk) + cast(mask, torch.float32).reshape(1, T, 1, Sk)
+        probs = cast(torch.softmax(scores, dim=-1), td).reshape(1, kvh, T * group, Sk)
         out = probs @ v.transpose(1, 2)                                                       # [1, kvh, T*g, hd]
         return out.reshape(1, kvh, T, group * hd).transpose(1, 2).reshape(1, T, cfg.q_size)
-
-    def finish(self, w, x, attn):
-        out = attn @ w["attn_out_w"]
-        if self.cfg.post_norms:
-            out = self.post_self_attn_norm(out, w["post_self_attn_norm"])
-        x = x + out
-        gate_up = self.post_attn_norm(x, w["post_attn_norm"]) @ w["ffn_up_w"]
-        F = self.cfg.ffn_hidden_size
-        out = (torch.nn.functional.silu(gate_up[..., :F]) * gate_up[..., F:]) @ w["ffn_down_w"]
-        if self.cfg.post_norms:
-            out = self.post_mlp_norm(out, w["post_mlp_norm"])
-        return x + out
 
 
 class Block(nn.Module):
@@ -137,9 +125,7 @@ class Block(nn.Module):
         self.layer, self.names = Layer(cfg, dtype), weight_names
 
     def forward(self, input_states, position_ids, attention_mask, *weights):
-        w = dict(zip(self.names, weights))
-        q, k, v = self.layer.qkv(w, input_states, position_ids)
-        return self.layer.finish(w, input_states, self.layer.attention(q, k, v, attention_mask)), k, v
+        return self.layer.run(dict(zip(self.names, weights)), input_states, position_ids, attention_mask)
 
 
 class BlockCache(nn.Module):
@@ -151,11 +137,8 @@ class BlockCache(nn.Module):
         self.layer, self.names = Layer(cfg, dtype), weight_names
 
     def forward(self, input_states, position_ids, attention_mask, history_k, history_v, *weights):
-        w = dict(zip(self.names, weights))
-        q, k, v = self.layer.qkv(w, input_states, position_ids)
-        k = torch.cat((history_k, k), dim=1)
-        v = torch.cat((history_v, v), dim=1)
-        out = self.layer.finish(w, input_states, self.layer.attention(q, k, v, attention_mask))
+        out, k, v = self.layer.run(dict(zip(self.names, weights)), input_states, position_ids, attention_mask,
+                                   (history_k, history_v))
         return out, k[:, 1:], v[:, 1:]
 
 
@@ -165,14 +148,15 @@ class Embedding(nn.Module):
 
 
 class LmHead(nn.Module):
-    """Final norm and output layer."""
+    """Final norm (fp32) and output layer."""
 
     def __init__(self, cfg: ModelConfig, dtype: str):
         super().__init__()
-        self.final_norm = RMSNorm(cfg.norm_eps, _TORCH_DTYPE[dtype])
+        self.final_norm, self.dtype = RMSNorm(cfg.norm_eps), _TORCH_DTYPE[dtype]
 
     def forward(self, hidden_states, final_norm, lm_head_w):
-        return _to(self.final_norm(hidden_states, final_norm) @ lm_head_w, torch.float32)
+        x = cast(self.final_norm(cast(hidden_states, torch.float32), final_norm), self.dtype)
+        return cast(x @ lm_head_w, torch.float32)
 
 
 class GreedyHead(nn.Module):
