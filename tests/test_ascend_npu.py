@@ -250,9 +250,9 @@ def test_graph_decode_updates_the_cache_in_place_and_never_grows(graph):
 
 # ---------------------------------------------------------------- the NPU path, on documented signatures
 
-# The kernels' schemas exactly as op-plugin registers them (op_plugin/config/op_plugin_functions.yaml):
-# what dynamo sees when it traces a torch_npu call. Note the length types: int[] for the prompt kernel,
-# SymInt[] for the incremental and the fused infer kernel (int[] there in op-plugin 6.0.rc1).
+# The kernels' schemas exactly as op-plugin registers them (op_plugin/config/op_plugin_functions.yaml, master
+# 517f2e7): what dynamo sees when it traces a torch_npu call. Note the length types: int[] for the prompt kernel,
+# SymInt[] for the incremental and the fused infer kernel.
 SCHEMAS = {
     "npu_rms_norm": "npu_rms_norm(Tensor self, Tensor gamma, float epsilon=1e-06) -> (Tensor, Tensor)",
     "scatter_update_": "scatter_update_(Tensor(a!) self, Tensor indices, Tensor updates, int axis) -> Tensor(a!)",
@@ -284,19 +284,49 @@ SCHEMAS = {
         "int sparse_mode=0, int inner_precise=0, int block_size=0, int antiquant_mode=0, int key_antiquant_mode=0, "
         "int value_antiquant_mode=0, bool softmax_lse_flag=False) -> (Tensor, Tensor)"),
 }
+# Older releases' schemas (same source, their branches), by the op-plugin release and config folder:
+#  - 6.0.rc1 v2r1 (torch_npu 2.1.0-6.0.rc1): the fused kernel exists but types its lengths int[];
+#  - 6.0.rc2 v2r3 (torch_npu v2.3.1-6.0.rc2; v2r2/v2r4 and 6.0.rc1's v2r2/v2r3 the same for these kernels): no fused
+#    kernel, a prompt kernel without pse_shift / actual_seq_lengths_kv / sparse_mode (line 2345), int[] lengths on
+#    the incremental kernel (line 2348).
+OLDER_SCHEMAS = {
+    "6.0.rc1-v2r1": {**SCHEMAS, "npu_fused_infer_attention_score": (
+        "npu_fused_infer_attention_score(Tensor query, Tensor key, Tensor value, *, Tensor? pse_shift=None, "
+        "Tensor? atten_mask=None, int[]? actual_seq_lengths=None, int[]? actual_seq_lengths_kv=None, "
+        "Tensor? antiquant_scale=None, Tensor? antiquant_offset=None, Tensor? block_table=None, "
+        "Tensor? dequant_scale1=None, Tensor? quant_scale1=None, Tensor? dequant_scale2=None, Tensor? quant_scale2=None, "
+        "Tensor? quant_offset2=None, Tensor? query_padding_size=None, Tensor? kv_padding_size=None, int num_heads=1, "
+        "float scale=1.0, int pre_tokens=2147483647, int next_tokens=2147483647, str input_layout=\"BSH\", "
+        "int num_key_value_heads=0, int sparse_mode=0, int inner_precise=0, int block_size=0, int antiquant_mode=0, "
+        "bool softmax_lse_flag=False) -> (Tensor, Tensor)")},
+    "6.0.rc2-v2r3": {**{k: v for k, v in SCHEMAS.items() if k != "npu_fused_infer_attention_score"},
+                     "npu_prompt_flash_attention": (
+        "npu_prompt_flash_attention(Tensor query, Tensor key, Tensor value, *, Tensor? padding_mask=None, "
+        "Tensor? atten_mask=None, int[]? actual_seq_lengths=None, int num_heads=1, float scale_value=1.0, "
+        "int pre_tokens=2147473647, int next_tokens=0, str input_layout=\"BSH\", int num_key_value_heads=0) -> Tensor"),
+                     "npu_incre_flash_attention": (
+        "npu_incre_flash_attention(Tensor query, Tensor key, Tensor value, *, Tensor? padding_mask=None, "
+        "Tensor? atten_mask=None, int[]? actual_seq_lengths=None, Tensor? antiquant_scale=None, "
+        "Tensor? antiquant_offset=None, Tensor? block_table=None, Tensor? dequant_scale1=None, Tensor? quant_scale1=None, "
+        "Tensor? dequant_scale2=None, Tensor? quant_scale2=None, Tensor? quant_offset2=None, "
+        "Tensor? kv_padding_size=None, int num_heads=1, float scale_value=1.0, str input_layout=\"BSH\", "
+        "int num_key_value_heads=0, int block_size=0, int inner_precise=1) -> Tensor")},
+}
 _LIBRARIES: dict = {}      # namespace -> (torch.library.Library, calls): registered once per process
 _CALLS: list = []          # what the CPU kernels of the current fake were called with
 
 
-def _npu_library(namespace: str, rc1: bool = False):
-    """Register the kernels under torch.ops.<namespace> with the vendor schemas, a Meta kernel each (what
-    dynamo traces with) and a CPU kernel that computes the documented result. rc1: the fused kernel with
-    the int[] lengths of op-plugin 6.0.rc1."""
+def _npu_library(release: str | None = None):
+    """Register the kernels under torch.ops.<namespace> with the vendor schemas of `release` (an OLDER_SCHEMAS
+    key; None: master), a Meta kernel each (what dynamo traces with, shaped as op-plugin's Meta kernels) and a
+    CPU kernel that computes the documented result."""
+    namespace = "glmcore_test_npu" + (release or "").replace(".", "_").replace("-", "_")
     if namespace in _LIBRARIES:
-        return getattr(torch.ops, namespace)
+        return getattr(torch.ops, namespace), _LIBRARIES[namespace][1]
+    schemas = OLDER_SCHEMAS[release] if release else SCHEMAS
     lib = torch.library.Library(namespace, "DEF")
-    for name, schema in SCHEMAS.items():
-        lib.define(schema.replace("SymInt[]? actual_seq_lengths_kv", "int[]? actual_seq_lengths_kv") if rc1 else schema)
+    for schema in schemas.values():
+        lib.define(schema)
 
     def rms_norm(x, gamma, epsilon=1e-06):
         _CALLS.append("rms_norm")
@@ -350,34 +380,37 @@ def _npu_library(namespace: str, rc1: bool = False):
         assert kw.get("sparse_mode", 0) == 0 and kw.get("next_tokens", 2147483647) >= key.shape[2]
         out = fa(query, key, value, kw["atten_mask"], kw["num_heads"], kw.get("scale", 1.0), kw["input_layout"],
                  kw["num_key_value_heads"], kw.get("actual_seq_lengths_kv"))
-        return out, torch.zeros(1)       # softmax_lse_flag=False: no lse is computed
+        return out, torch.empty(0)       # softmax_lse_flag=False: no lse (op-plugin's Meta kernel: shape [0])
 
     def attention_meta(query, key, value, **kw):
         return torch.empty_like(query)
 
     def fused_meta(query, key, value, **kw):
-        return torch.empty_like(query), query.new_empty((1,), dtype=torch.float32)
+        # op-plugin's _meta_registrations.py (npu_fused_infer_attention_score_forward): lse [0] unless softmax_lse_flag
+        assert not kw.get("softmax_lse_flag", False)
+        return torch.empty_like(query), query.new_empty((0,), dtype=torch.float32)
 
     for name, cpu, meta in (("npu_rms_norm", rms_norm, rms_norm_meta),
                             ("scatter_update_", scatter_update_, lambda data, *a: data),
                             ("npu_prompt_flash_attention", prompt, attention_meta),
                             ("npu_incre_flash_attention", incre, attention_meta),
                             ("npu_fused_infer_attention_score", fused, fused_meta)):
-        lib.impl(name, cpu, "CPU")
-        lib.impl(name, meta, "Meta")
-    _LIBRARIES[namespace] = lib
-    return getattr(torch.ops, namespace)
+        if name in schemas:
+            lib.impl(name, cpu, "CPU")
+            lib.impl(name, meta, "Meta")
+    _LIBRARIES[namespace] = lib, list(schemas)
+    return getattr(torch.ops, namespace), list(schemas)
 
 
-def _fake_torch_npu(rc1: bool = False):
-    """A torch_npu module as the real one exposes its kernels (torch_npu.X is the torch.ops.npu.X packet),
-    backed by _npu_library: documented signatures, so a wrong keyword or type raises, and the kernels
-    compute the documented result on the CPU. rc1: op-plugin 6.0.rc1's fused kernel (int[] lengths)."""
-    ops = _npu_library("glmcore_test_npu_rc1" if rc1 else "glmcore_test_npu", rc1)
+def _fake_torch_npu(release: str | None = None):
+    """A torch_npu module as the real one exposes its kernels (torch_npu.X is the torch.ops.npu.X packet; a kernel
+    its op-plugin lacks is no attribute), backed by _npu_library: documented signatures, so a wrong keyword or
+    type raises, and the kernels compute the documented result on the CPU. release: an OLDER_SCHEMAS key."""
+    ops, names = _npu_library(release)
     _CALLS.clear()
     mod = types.ModuleType("torch_npu")
     mod.__spec__ = importlib.machinery.ModuleSpec("torch_npu", None)     # find_spec reads it, as for a real import
-    for name in SCHEMAS:
+    for name in names:
         setattr(mod, name, getattr(ops, name))
     return mod, _CALLS
 
@@ -511,30 +544,52 @@ def test_recompile_limit_on_old_and_new_torch():
 
 
 def _fake_torchair(get_npu_backend, tiling_option: bool = True):
-    """torchair's CompilerConfig as its configs/_option_base.py builds it: every option is declared when
-    the config object is made, assigning any other name raises ValueError("... has no option ..."),
-    and an option's value must be one it offers (here True/False). tiling_option=False is torchair
-    6.0.rc1, whose experimental_config has no tiling_schedule_optimize."""
+    """torchair's CompilerConfig as its configs/_option_base.py builds it (torchair fced884): every option is an
+    OptionValue declared when the config object is made; assigning any other name raises ValueError("... has no
+    option ..."), assigning a declared one sets its OptionValue, whose value must be one it offers (here
+    True/False); reading an option gives the OptionValue (truthy like its value; .value is "1"/"0").
+    tiling_option=False is torchair 6.0.rc1, whose experimental_config has no tiling_schedule_optimize."""
 
-    class Options:
-        def __init__(self, **options):
-            object.__setattr__(self, "_fixed_attrs", tuple(options))
-            for k, v in options.items():
-                object.__setattr__(self, k, v)
+    class OptionValue:
+        def __init__(self, default, optional):
+            self.optional, self._value = optional, default
+
+        def __bool__(self):
+            return bool(self._value)
+
+        @property
+        def value(self):
+            return {True: "1", False: "0"}.get(self._value, self._value)
+
+        @value.setter
+        def value(self, v):
+            if v not in self.optional:
+                raise ValueError(f"Value {v!r} not in optional list {self.optional!r}")
+            self._value = v
+
+    class NpuBaseConfig:
+        def __init__(self):
+            object.__setattr__(self, "_fixed_attrs", [k for k, v in vars(self).items() if isinstance(v, OptionValue)])
 
         def __setattr__(self, key, value):
-            if key not in self._fixed_attrs:
-                raise ValueError(f"{type(self).__name__} has no option {key}, all options {list(self._fixed_attrs)}")
-            if value not in (True, False):
-                raise ValueError(f"Value {value!r} not in optional list [True, False]")
-            object.__setattr__(self, key, value)
+            if hasattr(self, "_fixed_attrs"):
+                if key not in self._fixed_attrs:
+                    raise ValueError(f"{type(self).__name__} has no option {key}, all options {self._fixed_attrs}")
+                getattr(self, key).value = value
+            else:
+                object.__setattr__(self, key, value)
+
+    class ExperimentalConfig(NpuBaseConfig):
+        def __init__(self):
+            self.frozen_parameter = OptionValue(False, [True, False])
+            self.memory_efficiency = OptionValue(False, [True, False])
+            if tiling_option:
+                self.tiling_schedule_optimize = OptionValue(False, [True, False])
+            super().__init__()
 
     class CompilerConfig:
         def __init__(self):
-            options = dict(frozen_parameter=False, memory_efficiency=False, enable_view_optimize=True)
-            if tiling_option:
-                options["tiling_schedule_optimize"] = False
-            self.experimental_config = Options(**options)
+            self.experimental_config = ExperimentalConfig()
 
     torchair = types.ModuleType("torchair")
     torchair.CompilerConfig, torchair.get_npu_backend = CompilerConfig, get_npu_backend
@@ -559,21 +614,24 @@ def test_npu_compiler_sets_tiling_schedule_optimize_only_where_torchair_has_it(t
     configs = []
     torchair = _fake_torchair(lambda compiler_config: configs.append(compiler_config) or "npu-backend", tiling_option)
     backend, options = npu_compiler(torchair, dynamic_lengths=True)
-    assert backend == "npu-backend" and configs[0].experimental_config.frozen_parameter is True
-    assert getattr(configs[0].experimental_config, "tiling_schedule_optimize", None) is (True if tiling_option else None)
+    assert backend == "npu-backend" and configs[0].experimental_config.frozen_parameter.value == "1"
+    tiling = getattr(configs[0].experimental_config, "tiling_schedule_optimize", None)
+    assert (tiling.value if tiling_option else tiling) == ("1" if tiling_option else None)
     assert ("tiling_schedule_optimize=True" in options) == tiling_option
 
 
-@pytest.mark.parametrize("rc1", [False, True])
-def test_prefill_at_a_new_start_reuses_the_compiled_graph(make_tiny, monkeypatch, rc1):
-    """The per-row KV lengths must stay graph inputs: a prefill chunk at start 0 and one of the same
-    bucket at start 8 (lengths 8 and 16) run one graph. The kernels are registered with torch.library
-    under op-plugin's schemas with Meta kernels, so dynamo treats them as it treats torch_npu's; the
-    step is compiled as on the NPU (dynamic=True, static tensor shapes) by a counting backend.
-    npu_prompt_flash_attention's int[] actual_seq_lengths_kv would specialize each length: two graphs.
-    rc1: op-plugin 6.0.rc1, whose fused kernel also has int[] lengths: the prompt kernel without lengths."""
+@pytest.mark.parametrize("release", [None, "6.0.rc1-v2r1", "6.0.rc2-v2r3"])
+def test_new_lengths_reuse_the_compiled_graphs_on_every_admitted_torch_npu(make_tiny, monkeypatch, release):
+    """The per-row KV lengths must stay graph inputs: a prefill chunk at start 0 and one of the same bucket at
+    start 8 (lengths 8 and 16) run one graph, and two decode steps at lengths 17 and 18 one more. The kernels are
+    registered with torch.library under op-plugin's schemas of each release with Meta kernels, so dynamo treats
+    them as it treats torch_npu's (and refuses an argument the schema lacks); the step is compiled as on the NPU
+    (dynamic=True, static tensor shapes) by a counting backend. An int[] length would specialize each value: a
+    graph per length. master: the fused infer kernel with lengths; 6.0.rc1 (its fused kernel's lengths int[]):
+    the prompt kernel without lengths; 6.0.rc2's v2r3 (torch_npu v2.3.1): no fused kernel, a prompt kernel
+    without sparse_mode, int[] decode lengths -- no lengths anywhere, the mask alone bounds each row."""
     from glmcore_plugins.ascend_npu import session as sess
-    fake, calls = _fake_torch_npu(rc1)
+    fake, calls = _fake_torch_npu(release)
     monkeypatch.setitem(sys.modules, "torch_npu", fake)
     graphs = []
 
@@ -590,18 +648,41 @@ def test_prefill_at_a_new_start_reuses_the_compiled_graph(make_tiny, monkeypatch
     runner._step = runner._compile()
     torch._dynamo.reset()
     chunk = torch.tensor([ids(8, 81)])
-    first, _ = runner.call(chunk, [0], [0], [7])
-    second, _ = runner.call(chunk, [8], [0], [7])
+    outs = [runner.call(chunk, [0], [0], [7])[0], runner.call(chunk, [8], [0], [7])[0]]
+    outs += [runner.call(torch.tensor([[t]]), [p], [0], [0])[0] for p, t in ((16, 5), (17, 6))]
     prefill_calls = [c for c in calls if isinstance(c, tuple) and c[0] != "incre_fa"]   # one per layer and call
-    assert len(prefill_calls) == 2 * cfg.num_layers
-    if rc1:      # no lengths at all: the mask alone bounds each row
-        assert {c for c in prefill_calls} == {("prompt_fa", None)}
-        assert "npu_prompt_flash_attention without lengths" in runner.ops.kernels["attention"]
-    else:
+    decode_calls = [c for c in calls if isinstance(c, tuple) and c[0] == "incre_fa"]
+    assert len(prefill_calls) == len(decode_calls) == 2 * cfg.num_layers
+    kernels = runner.ops.kernels["attention"]
+    if release is None:
         assert {c[0] for c in prefill_calls} == {"fused_fa"}
         assert [c[1] for c in prefill_calls] == [[8]] * cfg.num_layers + [[16]] * cfg.num_layers   # each row's KV length
-    assert len(graphs) == 1, f"{len(graphs)} graphs for two prefill chunks of one bucket"
-    assert torch.isfinite(first).all() and torch.isfinite(second).all()
+    else:
+        assert set(prefill_calls) == {("prompt_fa", None)} and "npu_prompt_flash_attention without lengths" in kernels
+    if release == "6.0.rc2-v2r3":
+        assert set(decode_calls) == {("incre_fa", None)} and "npu_incre_flash_attention without lengths" in kernels
+        assert not runner.ops.seq_lens
+    else:
+        assert [c[1] for c in decode_calls] == [[17]] * cfg.num_layers + [[18]] * cfg.num_layers
+    assert len(graphs) == 2, f"{len(graphs)} graphs for two prefill chunks of one bucket and two decode steps"
+    assert all(torch.isfinite(o).all() for o in outs)
+
+
+def test_kernels_without_the_arguments_we_pass_fall_back_to_sdpa(monkeypatch):
+    """A torch_npu whose incremental kernel lacks an argument the call passes (here num_key_value_heads, GQA) is
+    not called with it: SDPA runs instead, and the kernel table says why."""
+    from glmcore_plugins.ascend_npu.ops import schema_args
+    fake, _ = _fake_torch_npu("6.0.rc2-v2r3")
+    assert "sparse_mode" not in schema_args(fake.npu_prompt_flash_attention)
+    assert schema_args(fake.npu_incre_flash_attention)["actual_seq_lengths"] == "int[]?"
+    lacking = types.SimpleNamespace(default=types.SimpleNamespace(_schema=(
+        "npu_incre_flash_attention(Tensor query, Tensor key, Tensor value, *, Tensor? atten_mask=None, "
+        "int num_heads=1, float scale_value=1.0, str input_layout=\"BSH\") -> Tensor")))
+    monkeypatch.setattr(fake, "npu_incre_flash_attention", lacking)
+    monkeypatch.setitem(sys.modules, "torch_npu", fake)
+    ops = select_ops(NPU, torch.bfloat16, "Ascend910B4")
+    assert ops.name == "npu-sdpa" and "scaled_dot_product_attention" in ops.kernels["attention"]
+    assert "lacks ['num_key_value_heads']" in ops.kernels["why"]
 
 
 def test_npu_graph_mode_marks_caches_static_and_lengths_dynamic(make_tiny, monkeypatch):
@@ -625,7 +706,8 @@ def test_npu_graph_mode_marks_caches_static_and_lengths_dynamic(make_tiny, monke
     runner.on_npu = True
     runner._step = runner._compile()
     caches = runner.k_cache + runner.v_cache
-    assert configs[0].experimental_config.frozen_parameter and configs[0].experimental_config.tiling_schedule_optimize
+    experimental = configs[0].experimental_config
+    assert experimental.frozen_parameter.value == "1" and experimental.tiling_schedule_optimize.value == "1"
     assert compiled[-1]["dynamic"] is True and compiled[-1]["fullgraph"] is True
     assert all(any(t is c for t in marked["address"]) for c in caches)
     assert "tiling_schedule_optimize=True" in runner.compiler

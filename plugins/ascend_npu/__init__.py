@@ -116,6 +116,10 @@ class AscendNpuBackend(Backend):
                                "(torchair, torch_npu kernels per SoC) only against stand-ins: the kernels registered "
                                "with op-plugin's schemas and Meta kernels (a prefill at a new start compiles no new "
                                "graph), a torchair config that refuses unknown options; never on an Ascend NPU")
+        from .ops import CHECKED_SCHEMAS
+        details["torch_npu schemas"] = (f"attention calls chosen from the kernels' registered schemas (every argument "
+                                        f"passed is declared; lengths only where SymInt[]); checked against "
+                                        f"{CHECKED_SCHEMAS}")
         if kind == "npu":
             from .ops import soc_support
             fused, why = soc_support(_soc())

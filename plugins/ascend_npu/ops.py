@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import math
 import re
+from dataclasses import dataclass
 
 import torch
 
@@ -75,47 +76,83 @@ def soc_support(name: str) -> tuple[bool, str]:
 
 # ---------------------------------------------------------------- Ascend NPU path (Atlas A2/A3)
 
-def symbolic_lengths(kernel, arg: str) -> bool:
-    """Whether a torch_npu kernel takes the length list `arg` as SymInt[] (its registered schema).
-    torch_npu exposes each kernel as the torch.ops.npu packet, whose schema says how the argument is
-    typed: an int[] is specialized by dynamo, so every new value compiles a new graph, a SymInt[]
-    stays a graph input. Anything without a readable schema counts as int[]."""
+# The op-plugin schemas this selection was checked against (op_plugin/config/*/op_plugin_functions.yaml): master
+# 517f2e7, and the 6.0.rc1 / 6.0.rc2 branches' v2r1..v2r4 files (torch_npu 2.1..2.4 of those releases). They differ
+# in exactly what matters here: v2r2/v2r3/v2r4 (e.g. torch_npu v2.3.1-6.0.rc2) have no fused infer kernel, a
+# prompt kernel without sparse_mode / pse_shift / actual_seq_lengths_kv, and int[] lengths on the incremental kernel;
+# 6.0.rc1's v2r1 types the fused kernel's lengths int[]; master and 6.0.rc2's v2r1 have SymInt[] throughout.
+CHECKED_SCHEMAS = "op-plugin master 517f2e7, 6.0.rc1 and 6.0.rc2 (v2r1-v2r4 schemas)"
+
+_COMMON = {"atten_mask", "num_heads", "input_layout", "num_key_value_heads"}
+# what each call below passes, besides query/key/value and the lengths
+_DECODE = _COMMON | {"scale_value"}
+_PROMPT = _COMMON | {"scale_value", "pre_tokens", "next_tokens"}
+_FUSED = _COMMON | {"scale", "pre_tokens", "next_tokens", "sparse_mode"}
+
+
+def schema_args(kernel) -> dict[str, str]:
+    """Argument name -> declared type (`SymInt[]?`, `int`, ...) of a torch_npu kernel, from its registered schema.
+    torch_npu exposes each kernel as the torch.ops.npu packet, whose schema is what dynamo traces against; a
+    kernel without a readable schema has no arguments we may pass ({})."""
     try:
         schema = str(kernel.default._schema)      # Argument.type prints SymInt[] as List[int]; the text keeps it
     except AttributeError:
-        return False
-    declared = re.search(rf"([\w\[\]?]+) {re.escape(arg)}\b", schema)
-    return declared is not None and declared.group(1).startswith("SymInt")
+        return {}
+    inner = schema[schema.index("(") + 1:schema.rindex(") ->")]
+    return {m.group(2): m.group(1) for m in re.finditer(r"([\w\[\]?()!]+) (\w+)(?:=[^,]*)?(?:,|$)", inner)}
 
 
-def _npu_ops(dtype: torch.dtype) -> Ops:
+@dataclass(frozen=True)
+class AttentionPlan:
+    """The attention calls a torch_npu's registered schemas allow: prefill by the fused infer kernel with SymInt[]
+    KV lengths (else the prompt kernel without lengths); decode lengths only where they are SymInt[]."""
+    fused_prefill: bool
+    decode_lengths: bool
+
+
+def npu_attention_plan(torch_npu) -> tuple[AttentionPlan | None, str | None]:
+    """Which attention call prefill and decode make, from the schemas this torch_npu registers: every argument
+    passed is one the kernel declares, and per-row lengths go only where they are SymInt[]. Returns (plan, None)
+    or (None, why the fused kernels cannot be used)."""
+    incre = schema_args(getattr(torch_npu, "npu_incre_flash_attention", None))
+    prompt = schema_args(getattr(torch_npu, "npu_prompt_flash_attention", None))
+    fused_args = schema_args(getattr(torch_npu, "npu_fused_infer_attention_score", None))
+    if not _DECODE <= set(incre):
+        return None, f"npu_incre_flash_attention lacks {sorted(_DECODE - set(incre))} in this torch_npu"
+    fused_prefill = _FUSED <= set(fused_args) and fused_args.get("actual_seq_lengths_kv", "").startswith("SymInt")
+    if not fused_prefill and not _PROMPT <= set(prompt):
+        return None, f"npu_prompt_flash_attention lacks {sorted(_PROMPT - set(prompt))} in this torch_npu"
+    return AttentionPlan(fused_prefill, incre.get("actual_seq_lengths", "").startswith("SymInt")), None
+
+
+def _npu_ops(dtype: torch.dtype, plan: AttentionPlan) -> Ops:
     import torch_npu
 
     def rms_norm(x, w, eps):
         return torch_npu.npu_rms_norm(x, w, epsilon=eps)[0]
 
-    # Prefill: npu_prompt_flash_attention types actual_seq_lengths_kv as int[] (op_plugin_functions.yaml),
-    # so lengths passed to it would recompile the step for every new start + T. npu_fused_infer_attention_score
-    # takes SymInt[] lengths (op-plugin 6.0.rc2 on; int[] in 6.0.rc1): use it where its schema says so,
-    # otherwise the prompt kernel without lengths (the mask alone bounds each row, as torchair's samples do).
-    fused = getattr(torch_npu, "npu_fused_infer_attention_score", None)
-    fused_lengths = fused is not None and symbolic_lengths(fused, "actual_seq_lengths_kv")
+    # Prefill: npu_prompt_flash_attention types actual_seq_lengths_kv as int[] (where it has it at all), so
+    # lengths passed to it would recompile the step for every new start + T: npu_fused_infer_attention_score
+    # with SymInt[] lengths where the schema has them, otherwise the prompt kernel without lengths (the mask alone
+    # bounds each row, as torchair's samples do). Decode: the incremental kernel, its lengths only where SymInt[].
+    fused, decode_lengths = plan.fused_prefill, plan.decode_lengths
 
     def attention(q, k, v, allowed, seq_lens):
         _, h, t, d = q.shape
         masked = (~allowed)[:, None].contiguous()             # Ascend: True = does not participate
         common = dict(num_heads=h, input_layout="BNSD", num_key_value_heads=k.shape[1], atten_mask=masked)
-        if t == 1:   # a static shape, decided at trace time: decode uses the incremental kernel (SymInt[] lengths)
-            return torch_npu.npu_incre_flash_attention(q.contiguous(), k, v, actual_seq_lengths=seq_lens,
-                                                       scale_value=1.0 / math.sqrt(d), **common)
-        # sparse_mode 0 with the full mask; pre/next_tokens wide open so the mask alone decides
-        if fused_lengths:
-            out, _lse = fused(q.contiguous(), k, v, pre_tokens=2147483647, next_tokens=2147483647, sparse_mode=0,
-                              actual_seq_lengths_kv=seq_lens, scale=1.0 / math.sqrt(d), **common)
+        if t == 1:   # a static shape, decided at trace time: decode uses the incremental kernel
+            lengths = dict(actual_seq_lengths=seq_lens) if decode_lengths else {}
+            return torch_npu.npu_incre_flash_attention(q.contiguous(), k, v, scale_value=1.0 / math.sqrt(d),
+                                                       **lengths, **common)
+        # pre/next_tokens wide open (sparse_mode 0, the default) so the full mask alone decides
+        if fused:
+            out, _lse = torch_npu.npu_fused_infer_attention_score(
+                q.contiguous(), k, v, pre_tokens=2147483647, next_tokens=2147483647, sparse_mode=0,
+                actual_seq_lengths_kv=seq_lens, scale=1.0 / math.sqrt(d), **common)
             return out
         return torch_npu.npu_prompt_flash_attention(q.contiguous(), k, v, pre_tokens=2147483647,
-                                                    next_tokens=2147483647, sparse_mode=0,
-                                                    scale_value=1.0 / math.sqrt(d), **common)
+                                                    next_tokens=2147483647, scale_value=1.0 / math.sqrt(d), **common)
 
     def cache_write(cache, slots, pos, new):
         if cache.shape[0] == 1:
@@ -131,18 +168,22 @@ def _npu_ops(dtype: torch.dtype) -> Ops:
         return Ops("npu", rms_norm, torch_attention, cache_write,
                    {"rms_norm": "torch_npu.npu_rms_norm", "attention": "scaled_dot_product_attention (fp32: "
                     "the NPU flash-attention kernels take fp16/bf16 only)", "kv_update": kv})
-    prefill = ("npu_fused_infer_attention_score with per-row actual_seq_lengths_kv (SymInt[])" if fused_lengths
+    prefill = ("npu_fused_infer_attention_score with per-row actual_seq_lengths_kv (SymInt[])" if fused
                else "npu_prompt_flash_attention without lengths (its int[] lengths would recompile per KV length)")
+    decode = ("npu_incre_flash_attention with per-row actual_seq_lengths (SymInt[])" if decode_lengths else
+              "npu_incre_flash_attention without lengths (int[] in this torch_npu: they would recompile per step)")
     return Ops("npu", rms_norm, attention, cache_write,
-               {"rms_norm": "torch_npu.npu_rms_norm",
-                "attention": f"torch_npu {prefill} (prefill) / npu_incre_flash_attention with per-row "
-                             "actual_seq_lengths (decode), BNSD",
-                "kv_update": kv}, seq_lens=True)
+               {"rms_norm": "torch_npu.npu_rms_norm", "attention": f"torch_npu {prefill} (prefill) / {decode} "
+                "(decode), BNSD", "kv_update": kv, "schemas": CHECKED_SCHEMAS}, seq_lens=fused or decode_lengths)
 
 
 def select_ops(device, dtype: torch.dtype, soc: str | None = None) -> Ops:
     """Choose the kernels for this device, dtype and (on an NPU) SoC, once."""
     if device.type == "npu":
         fused, why = soc_support(soc or "")
-        return _npu_ops(dtype) if fused else torch_ops("npu-sdpa", why)
+        if not fused:
+            return torch_ops("npu-sdpa", why)
+        import torch_npu
+        plan, why_not = npu_attention_plan(torch_npu)
+        return _npu_ops(dtype, plan) if plan else torch_ops("npu-sdpa", f"{soc}: {why_not}; SDPA + index_put_ instead")
     return torch_ops()
