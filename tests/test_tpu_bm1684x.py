@@ -576,6 +576,60 @@ def tpu_mlir_torch_names(path: Path) -> tuple[list, list, set]:
     return [v.debugName() for v in list(g.inputs())[1:]], outputs, ops
 
 
+def bmodel_16bit_io(onnx_path: Path, quant_input: bool, quant_output: bool) -> dict[str, list[bool]]:
+    """Which float inputs and outputs of a part TPU-MLIR's model_deploy makes 16-bit, by position, derived from
+    their consumers as tpu-mlir's StripIOQuant pass does (lib/Dialect/Tpu/Transforms/StripIOQuant.cpp):
+
+    - StripInputQuantTpuCastPattern (--quant_input): an input keeps its cast, hence its F32 type, unless the
+      input has ONE use (`if (!out.hasOneUse()) return failure();`) and that use is a Cast from F32 to F16/BF16
+      (`isF32toF16`), directly or behind one Reshape/Unsqueeze of one use (`handleTyOp<tpu::ReshapeOp>`). A
+      Cast to 16 bits exists only where the consumer is lowered in 16 bits: ops the quantize table keeps F32 (the
+      RMSNorms, export.norm_op_names) take the F32 input as it is.
+    - StripOutputQuantTpuCastPattern (--quant_output): an output is 16-bit when its value is a 16-bit op's
+      result (`isF16toF32` cast before the return), i.e. not an F32-table op's.
+
+    The host's f16 parts carry Casts the compiled f32 graph does not: they are looked through."""
+    import onnx
+
+    from glmcore_plugins.tpu_bm1684x.export import norm_op_names
+    m = onnx.load(str(onnx_path), load_external_data=False)
+    f32_ops = set(norm_op_names(m))
+    consumers, producer = {}, {}
+    for node in m.graph.node:
+        for x in node.input:
+            consumers.setdefault(x, []).append(node)
+        for x in node.output:
+            producer[x] = node
+
+    def uses(value):          # the ops reading value, through host-only Casts
+        out = []
+        for node in consumers.get(value, []):
+            out += uses(node.output[0]) if node.op_type == "Cast" else [node]
+        return out
+
+    def is_f32(node):
+        return f"{node.output[0]}_{node.op_type}" in f32_ops
+
+    def input_16bit(value):
+        users = uses(value)
+        if len(users) != 1:
+            return False
+        if users[0].op_type in ("Reshape", "Unsqueeze"):
+            users = uses(users[0].output[0])
+            if len(users) != 1:
+                return False
+        return not is_f32(users[0])
+
+    def output_16bit(value):
+        node = producer[value]
+        while node.op_type == "Cast":
+            node = producer[node.input[0]]
+        return not is_f32(node)
+
+    return {"inputs": [quant_input and input_16bit(v.name) for v in m.graph.input],
+            "outputs": [quant_output and output_16bit(v.name) for v in m.graph.output]}
+
+
 def fake_sail(parts_dir: Path, io_dtype: str, torchscript_dir: Path | None = None):
     """A stand-in for sophon.sail (a test double, not the SDK) that follows sail's real Python binding:
 
@@ -593,8 +647,9 @@ def fake_sail(parts_dir: Path, io_dtype: str, torchscript_dir: Path | None = Non
       the tensor's ("invalid argument"), and for F32/INT32 tensors one whose format is not float32/int32
       ("Wrong dtype of input array!"): int32 data into an F32 tensor fails although both are 4 bytes.
 
-    The 'bmodel' declares float I/O of io_dtype (f32, f16, bf16) as --quant_input/--quant_output make
-    it (lm_head, compiled with --quant_input only, takes io_dtype and returns F32 logits), and runs the
+    The 'bmodel' declares each float input and output F32 or 16-bit (io_dtype: f32, f16, bf16) as
+    --quant_input/--quant_output make it in tpu-mlir (bmodel_16bit_io: an input read by an RMSNorm or by several
+    ops stays F32, e.g. a block's input_states and lm_head's hidden_states), and runs the
     host ONNX parts in parts_dir (f16 parts for f16, f32 parts otherwise). Graphs compiled from a
     TorchScript part in torchscript_dir (embedding.pt for embedding and embedding_cache, lm_head.pt) have
     the tensor names TPU-MLIR gives them: the traced graph's debugName()s (TorchConverter.py)."""
@@ -615,12 +670,15 @@ def fake_sail(parts_dir: Path, io_dtype: str, torchscript_dir: Path | None = Non
         if torchscript_dir is not None and (torchscript_dir / pt).is_file():
             pt_names[graph] = tpu_mlir_torch_names(torchscript_dir / pt)[:2]
 
-    def declared(dt: str, graph: str, which: str) -> str:
+    # compile.sh's flags per part: (--quant_input, --quant_output); greedy_head is compiled F32 without them
+    quant_io = {"lm_head": (True, False), "greedy_head": (False, False)}
+    stripped = {name: bmodel_16bit_io(parts_dir / f"{name}.onnx", *quant_io.get(name, (True, True)))
+                for name in specs}
+
+    def declared(dt: str, graph: str, which: str, position: int) -> str:
         if dt == "int32":
             return "i32"
-        if graph == "greedy_head" or (graph == "lm_head" and which == "outputs"):
-            return "f32"                               # logits out of lm_head and through greedy_head stay F32
-        return io_dtype
+        return io_dtype if stripped[graph][which][position] else "f32"
 
     class Handle:
         def __init__(self, device_id):
@@ -668,8 +726,8 @@ def fake_sail(parts_dir: Path, io_dtype: str, torchscript_dir: Path | None = Non
             names = [n for n, _, _ in specs[graph][which]]
             if graph in pt_names:
                 names = pt_names[graph][0 if which == "inputs" else 1]
-            return {name: (tuple(shape), declared(dt, graph, which))
-                    for name, (_, shape, dt) in zip(names, specs[graph][which], strict=True)}
+            return {name: (tuple(shape), declared(dt, graph, which, i))
+                    for i, (name, (_, shape, dt)) in enumerate(zip(names, specs[graph][which], strict=True))}
 
         def get_input_names(self, graph):
             return list(self._io(graph, "inputs"))
@@ -738,8 +796,9 @@ def test_fake_sail_follows_the_binding(model, cache_dir):
     parts = cache_dir / "tpu_bm1684x" / f"{w.fingerprint()}-seq{S}-f16"
     _, sail = fake_sail(parts, "f16")
     e = sail.Engine(__file__, 0, sail.IOMode.SYSIO)
-    with pytest.raises(SailEngineError, match="not supported"):
-        e.process("lm_head", {"hidden_states": np.zeros((1, cfg.hidden_size), np.float16)})
+    with pytest.raises(SailEngineError, match="not supported"):        # the 16-bit mask and history K/V
+        e.process("block_cache_0", {n: np.zeros(e.get_input_shape("block_cache_0", n), np.float32)
+                                    for n in e.get_input_names("block_cache_0")})
     t = sail.Tensor(sail.Handle(0), [1, cfg.hidden_size], sail.Dtype.BM_FLOAT16, False, True)
     with pytest.raises(SailEngineError, match="Wrong dtype"):
         t.update_data(np.zeros((1, cfg.hidden_size), np.float16))      # pybind11 makes it float32 first
@@ -759,13 +818,21 @@ def test_fake_sail_follows_the_binding(model, cache_dir):
     with pytest.raises(SailEngineError, match="Wrong dtype"):
         i32.update_data(np.ones((1, 4), np.float32))
     f32.update_data(np.ones((1, 4), np.float32)), i32.update_data(np.ones((1, 4), np.int32))
-    # --quant_input strips lm_head's input cast: its input is the 16-bit I/O type; --quant_output is not
-    # passed for lm_head, so the logits stay F32
-    assert e.get_input_dtype("lm_head", e.get_input_names("lm_head")[0]) == sail.Dtype.BM_FLOAT16
-    assert e.get_output_dtype("lm_head", e.get_output_names("lm_head")[0]) == sail.Dtype.BM_FLOAT32
-    _, sail32 = fake_sail(cache_dir / "tpu_bm1684x" / f"{w.fingerprint()}-seq{S}-f16", "bf16")
-    e = sail32.Engine(__file__, 0, sail32.IOMode.DEVIO)
-    assert e.get_input_dtype("lm_head", "hidden_states") == sail32.Dtype.BM_BFLOAT16
+    # tpu-mlir's StripIOQuant strips an input's cast only where the input has one use, cast to 16 bits: lm_head's
+    # hidden_states feeds the F32 final norm twice, so it stays F32; --quant_output is not passed for lm_head, so
+    # the logits stay F32. A block's input_states feeds its F32 input norm and the residual add: F32; the history
+    # K/V (one Concat) and the mask (Reshape, then the 16-bit score Add) lose their casts, as do the block's outputs.
+    F32, F16 = sail.Dtype.BM_FLOAT32, sail.Dtype.BM_FLOAT16
+    assert e.get_input_dtype("lm_head", e.get_input_names("lm_head")[0]) == F32
+    assert e.get_output_dtype("lm_head", e.get_output_names("lm_head")[0]) == F32
+    assert [e.get_input_dtype("block_cache_0", n) for n in e.get_input_names("block_cache_0")] == \
+        [F32, sail.Dtype.BM_INT32, F16, F16, F16]
+    assert {e.get_output_dtype("block_cache_0", n) for n in e.get_output_names("block_cache_0")} == {F16}
+    assert e.get_output_dtype("embedding", "input_embed") == F16
+    _, sail16 = fake_sail(cache_dir / "tpu_bm1684x" / f"{w.fingerprint()}-seq{S}-f16", "bf16")
+    e = sail16.Engine(__file__, 0, sail16.IOMode.DEVIO)
+    assert e.get_input_dtype("block_cache_0", "history_k") == sail16.Dtype.BM_BFLOAT16
+    assert e.get_input_dtype("lm_head", "hidden_states") == sail16.Dtype.BM_FLOAT32
 
 
 @pytest.mark.parametrize("precision", ["f32", "f16", "bf16"])
