@@ -370,8 +370,13 @@ def _npu_library(release: str | None = None):
                   kw["input_layout"], kw["num_key_value_heads"], kw.get("actual_seq_lengths_kv"))
 
     def incre(query, key, value, **kw):
-        _CALLS.append(("incre_fa", kw.get("actual_seq_lengths")))
+        table = kw.get("block_table")
+        _CALLS.append(("incre_fa" if table is None else "paged_fa", kw.get("actual_seq_lengths")))
         assert query.shape[2] == 1
+        if table is not None:     # page attention, under its documented constraints (see paged_attention_read)
+            key, value, mask = paged_attention_read(query, key, value, table, kw)
+            return fa(query, key, value, mask, kw["num_heads"], kw.get("scale_value", 1.0), kw["input_layout"],
+                      kw["num_key_value_heads"], kw["actual_seq_lengths"])
         return fa(query, key, value, kw["atten_mask"], kw["num_heads"], kw.get("scale_value", 1.0),
                   kw["input_layout"], kw["num_key_value_heads"], kw.get("actual_seq_lengths"))
 
@@ -400,6 +405,23 @@ def _npu_library(release: str | None = None):
             lib.impl(name, meta, "Meta")
     _LIBRARIES[namespace] = lib, list(schemas)
     return getattr(torch.ops, namespace), list(schemas)
+
+
+def paged_attention_read(query, key, value, table, kw):
+    """What npu_incre_flash_attention's page attention reads (op-plugin docs/zh/custom_APIs/torch_npu/
+    torch_npu-npu_incre_flash_attention.md, "page attention使用限制"): block_table int32 [B, maxBlockNumPerSeq]
+    of block indices in [0, blocknum), the cache [blocknum, numKvHeads, blocksize, headDims] with a BNSD query,
+    block_size 16-aligned for fp16/bf16, and every row's actual_seq_lengths. Returns each row's blocks in order as
+    [B, Hkv, M * block_size, D] and an all-False mask (the lengths bound each row)."""
+    lens = kw.get("actual_seq_lengths")
+    size = kw.get("block_size", 0)
+    b, m = table.shape
+    assert lens is not None and len(lens) == b == query.shape[0] and table.dtype == torch.int32
+    assert kw["input_layout"] == "BNSD" and key.dim() == 4 and key.shape[2] == size and size % 16 == 0
+    assert int(table.min()) >= 0 and int(table.max()) < key.shape[0] and m * size >= max(lens)
+    assert kw.get("atten_mask") is None
+    k, v = ((c[table.long()].transpose(1, 2).reshape(b, c.shape[1], m * size, c.shape[3])) for c in (key, value))
+    return k, v, torch.zeros((b, 1, 1, m * size), dtype=torch.bool)
 
 
 def _fake_torch_npu(release: str | None = None):
@@ -683,6 +705,113 @@ def test_kernels_without_the_arguments_we_pass_fall_back_to_sdpa(monkeypatch):
     ops = select_ops(NPU, torch.bfloat16, "Ascend910B4")
     assert ops.name == "npu-sdpa" and "scaled_dot_product_attention" in ops.kernels["attention"]
     assert "lacks ['num_key_value_heads']" in ops.kernels["why"]
+
+
+def _paged_batch(make_tiny, monkeypatch, mode, release=None, n_slots=3):
+    """(cfg, weights, an AscendBatchSession on the stand-in NPU kernels of `release`, calls) on the CPU."""
+    from glmcore_plugins.ascend_npu import session as sess
+    fake, calls = _fake_torch_npu(release)
+    monkeypatch.setitem(sys.modules, "torch_npu", fake)
+    monkeypatch.setattr(sess, "select_ops", lambda device, dtype, soc: select_ops(NPU, dtype, soc))
+    cfg, w = model(make_tiny, "chatglm3")
+    opts = AscendNpuBackend().resolve(LoadOptions(precision="bf16", capacity=64, extra={
+        "mode": mode, "block_size": "16", "buckets": "8", "batch_buckets": "4"}))
+    b = sess.AscendBatchSession(cfg, w, opts, AscendNpuBackend().capabilities(), torch.device("cpu"), n_slots,
+                                "Ascend910B4")
+    return cfg, w, b, calls
+
+
+def test_paged_cache_batch_decode_matches_the_host_and_shares_prefixes(make_tiny, monkeypatch):
+    """A batch on page-attention kernels keeps its KV in blocks: decode reads each row's blocks through the block
+    table, a prefix copy is a block-table edit (shared blocks, reference-counted), a write into a shared block
+    copies it first, a reset frees the slot's blocks. Same logits as the host's unpaged batch (bf16, other
+    kernels), step for step."""
+    cfg, w, paged, calls = _paged_batch(make_tiny, monkeypatch, "eager")
+    tables = paged.runner.tables
+    assert tables is not None and paged.runner.k_cache[0].shape == (tables.n_blocks, cfg.num_kv_heads, 16, cfg.head_dim)
+    assert "page attention" in paged.runner.ops.kernels["attention"]
+    host = AscendNpuBackend().load_batch(cfg, w, LoadOptions(precision="bf16", capacity=64, extra={
+        "device": "cpu", "mode": "eager"}), 3)
+    assert host.runner.tables is None
+    script = [("step", [(0, ids(20, 1)), (1, ids(5, 2))]), ("step", [(0, [7]), (1, [8])]), ("step", [(0, [9]), (1, [10])]),
+              ("copy", 0, 2, 18),                   # block 0 shared whole, block 1 (positions 16, 17) shared in part
+              ("step", [(2, ids(3, 3))]),           # slot 2 writes at 18: its own copy of block 1
+              ("step", [(0, [11]), (1, [12]), (2, [13])]),
+              ("copy", 2, 1, 10), ("step", [(1, ids(4, 4)), (2, [14])]),     # slot 1 writes into shared block 0
+              ("reset", 0), ("step", [(0, ids(9, 5))]), ("step", [(0, [15]), (1, [16]), (2, [17])])]
+    shared_seen, agree = False, []
+    for op in script:
+        if op[0] == "step":
+            got, want = paged.step(op[1]), host.step(op[1])
+            assert rel_l2(got, want) < 0.02, op            # a wrong block would be a different row entirely
+            agree += list(got.argmax(-1) == want.argmax(-1))
+        elif op[0] == "copy":
+            for s in (paged, host):
+                s.copy_prefix(*op[1:])
+            src, dst, n = op[1:]
+            assert (tables.table[dst, :-(-n // 16)] == tables.table[src, :-(-n // 16)]).all()   # no copy made
+            shared_seen = shared_seen or bool((tables.refs > 1).any())
+        else:
+            for s in (paged, host):
+                s.reset(op[1])
+            assert (tables.table[op[1]] == 0).all()
+    assert shared_seen and np.mean(agree) >= 0.8          # bf16 near-ties may flip a top-1
+    decodes = [c for c in calls if isinstance(c, tuple) and c[0] in ("paged_fa", "incre_fa")]
+    assert decodes and {c[0] for c in decodes} == {"paged_fa"}
+    assert ("paged_fa", [23, 8, 22]) in calls and ("paged_fa", [10, 15, 24]) in calls     # each row's length
+    # every block is referenced exactly as often as the tables name it; a reset of all returns them all
+    held = tables.table[tables.table != 0]
+    assert (np.bincount(held, minlength=tables.n_blocks)[1:] == tables.refs[1:]).all()
+    for slot in range(3):
+        paged.reset(slot)
+    assert sorted(tables.free) == [b for b in range(1, tables.n_blocks) if tables.refs[b] == 0]
+    assert tables.refs[1:].sum() == (tables.table != 0).sum()
+
+
+def _cache_gathers(gm) -> list[str]:
+    """The nodes of a captured graph that gather from a KV cache (index_select or tensor indexing of a cache
+    input): the copies of every row's slot that page attention avoids."""
+    import operator
+    caches = {n for n in gm.graph.nodes if n.op == "placeholder" and "cache" in n.name}
+    found = []
+    for n in gm.graph.nodes:
+        if not n.args or n.args[0] not in caches:
+            continue
+        index = n.args[1] if len(n.args) > 1 else None
+        tensor_index = isinstance(index, torch.fx.Node) or (isinstance(index, tuple) and any(
+            isinstance(i, torch.fx.Node) for i in index))
+        if n.target in (torch.index_select, "index_select") or (n.target is operator.getitem and tensor_index):
+            found.append(n.name)
+    return found
+
+
+@pytest.mark.parametrize("release", [None, "6.0.rc2-v2r3"])
+def test_paged_batch_decode_graph_gathers_no_cache(make_tiny, monkeypatch, release):
+    """The captured batched-decode graph reads the paged cache in place: no index_select (or tensor indexing) of
+    a cache input. Where page attention is not available (6.0.rc2's v2r3: int[] decode lengths) the unpaged
+    cache is gathered per row, which the check finds."""
+    from glmcore_plugins.ascend_npu import session as sess
+    graphs = []
+
+    def eager_backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    cfg, w, b, calls = _paged_batch(make_tiny, monkeypatch, "graph", release)
+    monkeypatch.setitem(sys.modules, "torchair", _fake_torchair(lambda compiler_config: eager_backend))
+    b.runner.on_npu = True
+    b.runner._step = b.runner._compile()
+    torch._dynamo.reset()
+    b.step([(0, ids(6, 1)), (1, ids(3, 2))])
+    graphs.clear()
+    out = b.step([(0, [5]), (1, [6]), (2, [7])])               # three rows, padded to the batch bucket of 4
+    assert len(graphs) == 1 and np.isfinite(out).all()
+    gathers = _cache_gathers(graphs[0])
+    if release is None:
+        assert b.runner.tables is not None and gathers == []
+        assert [c for c in calls if isinstance(c, tuple) and c[0] == "paged_fa"][-1][1] == [7, 4, 1, 1]
+    else:
+        assert b.runner.tables is None and gathers                 # [B, Hkv, S, D] copies of the rows' slots
 
 
 def test_npu_graph_mode_marks_caches_static_and_lengths_dynamic(make_tiny, monkeypatch):

@@ -97,7 +97,7 @@ def device_precisions(device: str) -> tuple[str, ...]:
 
 class AscendNpuBackend(Backend):
     name = "ascend_npu"
-    option_keys = ("device", "mode", "buckets", "batch_buckets")
+    option_keys = ("device", "mode", "buckets", "batch_buckets", "block_size")
     extra = "ascend"
     description = "torch graph mode (torchair on Ascend NPU; inductor on CUDA/CPU), fused attention + RMSNorm, static KV cache"
 

@@ -108,6 +108,7 @@ class AttentionPlan:
     KV lengths (else the prompt kernel without lengths); decode lengths only where they are SymInt[]."""
     fused_prefill: bool
     decode_lengths: bool
+    paged_decode: bool = False      # the incremental kernel reads a paged cache through block_table (page attention)
 
 
 def npu_attention_plan(torch_npu) -> tuple[AttentionPlan | None, str | None]:
@@ -122,7 +123,11 @@ def npu_attention_plan(torch_npu) -> tuple[AttentionPlan | None, str | None]:
     fused_prefill = _FUSED <= set(fused_args) and fused_args.get("actual_seq_lengths_kv", "").startswith("SymInt")
     if not fused_prefill and not _PROMPT <= set(prompt):
         return None, f"npu_prompt_flash_attention lacks {sorted(_PROMPT - set(prompt))} in this torch_npu"
-    return AttentionPlan(fused_prefill, incre.get("actual_seq_lengths", "").startswith("SymInt")), None
+    decode_lengths = incre.get("actual_seq_lengths", "").startswith("SymInt")
+    # page attention needs block_table, block_size and each row's actual_seq_lengths (op-plugin's
+    # torch_npu-npu_incre_flash_attention.md, "page attention使用限制"): only where those lengths are SymInt[]
+    paged = decode_lengths and {"block_table", "block_size"} <= set(incre)
+    return AttentionPlan(fused_prefill, decode_lengths, paged), None
 
 
 def _npu_ops(dtype: torch.dtype, plan: AttentionPlan) -> Ops:
@@ -154,13 +159,22 @@ def _npu_ops(dtype: torch.dtype, plan: AttentionPlan) -> Ops:
         return torch_npu.npu_prompt_flash_attention(q.contiguous(), k, v, pre_tokens=2147483647,
                                                     next_tokens=2147483647, scale_value=1.0 / math.sqrt(d), **common)
 
-    def cache_write(cache, slots, pos, new):
+    def paged_decode(q, k_cache, v_cache, blocks, seq_lens):
+        # page attention: the cache is [blocknum, numKvHeads, blocksize, headDims] with a BNSD query, block_table
+        # [B, maxBlockNumPerSeq] int32, every row's actual_seq_lengths; no mask (the lengths bound each row)
+        _, h, _, d = q.shape
+        return torch_npu.npu_incre_flash_attention(q.contiguous(), k_cache, v_cache, num_heads=h, input_layout="BNSD",
+                                                   num_key_value_heads=k_cache.shape[1], scale_value=1.0 / math.sqrt(d),
+                                                   block_table=blocks, block_size=k_cache.shape[2],
+                                                   actual_seq_lengths=seq_lens)
+
+    def cache_write(cache, rows, pos, new):
         if cache.shape[0] == 1:
             # one sequence: writes new[:, :, j] at cache[:, :, pos[0, 0] + j] in place (axis -2 = S of BNSD)
             torch_npu.scatter_update_(cache, pos[:, 0], new.contiguous(), -2)
         else:
-            # several slots: scatter_update_ writes batch row b of the cache, not slot slots[b]
-            torch_cache_write(cache, slots, pos, new)
+            # several slots or blocks: scatter_update_ writes batch row b of the cache, not row rows[b]
+            torch_cache_write(cache, rows, pos, new)
 
     kv = "torch_npu.scatter_update_ (axis -2; index_put_ for several slots)"
     if dtype == torch.float32:
@@ -172,9 +186,12 @@ def _npu_ops(dtype: torch.dtype, plan: AttentionPlan) -> Ops:
                else "npu_prompt_flash_attention without lengths (its int[] lengths would recompile per KV length)")
     decode = ("npu_incre_flash_attention with per-row actual_seq_lengths (SymInt[])" if decode_lengths else
               "npu_incre_flash_attention without lengths (int[] in this torch_npu: they would recompile per step)")
+    if plan.paged_decode:
+        decode += "; batched decode over a paged cache through block_table (page attention)"
     return Ops("npu", rms_norm, attention, cache_write,
                {"rms_norm": "torch_npu.npu_rms_norm", "attention": f"torch_npu {prefill} (prefill) / {decode} "
-                "(decode), BNSD", "kv_update": kv, "schemas": CHECKED_SCHEMAS}, seq_lens=fused or decode_lengths)
+                "(decode), BNSD", "kv_update": kv, "schemas": CHECKED_SCHEMAS}, seq_lens=fused or decode_lengths,
+               paged_decode=paged_decode if plan.paged_decode else None)
 
 
 def select_ops(device, dtype: torch.dtype, soc: str | None = None) -> Ops:

@@ -107,6 +107,18 @@ def parse_buckets(value, default=DEFAULT_BUCKETS, what="buckets") -> tuple[int, 
     return buckets
 
 
+def parse_block_size(value, default: int = 128) -> int:
+    """Positions per block of a paged cache: a multiple of 16 (page attention's fp16/bf16 constraint)."""
+    try:
+        size = default if value is None else int(value)
+    except (TypeError, ValueError):
+        size = 0
+    if size < 16 or size % 16:
+        raise BackendError(f"ascend_npu: block_size={value!r} is not a multiple of 16 (page attention needs one); "
+                           f"pass e.g. --opt block_size={default}")
+    return size
+
+
 def npu_compiler(torchair_mod, dynamic_lengths: bool):
     """torchair's NPU backend as this backend configures it: frozen parameters always; with per-row KV
     lengths also tiling_schedule_optimize (the lengths stay graph inputs; see the module docstring)
@@ -121,11 +133,61 @@ def npu_compiler(torchair_mod, dynamic_lengths: bool):
     return torchair_mod.get_npu_backend(compiler_config=config), options
 
 
+class BlockTables:
+    """The block tables of a paged KV cache (vLLM's block manager, small): slot s's positions j*size..(j+1)*size-1
+    live in physical block table[s, j] of one pool. A prefix copy shares the source's blocks (reference counts);
+    a write into a shared block first copies it (copy on write), so a slot never writes another's positions.
+    Block 0 is scratch: unallocated entries point at it (the kernels need every entry in range; nothing is read
+    past a row's length). The pool holds every slot's blocks unshared, so allocation never fails."""
+
+    def __init__(self, n_slots: int, per_slot: int, size: int, copy_block):
+        self.size, self.copy_block = size, copy_block          # copy_block(src, dst): the device copy
+        self.table = np.zeros((n_slots, per_slot), np.int32)
+        self.refs = np.zeros(1 + n_slots * per_slot, np.int64)
+        self.free = list(range(len(self.refs) - 1, 0, -1))
+
+    @property
+    def n_blocks(self) -> int:
+        return len(self.refs)
+
+    def ensure(self, slot: int, lo: int, hi: int) -> None:
+        """Positions lo..hi-1 of `slot` get blocks of their own, ready to be written."""
+        for j in range(lo // self.size, -(-hi // self.size)):
+            block = int(self.table[slot, j])
+            if block and self.refs[block] == 1:
+                continue
+            fresh = self.free.pop()
+            self.refs[fresh] = 1
+            if block:                       # shared: copy on write
+                self.copy_block(block, fresh)
+                self.refs[block] -= 1
+            self.table[slot, j] = fresh
+
+    def release(self, slot: int) -> None:
+        for block in self.table[slot]:
+            if block:
+                self.refs[block] -= 1
+                if self.refs[block] == 0:
+                    self.free.append(int(block))
+        self.table[slot] = 0
+
+    def share(self, src: int, dst: int, n: int) -> None:
+        """dst's first n positions become src's, by reference: a block-table edit, no copy."""
+        self.release(dst)
+        for j in range(-(-n // self.size)):
+            block = int(self.table[src, j])
+            self.table[dst, j] = block
+            self.refs[block] += block != 0
+
+    def rows(self, slots: list[int]) -> torch.Tensor:
+        return torch.from_numpy(self.table[slots])
+
+
 class StepRunner:
     """The model on the device, its static KV cache of `n_slots` slots and the (compiled) step."""
 
     def __init__(self, cfg: ModelConfig, weights, options: LoadOptions, caps: Capabilities, device: torch.device,
-                 n_slots: int, soc: str | None = None, tp=LOCAL):
+                 n_slots: int, soc: str | None = None, tp=LOCAL, paged: bool = False):
         extra = options.extra
         self.mode = str(extra.get("mode", "graph")).lower()
         if self.mode not in MODES:
@@ -146,10 +208,22 @@ class StepRunner:
             # this form also runs on a device.
             self.ops = dataclasses.replace(self.ops, experts=dense_experts)
         forward = FORWARDS[arch.of(cfg).torch_forward]        # the shared torch forward (plugins/torch_ref)
-        self.model = forward(cfg, weights, device, self.dtype, self.ops, self.capacity + spare, tp).eval()
+        positions = self.capacity + spare
+        paged = paged and self.ops.paged_decode is not None
+        if paged:
+            size = parse_block_size(extra.get("block_size"))
+            positions = -(-positions // size) * size
+        self.model = forward(cfg, weights, device, self.dtype, self.ops, positions, tp).eval()
         # Static KV cache, BNSD per layer: [slots, kv_heads, positions, head_dim] (see ops.py for why), or the
-        # architecture's own form (a latent cache for MLA): the forward says.
-        k_shape, v_shape = self.model.cache_shapes(n_slots, self.capacity + spare)
+        # architecture's own form (a latent cache for MLA): the forward says. Batches on kernels that read a
+        # paged cache (page attention) get one instead: [blocks, kv_heads, block_size, head_dim] per layer and a
+        # block table per slot, so a batched decode reads each row's blocks in place rather than gathering every
+        # row's slot (BlockTables); GQA caches only (K and V alike).
+        k_shape, v_shape = self.model.cache_shapes(n_slots, positions)
+        self.tables = None
+        if paged and k_shape == v_shape:
+            self.tables = BlockTables(n_slots, positions // size, size, self._copy_block)
+            k_shape = v_shape = (self.tables.n_blocks, k_shape[1], size, k_shape[3])
         self.k_cache = [torch.zeros(k_shape, dtype=self.dtype, device=device) for _ in range(cfg.num_layers)]
         self.v_cache = [torch.zeros(v_shape, dtype=self.dtype, device=device) for _ in range(cfg.num_layers)]
         self.on_npu = device.type == "npu"
@@ -184,6 +258,11 @@ class StepRunner:
         self.compiler = "inductor"
         return torch.compile(self.model.forward, backend=_inductor_backend(), fullgraph=True, dynamic=False)
 
+    def _copy_block(self, src: int, dst: int) -> None:
+        with torch.inference_mode():
+            for cache in self.k_cache + self.v_cache:
+                cache[dst].copy_(cache[src])
+
     def call(self, ids: torch.Tensor, start: list[int], slots: list[int], last: list[int]):
         """One step over B rows: ids [B, T] (on the device), per-row start position, cache slot and index
         of the row's last real token. Returns (float32 logits [B, vocab], hidden [B, T, hidden])."""
@@ -192,8 +271,14 @@ class StepRunner:
         slots_t = torch.tensor(slots, dtype=torch.long, device=dev)
         last_t = torch.tensor(last, dtype=torch.long, device=dev)
         seq_lens = [s + ids.shape[1] for s in start] if self.ops.seq_lens else None
+        blocks = None
+        if self.tables is not None:
+            for slot, s in zip(slots, start):
+                self.tables.ensure(slot, s, s + ids.shape[1])
+            blocks = self.tables.rows(slots).to(dev)
+        static = (ids, start_t, slots_t, last_t) + ((blocks,) if blocks is not None else ())
         if self.on_npu and self.mode == "graph":
-            for t in (ids, start_t, slots_t, last_t):     # static shapes; only the length list varies
+            for t in static:                              # static shapes; only the length list varies
                 torch._dynamo.mark_static(t)
         # A call that compiled (new shape) is timed and counted apart from the steady-state steps.
         shapes = self.__dict__.setdefault("_shapes_seen", set())
@@ -204,7 +289,7 @@ class StepRunner:
         before = COMPILE_COUNT["graphs"]
         t0 = time.perf_counter()
         with torch.inference_mode():
-            out = self._step(ids, start_t, slots_t, last_t, self.k_cache, self.v_cache, seq_lens)
+            out = self._step(ids, start_t, slots_t, last_t, self.k_cache, self.v_cache, seq_lens, blocks)
         if COMPILE_COUNT["graphs"] != before:
             self.compiles += COMPILE_COUNT["graphs"] - before
             self.compile_seconds += time.perf_counter() - t0
@@ -325,7 +410,7 @@ class AscendBatchSession(BatchSession):
                  n_slots: int, soc: str | None = None, tp=LOCAL):
         if n_slots < 1:
             raise BackendError(f"ascend_npu: a batch session needs at least one slot (got {n_slots})")
-        self.runner = StepRunner(cfg, weights, options, caps, device, n_slots + 1, soc, tp)
+        self.runner = StepRunner(cfg, weights, options, caps, device, n_slots + 1, soc, tp, paged=True)
         self.cfg, self.n_slots, self.capacity = cfg, n_slots, self.runner.capacity
         self.batch_buckets = parse_buckets(options.extra.get("batch_buckets"), default_batch_buckets(n_slots),
                                            "batch_buckets")
@@ -375,12 +460,16 @@ class AscendBatchSession(BatchSession):
 
     def reset(self, slot: int) -> None:
         self._lens[self._slot(slot)] = 0
+        if self.runner.tables is not None:
+            self.runner.tables.release(slot)
 
     def copy_prefix(self, src: int, dst: int, n: int) -> None:
         src, dst = self._slot(src), self._slot(dst)
         if not 0 <= n <= self._lens[src]:
             raise BackendError(f"copy_prefix: slot {src} holds {self._lens[src]} positions, cannot copy {n}")
-        if src != dst:
+        if src != dst and self.runner.tables is not None:
+            self.runner.tables.share(src, dst, n)          # a block-table edit: the blocks are shared, not copied
+        elif src != dst:
             with torch.inference_mode():
                 for cache in self.runner.k_cache + self.runner.v_cache:   # keys are stored rotated at 0..n-1
                     cache[dst, :, :n].copy_(cache[src, :, :n])

@@ -90,7 +90,10 @@ class Layer(nn.Module):
 class Step:
     """What every layer's attention of one step shares: positions [B, T], the rows' slots [B], the rotary
     rows of those positions, the causal mask over each slot [B, T, S], per-row KV lengths where the kernels
-    take them, and whether the cache has one slot (a static fact of its shape, not data)."""
+    take them, whether the cache has one slot (a static fact of its shape, not data), and where each token's
+    K/V go: (rows, at) [B, T] index the cache's first and position axes -- the slot and position, or on a paged
+    cache (blocks: each row's block table [B, M] int32, block_size positions per block) the physical block and
+    the offset in it."""
     pos: torch.Tensor
     slots: torch.Tensor
     cos: torch.Tensor
@@ -98,9 +101,18 @@ class Step:
     allowed: torch.Tensor
     seq_lens: list[int] | None
     one_slot: bool
+    rows: torch.Tensor
+    at: torch.Tensor
+    blocks: torch.Tensor | None = None
 
     def read(self, cache: torch.Tensor) -> torch.Tensor:
-        """Each row's own slot of a cache: the cache itself for one slot, else the rows' slots gathered."""
+        """Each row's own slot of a cache: the cache itself for one slot, else the rows' slots gathered; on a
+        paged cache the rows' blocks in order, [B, Hkv, M * block_size, D] (host kernels: a paged kernel reads
+        the blocks in place)."""
+        if self.blocks is not None:
+            b, m = self.blocks.shape
+            pages = cache[self.blocks.long()]                                      # [B, M, Hkv, block, D]
+            return pages.transpose(1, 2).reshape(b, cache.shape[1], m * cache.shape[2], cache.shape[3])
         return cache if self.one_slot else cache.index_select(0, self.slots)
 
 
@@ -175,20 +187,26 @@ class DenseGLM(DenseBlock):
 
     def forward(self, ids: torch.Tensor, start: torch.Tensor, slots: torch.Tensor, last: torch.Tensor,
                 k_cache: list[torch.Tensor], v_cache: list[torch.Tensor],
-                seq_lens: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                seq_lens: list[int] | None = None, blocks: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """ids [B, T] int64: row b holds tokens at positions start[b]..start[b]+T-1 of cache slot
         slots[b] (start, slots, last: [B] int64). Writes K/V into the static caches in place and returns
         (float32 logits [B, vocab] of each row's token `last[b]`, final hidden states [B, T, hidden]).
         Tokens past a row's real ones are padding; their results are unused. seq_lens: each row's KV
-        length start[b]+T as host ints, for kernels that take it (Ops.seq_lens), else None."""
+        length start[b]+T as host ints, for kernels that take it (Ops.seq_lens), else None. blocks: on a paged
+        cache ([blocks, Hkv, block_size, D] per layer), each row's block table [B, M] int32."""
         b, t = ids.shape
         pos = start[:, None] + self.position_ids[:t]                       # [B, T] absolute positions
         cos, sin = self.cos[pos], self.sin[pos]
-        # [B, T, S]: causal over the slot, S positions as the caches hold them (a caller may pass views of the
-        # first S positions: every row's keys lie there)
-        allowed = self.position_ids[None, None, :k_cache[0].shape[2]] <= pos[:, :, None]
+        if blocks is None:
+            rows, at = slots[:, None].expand_as(pos), pos
+            positions = k_cache[0].shape[2]     # a caller may pass views of the first S positions: every row's keys lie there
+        else:
+            size = k_cache[0].shape[2]          # positions per block
+            rows, at = blocks.long().gather(1, pos // size), pos % size
+            positions = blocks.shape[1] * size
+        allowed = self.position_ids[None, None, :positions] <= pos[:, :, None]     # [B, T, S]: causal over the slot
         one_slot = k_cache[0].shape[0] == 1                            # a static fact of the cache, not data
-        step = Step(pos, slots, cos, sin, allowed, seq_lens, one_slot)     # what every layer's attention shares
+        step = Step(pos, slots, cos, sin, allowed, seq_lens, one_slot, rows, at, blocks)   # what every layer shares
         x = self.tp.embed(self.embed, ids).float()
         for layer, k, v in zip(self.layers, k_cache, v_cache):
             x = self.block(layer, x, lambda h: self.attention(layer, h, step, k, v))
@@ -206,10 +224,13 @@ class DenseGLM(DenseBlock):
         """Grouped-query attention of h [B, T, hidden] over each row's slot; writes the new K/V first."""
         b, t, _ = h.shape
         q, k, v = self.project_qkv(layer, h, step.cos, step.sin)
-        self.ops.cache_write(k_cache, step.slots, step.pos, k.transpose(1, 2))
-        self.ops.cache_write(v_cache, step.slots, step.pos, v.transpose(1, 2))
-        attn = self.ops.attention(q.transpose(1, 2), step.read(k_cache), step.read(v_cache), step.allowed,
-                                  step.seq_lens)
+        self.ops.cache_write(k_cache, step.rows, step.at, k.transpose(1, 2))
+        self.ops.cache_write(v_cache, step.rows, step.at, v.transpose(1, 2))
+        if t == 1 and step.blocks is not None and self.ops.paged_decode is not None:     # reads the blocks in place
+            attn = self.ops.paged_decode(q.transpose(1, 2), k_cache, v_cache, step.blocks, step.seq_lens)
+        else:
+            attn = self.ops.attention(q.transpose(1, 2), step.read(k_cache), step.read(v_cache), step.allowed,
+                                      step.seq_lens)
         return self.linear(attn.transpose(1, 2).reshape(b, t, self.cfg.q_size), layer.attn_out)
 
     def rerotate(self, keys: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -344,7 +365,7 @@ class Glm4MoeLite(Glm4Moe):
         c_kv = ops.rms_norm(c_kv.float(), layer.kv_a_norm, eps).to(dt)
         q_rot = apply_rotary(q_rot, step.cos, step.sin, il)
         k_rot = apply_rotary(k_rot.view(b, t, 1, rope), step.cos, step.sin, il)
-        ops.cache_write(k_cache, step.slots, step.pos, torch.cat((c_kv.view(b, t, 1, R), k_rot), dim=-1).transpose(1, 2))
+        ops.cache_write(k_cache, step.rows, step.at, torch.cat((c_kv.view(b, t, 1, R), k_rot), dim=-1).transpose(1, 2))
         latent = step.read(k_cache)[:, 0]                                        # [B, S, R + rope]
         s = latent.shape[1]
         k_nope, v = F.linear(latent[..., :R], layer.kv_b).view(b, s, H, nope + vd).split([nope, vd], dim=-1)

@@ -23,12 +23,15 @@ class Ops:
     name: str                                  # "torch" | "npu" | "npu-sdpa"
     rms_norm: Callable                         # (x fp32, weight fp32, eps) -> normalized x, fp32
     attention: Callable                        # (q [B,H,T,D], k/v [B,Hkv,S,D], allowed [B,T,S], seq_lens) -> [B,H,T,D]
-    cache_write: Callable                      # (cache [slots,Hkv,S,D], slots [B], pos [B,T], new [B,Hkv,T,D]) -> None
+    cache_write: Callable                      # (cache [slots,Hkv,S,D], rows [B,T], pos [B,T], new [B,Hkv,T,D]) -> None
     kernels: dict = field(default_factory=dict)   # what runs, for the probe and the session report
     seq_lens: bool = False                     # attention wants per-row KV lengths (a host list of ints)
     # MoE experts: (h [N, hidden], chosen [N, k] expert ids, weights [N, k] fp32, up [E, 2F, hidden],
     # down [E, hidden, F]) -> the weighted sum of the chosen experts' SwiGLU outputs [N, hidden]
     experts: Callable = None
+    # Decode over a paged cache in place: (q [B,H,1,D], k/v cache [blocks,Hkv,block_size,D], block table [B,M]
+    # int32, seq_lens) -> [B,H,1,D]. None: the rows' blocks are gathered (Step.read) for `attention`.
+    paged_decode: Callable | None = None
 
     def __post_init__(self):
         if self.experts is None:
@@ -54,10 +57,11 @@ def torch_attention(q, k, v, allowed, seq_lens=None):
     return out.reshape(b, h, t, v.shape[-1])          # latent attention's V heads may differ from Q/K's
 
 
-def torch_cache_write(cache, slots, pos, new):
-    # cache[slots[b], :, pos[b, t]] = new[b, :, t]: one index_put_ for every row and token, in place.
-    # (The advanced indices are split by a slice, so the indexed view is [B, T, Hkv, D].)
-    cache[slots[:, None].expand_as(pos), :, pos] = new.transpose(1, 2)
+def torch_cache_write(cache, rows, pos, new):
+    # cache[rows[b, t], :, pos[b, t]] = new[b, :, t]: one index_put_ for every row and token, in place (rows: the
+    # token's slot, or its physical block on a paged cache). The advanced indices are split by a slice, so the
+    # indexed view is [B, T, Hkv, D].
+    cache[rows, :, pos] = new.transpose(1, 2)
 
 
 def torch_experts(h, chosen, weights, up, down):
