@@ -346,7 +346,7 @@ def test_ascend_first_compile_says_so(capsys):
     import types
     import torch
     from glmcore_plugins.ascend_npu import session as asc
-    runner = types.SimpleNamespace(device="cpu", ops=types.SimpleNamespace(seq_lens=False), on_npu=False,
+    runner = types.SimpleNamespace(device="cpu", ops=types.SimpleNamespace(seq_lens=False), on_npu=False, tables=None,
                                    mode="graph", k_cache=None, v_cache=None, compiles=0, compile_seconds=0.0,
                                    _step=lambda *a: "out")
     ids = torch.zeros((1, 16), dtype=torch.long)
