@@ -1,0 +1,220 @@
+"""Speculative decoding in the step loop: greedy output with drafts equals plain decoding token for token
+(whatever the drafter proposes, wherever it is rejected), and the cache after a step holds exactly what
+plain decoding's would; sampled acceptance keeps the model's distribution; stop strings, grammars and
+the sliding window stay correct under speculation."""
+import numpy as np
+import pytest
+from scipy import stats
+
+from glmcore.backend import Capabilities
+from glmcore.engine import NgramDrafter, Request, RequestState, Speculation, WindowPolicy
+from glmcore.errors import GlmcoreError
+from glmcore.sampling import Sampler, SamplingParams
+from test_scheduler import VOCAB, PureBatch, held_logits, prompts
+
+GREEDY = SamplingParams(temperature=0)
+from glmcore.scheduler import Scheduler  # noqa: E402  (the public name, as the rest of the code imports it)
+
+
+class Scripted:
+    """Proposes the continuation plain decoding gives (`expected`), except a wrong id at draft position
+    `wrong_at` (None: never wrong)."""
+
+    def __init__(self, expected: dict, wrong_at: int | None):
+        self.expected, self.wrong_at = expected, wrong_at
+
+    def propose(self, state, k):
+        want = self.expected[tuple(state.request.prompt)][len(state.tokens):len(state.tokens) + k]
+        if self.wrong_at is not None and self.wrong_at < len(want):
+            want[self.wrong_at] = (want[self.wrong_at] + 1) % VOCAB
+        return want
+
+
+def scheduler(batch, k=4, drafter=None, **kw) -> Scheduler:
+    sched = Scheduler(batch, Capabilities(native_batch=True), **kw,
+                      speculation=Speculation("ngram", k) if k else None)
+    if drafter is not None:
+        sched.drafter = drafter
+    return sched
+
+
+def plain(prompt, max_new=12, params=GREEDY, capacity=64, window=None, **kw):
+    batch = PureBatch(n_slots=1, capacity=capacity)
+    sched = scheduler(batch, k=0)
+    h = sched.submit(Request(prompt, params, max_new, window=window or WindowPolicy(), **kw))
+    return list(h), h, batch
+
+
+@pytest.mark.parametrize("wrong_at", [None, 0, 1, 2, 3])
+def test_greedy_output_and_cache_equal_plain_decoding_wherever_a_draft_is_rejected(wrong_at):
+    ps = prompts(4)
+    expected = {tuple(p): plain(p)[0] for p in ps}
+    batch = PureBatch(n_slots=4)
+    sched = scheduler(batch, 4, Scripted(expected, wrong_at))
+    handles = [sched.submit(Request(p, GREEDY, 12)) for p in ps]
+    sched.run()
+    for h, p in zip(handles, ps):
+        assert h.tokens == expected[tuple(p)] and h.timings.drafted > 0
+        # the slot's cache holds the prompt and every token but the last, as plain decoding leaves it
+        assert batch.held[h.slot.index] == h.slot.tokens == p + h.tokens[:-1]
+    if wrong_at is None:       # every draft right: 12 tokens in 1 prefill + 3 verifications (5, 5, 1 tokens)
+        assert sched.steps == 1 + 3 and sched.accepted == sched.drafted
+    else:
+        assert sched.accepted < sched.drafted
+
+
+@pytest.mark.parametrize("wrong_at", range(4))
+def test_each_verification_confirms_exactly_the_drafts_before_the_rejected_one(wrong_at):
+    p, k, max_new = prompts(1)[0], 4, 9
+    expected = {tuple(p): plain(p, max_new=max_new)[0]}
+    sched = scheduler(PureBatch(n_slots=1), k, Scripted(expected, wrong_at))
+    h = sched.submit(Request(p, GREEDY, max_new)).wait()
+    n, accepted, steps = 1, 0, 1          # the prefill gives the first token
+    while n < max_new:
+        confirmed = min(wrong_at, k, max_new - n - 1)
+        accepted, n, steps = accepted + confirmed, n + confirmed + 1, steps + 1
+    assert h.tokens == expected[tuple(p)]
+    assert (h.timings.accepted, sched.steps) == (accepted, steps)
+
+
+def test_sixteen_sequences_with_prompt_lookup_equal_plain_decoding():
+    g = np.random.default_rng(3)
+    ps = [(g.integers(0, VOCAB, 6).tolist() * 4)[: 10 + i] for i in range(16)]   # repetitive: lookups hit
+    batch = PureBatch(n_slots=16, capacity=96)
+    sched = scheduler(batch, 5)
+    handles = [sched.submit(Request(p, GREEDY, 30)) for p in ps]
+    sched.run()
+    for h, p in zip(handles, ps):
+        assert h.tokens == plain(p, 30, capacity=96)[0]
+        assert batch.held[h.slot.index] == p + h.tokens[:-1]
+    assert sched.drafted > 0
+
+
+def test_ngram_lookup_proposes_what_followed_the_latest_earlier_match():
+    state = RequestState.new(Request([1, 2, 3, 4, 9, 2, 3, 5, 6, 2, 3]), None)
+    state.history = list(state.request.prompt)
+    assert NgramDrafter().propose(state, 3) == [5, 6, 2]          # "2 3" last seen before "5 6"
+    state.history = [7, 8, 9]
+    assert NgramDrafter().propose(state, 3) == []
+
+
+def test_a_stop_string_inside_a_drafted_run_ends_the_request_where_plain_decoding_does():
+    p = prompts(1)[0]
+    expected, _, _ = plain(p, 12)
+    cut = expected[5]
+
+    def on_token(handle, token):             # what the server and lm-eval do with stop strings
+        if token == cut:
+            handle.cancel()
+
+    base = scheduler(PureBatch(n_slots=1), 0)
+    a = base.submit(Request(p, GREEDY, 12), on_token=on_token)
+    a.wait()
+    batch = PureBatch(n_slots=1)
+    sched = scheduler(batch, 8, Scripted({tuple(p): expected}, None))
+    b = sched.submit(Request(p, GREEDY, 12), on_token=on_token)
+    b.wait()
+    assert b.tokens == a.tokens == expected[:expected.index(cut) + 1] and b.finish_reason == "cancelled"
+    assert sched.steps == 2                  # the whole run was drafted and confirmed in one step
+    assert batch.held[0] == b.slot.tokens == base.slots[0].tokens     # the cut token is not fed, as in plain decoding
+
+
+def test_the_window_slides_at_the_same_points_as_plain_decoding():
+    p = prompts(1, 10)[0]
+    window = WindowPolicy("window", n_keep=2)
+    expected, ref, ref_batch = plain(p, 60, capacity=24, window=window)
+    batch = PureBatch(n_slots=1, capacity=24)
+    sched = scheduler(batch, 6, Scripted({tuple(p): expected}, 4))
+    h = sched.submit(Request(p, GREEDY, 60, window=window))
+    assert list(h) == expected and h.timings.shifts == ref.timings.shifts >= 3
+    assert batch.held[0] == ref_batch.held[0]
+
+
+def test_the_error_policy_ends_at_the_same_token_as_plain_decoding():
+    p = prompts(1, 10)[0]
+    expected, ref, _ = plain(p, 60, capacity=24)
+    sched = scheduler(PureBatch(n_slots=1, capacity=24), 6, Scripted({tuple(p): expected + [0] * 40}, None))
+    h = sched.submit(Request(p, GREEDY, 60))
+    assert list(h) == expected and h.finish_reason == ref.finish_reason == "length" and h.context_full
+
+
+def test_sampled_acceptance_keeps_the_distribution():
+    """Rejection sampling with a one-point draft: the token's law is p whatever is drafted."""
+    logits = np.random.default_rng(0).standard_normal(VOCAB).astype(np.float32) * 1.5
+    sampler = Sampler(SamplingParams(temperature=1.0, top_p=1.0, seed=7), VOCAB)
+    ids, probs = sampler.distribution(logits)
+    p = np.zeros(VOCAB)
+    p[ids] = probs
+    n = 20000
+    for draft in (int(ids[0]), int(ids[5]), int(np.argmin(p))):     # likely, middling, unlikely
+        counts = np.bincount([sampler.verify(logits, (), draft) for _ in range(n)], minlength=VOCAB)
+        keep = p * n >= 5
+        obs = np.append(counts[keep], counts[~keep].sum())
+        exp = np.append(p[keep] * n, p[~keep].sum() * n)
+        assert stats.chisquare(obs, exp).pvalue > 1e-3, draft
+
+
+class Forced(PureBatch):
+    """PureBatch whose prompt makes the first token certain (logits row after `prompt`: one id at +100),
+    so the drafted positions that follow are sampled from a known history."""
+
+    def __init__(self, prompt, first, **kw):
+        super().__init__(**kw)
+        self.prompt, self.first = prompt, first
+
+    def forward(self, entries, all_logits=False):
+        out = super().forward(entries, all_logits)
+        for i, (slot, ids) in enumerate(entries):
+            held = self.held[slot]
+            for j in range(len(ids)):
+                if held[:len(held) - len(ids) + j + 1] == self.prompt:
+                    row = out[i][j] if all_logits else out[i]
+                    row[:] = 0
+                    row[self.first] = 100
+        return out
+
+
+def test_sampled_speculation_keeps_the_joint_distribution_of_two_tokens():
+    """Through the loop: with [a, b] drafted after a certain first token x, the pairs (second, third)
+    follow the model's law p(second | x) p(third | x, second), accepted or not."""
+    p0, x = [3, 1, 4], 9
+    params = SamplingParams(temperature=1.5, top_p=1.0)
+    law = Sampler(params, VOCAB)
+    ids, pr = law.distribution(held_logits(p0 + [x]))
+    a = int(ids[0])                                  # draft the likeliest second token, then a guess
+    ids1, pr1 = law.distribution(held_logits(p0 + [x, a]))
+    b = int(ids1[2])
+    batch = Forced(p0, x, n_slots=1, capacity=16)
+
+    class Guess:
+        def propose(self, state, k):
+            return [a, b][:k]
+
+    sched = scheduler(batch, 2, Guess(), n_vocab=VOCAB)
+    n, seconds, thirds = 2000, [], []
+    for seed in range(n):
+        sched.forget()
+        h = sched.submit(Request(p0, SamplingParams(temperature=1.5, top_p=1.0, seed=seed), 3))
+        toks = list(h)
+        assert toks[0] == x and batch.held[0] == p0 + toks[:-1]
+        seconds.append(toks[1])
+        if toks[1] == a:
+            thirds.append(toks[2])
+    assert sched.accepted > 0 and sched.accepted < sched.drafted
+    for got, (i, q) in ((seconds, (ids, pr)), (thirds, (ids1, pr1))):
+        p = np.zeros(VOCAB)
+        p[i] = q
+        counts = np.bincount(got, minlength=VOCAB)
+        keep = p * len(got) >= 5
+        obs = np.append(counts[keep], counts[~keep].sum())
+        exp = np.append(p[keep], p[~keep].sum()) * len(got)
+        assert stats.chisquare(obs, exp).pvalue > 1e-3
+
+
+def test_speculation_is_refused_without_native_batched_steps():
+    with pytest.raises(GlmcoreError, match="needs a backend with native batched steps"):
+        Scheduler(PureBatch(native=False), Capabilities(), speculation=Speculation("ngram", 4))
+    with pytest.raises(GlmcoreError, match="unknown speculative method 'medusa'"):
+        Speculation("medusa")
+    with pytest.raises(GlmcoreError, match="invalid --draft-tokens 0"):
+        Speculation("ngram", 0)
