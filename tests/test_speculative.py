@@ -218,3 +218,96 @@ def test_speculation_is_refused_without_native_batched_steps():
         Speculation("medusa")
     with pytest.raises(GlmcoreError, match="invalid --draft-tokens 0"):
         Speculation("ngram", 0)
+
+
+# ----------------------------------------------------------------------------- the native-batch backends
+
+NATIVE = ["torch", "cpu_int4", "openvino_amx"]
+
+
+@pytest.fixture(scope="module")
+def glm4_dir(make_tiny):
+    return make_tiny("glm4")
+
+
+def run_all(sched, ps, max_new, **kw):
+    hs = [sched.submit(Request(p, GREEDY, max_new, **kw)) for p in ps]
+    sched.run()
+    return [h.tokens for h in hs]
+
+
+@pytest.mark.parametrize("backend", NATIVE)
+def test_greedy_speculation_equals_plain_decoding_on_each_native_backend(glm4_dir, backend):
+    """16 sequences at once and one alone, with prompt lookup and with an oracle drafter wrong at its
+    third position (so every verification confirms two drafts and rejects one); the cache after each
+    request holds what plain decoding leaves."""
+    from glmcore.model import load_model
+    from glmcore.backend import LoadOptions
+    m = load_model(glm4_dir, backend, LoadOptions(threads=1, capacity=128), slots=16)
+    V, caps, batch = m.tokenizer.n_vocab, m.backend.capabilities(), m.scheduler.batch
+    g = np.random.default_rng(0)
+    ps = [(g.integers(5, V, 7).tolist() * 5)[: 12 + i] for i in range(16)]    # repetitive: lookups hit
+    ref = run_all(m.scheduler, ps, 40)
+    held = [list(s.tokens) for s in m.scheduler.slots]
+    for drafter in (None, Scripted({tuple(p): r for p, r in zip(ps, ref)}, 2)):
+        m.scheduler.forget()
+        sched = Scheduler(batch, caps, n_vocab=V, speculation=Speculation("ngram", 4))
+        if drafter is not None:
+            sched.drafter = drafter
+        assert run_all(sched, ps, 40) == ref
+        assert 0 < sched.accepted < sched.drafted
+        assert sorted(s.tokens for s in sched.slots) == sorted(held)
+        assert all(batch.kv_len(s.index) == len(s.tokens) for s in sched.slots)
+        sched.forget()
+        assert run_all(sched, ps[:1], 40) == ref[:1]
+    m.close()
+
+
+def test_the_window_slides_in_place_during_speculation_on_cpu_int4(glm4_dir):
+    """cpu_int4 slides its KV ring in place (re-rotating the kept keys); cutting rejected drafts after
+    slides leaves the cache as plain decoding leaves it."""
+    from glmcore.model import load_model
+    from glmcore.backend import LoadOptions
+    m = load_model(glm4_dir, "cpu_int4", LoadOptions(threads=1, capacity=32), slots=2)
+    V, caps, batch = m.tokenizer.n_vocab, m.backend.capabilities(), m.scheduler.batch
+    assert caps.can_shift
+    g = np.random.default_rng(1)
+    ps = [(g.integers(5, V, 5).tolist() * 4)[:20], g.integers(5, V, 18).tolist()]
+    window = WindowPolicy("window", n_keep=4)
+    ref = run_all(m.scheduler, ps, 70, window=window)
+    shifts = sorted(s.shifts for s in m.scheduler.slots)
+    m.scheduler.forget()
+    sched = Scheduler(batch, caps, n_vocab=V, speculation=Speculation("ngram", 4))
+    sched.drafter = Scripted({tuple(p): r for p, r in zip(ps, ref)}, 3)
+    assert run_all(sched, ps, 70, window=window) == ref
+    assert sorted(s.shifts for s in sched.slots) == shifts and min(shifts) >= 3 and sched.accepted > 0
+    m.close()
+
+
+def test_a_grammar_rejects_a_drafted_token_it_does_not_allow(glm4_dir):
+    """The drafts are right except a token the grammar forbids: the masked row rejects it, and the
+    output is plain constrained decoding's."""
+    pytest.importorskip("llguidance")
+    from glmcore.backend import LoadOptions
+    from glmcore.model import load_model
+    from glmcore.structured import Grammar, compile_grammar
+    m = load_model(glm4_dir, "torch", LoadOptions(threads=1, capacity=128), slots=1)
+    tok, caps, batch = m.tokenizer, m.backend.capabilities(), m.scheduler.batch
+    constraint = compile_grammar(tok, Grammar.regex(r"alpha beta gamma delta epsilon"), m.config.vocab_size)
+    prompt = [tok.special_ids["[gMASK]"], tok.special_ids["<sop>"]] + tok.encode("say it")
+    ref = m.scheduler.submit(Request(prompt, GREEDY, 30, [tok.eos_id], constraint=constraint)).wait()
+    assert tok.decode(ref.tokens) == "alpha beta gamma delta epsilon" and len(ref.tokens) > 4
+    forbidden = tok.encode("zeta")[0]
+
+    class Breaker:
+        def propose(self, state, k):
+            want = ref.tokens[len(state.tokens):len(state.tokens) + k]
+            return want[:1] + [forbidden] + want[2:]
+
+    m.scheduler.forget()
+    sched = Scheduler(batch, caps, n_vocab=tok.n_vocab, speculation=Speculation("ngram", 4))
+    sched.drafter = Breaker()
+    h = sched.submit(Request(prompt, GREEDY, 30, [tok.eos_id], constraint=constraint)).wait()
+    assert h.tokens == ref.tokens and h.finish_reason == ref.finish_reason == "stop"
+    assert 0 < sched.accepted < sched.drafted
+    m.close()
