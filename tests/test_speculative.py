@@ -311,3 +311,60 @@ def test_a_grammar_rejects_a_drafted_token_it_does_not_allow(glm4_dir):
     assert h.tokens == ref.tokens and h.finish_reason == ref.finish_reason == "stop"
     assert 0 < sched.accepted < sched.drafted
     m.close()
+
+
+# ----------------------------------------------------------------------------- the command line and the server
+
+def test_run_with_prompt_lookup_prints_what_plain_decoding_prints(tmp_path, capsys):
+    from glmcore.cli import main
+    f = tmp_path / "p.txt"
+    f.write_text("copy this: red green blue red green blue red green blue\nhello there\n", encoding="utf-8")
+    common = ["run", "--backend", "cpu_int4", "--prompts", str(f), "--max-new-tokens", "24", "--temperature", "0",
+              "--threads", "1"]
+    assert main(common) == 0
+    plain_out = capsys.readouterr().out
+    assert main(common + ["--speculative", "ngram", "--draft-tokens", "3"]) == 0
+    out, err = capsys.readouterr()
+    assert out == plain_out and "| drafted " in err
+    assert main(["run", "--backend", "cpu_int4", "--prompt", "hi", "--speculative", "mtp"]) == 2
+    assert "--speculative mtp is not implemented yet" in capsys.readouterr().err
+
+
+def test_the_server_counts_drafted_and_accepted_tokens(make_tiny):
+    pytest.importorskip("fastapi")
+    from glmcore.backend import LoadOptions
+    from glmcore.model import load_model
+    from test_server import client, metric, serving
+    d = make_tiny("chatglm3")
+    replies = []
+    for spec in (None, Speculation("ngram", 4)):
+        m = load_model(d, "torch", LoadOptions(threads=1), slots=2, speculation=spec)
+        with serving(m) as url:
+            r = client(url).completions.create(model="tiny", prompt="a b c a b c a b c a b c", max_tokens=24,
+                                               temperature=0)
+            replies.append(r.choices[0].text)
+            drafted, accepted = metric(url, "glmcore_draft_tokens"), metric(url, "glmcore_draft_accepted_tokens")
+        m.close()
+    assert replies[0] == replies[1]
+    assert drafted > 0 and 0 <= accepted <= drafted
+
+
+def test_a_two_turn_chat_with_prompt_lookup_equals_one_without(make_tiny):
+    """The Pipeline reuses the slot's cache for the next turn: after cut drafts it must hold the reply."""
+    from glmcore.backend import LoadOptions
+    from glmcore.pipeline import Pipeline
+    d = make_tiny("glm4")
+    turns = ["say: one two three one two three", "again: one two three"]
+    replies = []
+    for spec in (None, Speculation("ngram", 4)):
+        pipe = Pipeline(d, "cpu_int4", LoadOptions(threads=1), speculation=spec)
+        msgs, out = [], []
+        for t in turns:
+            msgs.append({"role": "user", "content": t})
+            reply = pipe.chat(msgs, params=GREEDY, max_new_tokens=20)
+            out.append(reply.content)
+            msgs.append({"role": "assistant", "content": reply.content})
+        assert pipe.timings.cached_tokens > 0            # the second turn prefilled only its own ids
+        replies.append(out)
+        pipe.model.close()
+    assert replies[0] == replies[1]
