@@ -70,7 +70,8 @@ def test_schedule_puts_decodes_first_with_their_drafts_then_prefill_chunks_under
     plan = schedule(t, 8, Fixed([11, 12, 13, 14, 15]), 3)
     assert [(e.state, e.ids, e.draft, e.sample) for e in plan.entries] == [
         (d, [10, 11, 12, 13], [11, 12, 13], True), (p, list(range(20, 24)), [], False)]
-    assert plan.all_logits and plan.batch_entries() == [(d.slot.index, [10, 11, 12, 13]), (p.slot.index, [20, 21, 22, 23])]
+    assert plan.all_logits
+    assert plan.batch_entries() == [(d.slot.index, [10, 11, 12, 13]), (p.slot.index, [20, 21, 22, 23])]
     assert d.pending is None and p.todo == list(range(24, 40))
 
 
@@ -100,7 +101,7 @@ def test_a_window_slides_for_the_decode_token_and_drafts_fill_only_the_room_left
 
 
 def entry(t, draft, pending=10, max_new=8, **kw) -> PlanEntry:
-    d = decoding(t, [1, 2, 3], pending, max_new=max_new, **kw)
+    decoding(t, [1, 2, 3], pending, max_new=max_new, **kw)
     return schedule(t, 64, Fixed(draft), len(draft)).entries[0]
 
 
@@ -144,4 +145,4 @@ def test_logits_rows_of_a_verification_are_the_positions_after_each_fed_token():
     t = table()
     e = entry(t, [11, 12])
     logits = [np.arange(3)[:, None] * np.ones((1, 4))]
-    assert [row_of(e, logits, 0, True)[0] for e.rounds in range(3)] == [0, 1, 2]
+    assert [row_of(e, logits, True)[0] for e.rounds in range(3)] == [0, 1, 2]

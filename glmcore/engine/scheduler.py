@@ -13,19 +13,20 @@ import numpy as np
 
 from .. import structured
 from ..backend import BatchSession, Capabilities
-from ..errors import ContextOverflow, GlmcoreError
+from ..errors import GlmcoreError
 from ..events import FinishReason
+from .driver import BackgroundDriver
 from .request import Handle, Request, RequestState, WindowPolicy, check_request
 from .slots import Slot, SlotTable
 from .speculative import Speculation
-from .step import Event, PlanEntry, constrain, end, row_of, sample, schedule, update
+from .step import Event, PlanEntry, StepPlan, constrain, end, row_of, sample, schedule, update
 
 
 class QueueFull(GlmcoreError):
     """The scheduler's waiting queue is full; retry later."""
 
 
-class Scheduler:
+class Scheduler(BackgroundDriver):
     """Continuous batching over one BatchSession: each step gathers one decode token of every running
     request (with its drafted tokens under `speculation`) plus prefill chunks of admitted ones under a
     token budget, and samples every request that has logits to sample. A finished request frees its slot
@@ -45,7 +46,7 @@ class Scheduler:
         self.threaded, self.steps, self.drafted, self.accepted = False, 0, 0, 0
         self._lock = threading.Lock()        # the waiting queue (submit/cancel come from other threads)
         self._step_lock = threading.Lock()   # one step at a time
-        self._wake = threading.Event()
+        self._wake = threading.Event()       # new work, a cancel: the background thread steps again
         self._stop, self._thread = False, None
         self._executor = None                # llguidance's, for a batch of constrained requests' masks
 
@@ -80,7 +81,7 @@ class Scheduler:
             plan = schedule(self.table, self.token_budget, self.drafter, self.speculation.draft_tokens_per_step)
             self._deliver(plan.ended)
             if plan.entries:
-                self._run(plan.entries, plan.all_logits)
+                self._run(plan)
             return bool(self.waiting) or self.busy_slots > 0
 
     def run(self) -> None:
@@ -105,28 +106,29 @@ class Scheduler:
                 state = self.waiting.popleft()
             self.table.place(state, free)
 
-    def _run(self, entries: list[PlanEntry], all_logits: bool) -> None:
+    def _run(self, plan: StepPlan) -> None:
         try:
-            logits = self.batch.step([(e.index, e.ids) for e in entries], all_logits)
+            logits = self.batch.step(plan.batch_entries(), plan.all_logits)
         except Exception as e:     # a backend failure ends the requests of this step, not the server
             err = e if isinstance(e, GlmcoreError) else GlmcoreError(
                 f"the backend failed during a step: {type(e).__name__}: {e}")
-            for entry in entries:
+            for entry in plan.entries:
                 self.table.drop(entry.state.slot)
                 self._deliver(end(entry.state, FinishReason.ERROR, err))
             return
         self.steps += 1
-        for e in entries:
+        for e in plan.entries:
             e.state.slot.tokens.extend(e.ids)
             self.drafted += len(e.draft)
             e.state.timings.drafted += len(e.draft)
-        row = {id(e): i for i, e in enumerate(entries)}
-        active = [e for e in entries if e.sample]
+        active = [e for e in plan.entries if e.sample]
         while active:                 # one round per drafted position, and one after them
-            events = [ev for e in active if e.state.cancelled for ev in end(e.state, FinishReason.CANCELLED)]
-            active = [e for e in active if not e.state.cancelled]
-            rows, dead = constrain([e.state for e in active], [row_of(e, logits, row[id(e)], all_logits)
-                                                              for e in active], self._masker(active))
+            # a consumer that cancelled on a token of this step (a stop string) gets no more of them
+            events = [ev for e in active if e.rounds and e.state.cancelled
+                      for ev in end(e.state, FinishReason.CANCELLED)]
+            active = [e for e in active if e.state.finish_reason is None]
+            rows, dead = constrain([e.state for e in active], [row_of(e, logits, plan.all_logits) for e in active],
+                                   self._masker(active))
             for e in active:
                 if e.state.finish_reason is not None:
                     e.rounds += 1       # its row was read: the token that made it stays fed
@@ -134,7 +136,7 @@ class Scheduler:
             sampled = sample([e for e, _ in live], [r for _, r in live])
             more, active = update([e for e, _ in live], sampled, time.perf_counter())
             self._deliver(events + dead + more)
-        for e in entries:            # rejected drafts leave the cache as if never fed
+        for e in plan.entries:       # rejected drafts leave the cache as if never fed
             if e.kept() < len(e.state.slot.tokens):
                 self.table.truncate(e.state.slot, e.kept())
             self.accepted += e.accepted
@@ -148,69 +150,10 @@ class Scheduler:
         for ev in events:
             ev.state.handle.deliver(ev.token)
 
-    # ------------------------------------------------------------------ teacher forcing (scoring, conformance)
-
     def feed(self, slot: Slot, ids: Sequence[int], window: WindowPolicy) -> np.ndarray:
-        """Append given ids to an idle slot under `window` (sliding it as generation would) and return the
-        last position's logits. For scoring text (perplexity) and conformance."""
-        ids = [int(t) for t in ids]
+        """Teacher forcing on an idle slot (SlotTable.feed): scoring text, conformance."""
         with self._step_lock:
-            if slot.state is not None:
-                raise GlmcoreError(f"slot {slot.index} is running a request; feed an idle slot")
-            if self.table.make_room(slot, len(ids), window).full:
-                raise ContextOverflow(f"{len(slot.tokens) + len(ids)} tokens exceed the context of {self.capacity}; "
-                                      "raise --ctx or use --overflow window")
-            logits = self.batch.step([(slot.index, ids)])[0]
-            slot.tokens.extend(ids)
-            return logits
+            return self.table.feed(slot, ids, window)
 
     def shift(self, slot: Slot, n_keep: int, n_discard: int) -> None:
         self.table.shift(slot, n_keep, n_discard)
-
-    # ------------------------------------------------------------------ background driver
-
-    def start(self) -> "Scheduler":
-        """Drive the scheduler from a background thread (for servers)."""
-        if self._thread is None:
-            self.threaded, self._stop = True, False
-            self._thread = threading.Thread(target=self._loop, name="glmcore-scheduler", daemon=True)
-            self._thread.start()
-        return self
-
-    def _loop(self) -> None:
-        while not self._stop:
-            try:
-                busy = self.step()
-            except Exception as e:     # a bug must not leave consumers waiting forever
-                self._fail_all(GlmcoreError(f"internal error in the scheduler: {type(e).__name__}: {e}; "
-                                            "please report"))
-                continue
-            if not busy:
-                self._wake.wait(timeout=0.5)
-                self._wake.clear()
-
-    def _all(self) -> list[RequestState]:
-        with self._lock:
-            return list(self.waiting) + self.table.running()
-
-    def _fail_all(self, err: GlmcoreError) -> None:
-        states = self._all()
-        with self._lock:
-            self.waiting.clear()
-        self._deliver([ev for s in states for ev in end(s, FinishReason.ERROR, err)])
-
-    def stop(self, grace_s: float = 0.0) -> None:
-        """Stop the background thread: running requests get grace_s to finish, then are cancelled."""
-        deadline = time.monotonic() + grace_s
-        while self._thread is not None and (self.waiting or self.busy_slots) and time.monotonic() < deadline:
-            time.sleep(0.02)
-        for s in self._all():
-            s.handle.cancel()
-        if self._thread is not None:
-            self._stop = True
-            self._wake.set()
-            # the loop reaps the cancelled requests at its next step before it exits
-            self._thread.join(timeout=60)
-            self._thread = None
-        self.threaded = False
-        self.step()

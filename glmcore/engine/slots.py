@@ -7,7 +7,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from ..backend import BatchSession, Capabilities
-from ..errors import ContextOverflow
+import numpy as np
+
+from ..errors import ContextOverflow, GlmcoreError
 from .request import WindowPolicy
 
 if TYPE_CHECKING:
@@ -114,6 +116,19 @@ class SlotTable:
         """Forget a slot's cache (after a failed step its content is unknown)."""
         self.batch.reset(slot.index)
         slot.tokens = []
+
+    def feed(self, slot: Slot, ids: Sequence[int], window: WindowPolicy) -> np.ndarray:
+        """Teacher forcing: append given ids to an idle slot under `window` (sliding it as generation
+        would) and return the last position's logits. For scoring text (perplexity) and conformance."""
+        ids = [int(t) for t in ids]
+        if slot.state is not None:
+            raise GlmcoreError(f"slot {slot.index} is running a request; feed an idle slot")
+        if self.make_room(slot, len(ids), window).full:
+            raise ContextOverflow(f"{len(slot.tokens) + len(ids)} tokens exceed the context of {self.capacity}; "
+                                  "raise --ctx or use --overflow window")
+        logits = self.batch.step([(slot.index, ids)])[0]
+        slot.tokens.extend(ids)
+        return logits
 
     def forget(self) -> None:
         """Drop what every free slot caches."""

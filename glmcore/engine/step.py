@@ -34,6 +34,7 @@ class PlanEntry:
     sample: bool
     kv_before: int
     draft: list[int] = field(default_factory=list)
+    row: int = 0                 # its place in the step's entries (and logits)
     rounds: int = 0              # rows consumed so far (one per verified position, plus the last)
     accepted: int = 0            # drafted tokens the target confirmed
 
@@ -51,6 +52,10 @@ class PlanEntry:
 class StepPlan:
     entries: list[PlanEntry]
     ended: list[Event]           # requests the KV policy ended while planning (context full, overflow)
+
+    def __post_init__(self):
+        for i, e in enumerate(self.entries):
+            e.row = i
 
     @property
     def all_logits(self) -> bool:
@@ -112,11 +117,11 @@ def make_room(table: SlotTable, state: RequestState, n_new: int) -> list[Event]:
     return []
 
 
-def row_of(entry: PlanEntry, logits, i: int, all_logits: bool) -> np.ndarray:
+def row_of(entry: PlanEntry, logits, all_logits: bool) -> np.ndarray:
     """The logits row entry samples in its current round (a view, no copy)."""
     if not all_logits:
-        return logits[i]
-    return logits[i][len(entry.ids) - len(entry.draft) - 1 + entry.rounds]
+        return logits[entry.row]
+    return logits[entry.row][len(entry.ids) - len(entry.draft) - 1 + entry.rounds]
 
 
 def constrain(states: Sequence[RequestState], rows: list[np.ndarray], executor) -> tuple[list[np.ndarray], list[Event]]:
