@@ -35,23 +35,26 @@ def step_costs(backend_name: str, size: str, model: str | None, threads: int, ks
     n = len(prompt)
 
     def timed(ids, all_logits):
-        times = []
-        for _ in range(runs):
-            t = time.perf_counter()
-            batch.step([(0, ids)], all_logits)
-            times.append(time.perf_counter() - t)
-            batch.copy_prefix(0, 0, n)        # drop what the step appended (a rejected draft)
-        return statistics.median(times)
+        t = time.perf_counter()
+        batch.step([(0, ids)], all_logits)
+        took = time.perf_counter() - t
+        batch.copy_prefix(0, 0, n)            # drop what the step appended (a rejected draft)
+        return took
 
+    sizes = [0] + ks
     timed([5], False)                         # warm-up
-    one = timed([5], False)
+    times: dict[int, list[float]] = {k: [] for k in sizes}
+    for _ in range(runs):                     # interleaved, so a slow phase of a shared machine hits every size
+        for k in sizes:
+            times[k].append(timed([5 + i for i in range(1 + k)], k > 0))
+    one = statistics.median(times[0])
     print(f"{backend.name} {opts.precision}/{opts.weights}, {model_dir.name} ({cfg.num_layers} layers, hidden "
-          f"{cfg.hidden_size}, vocab {cfg.vocab_size}), kv {n}, threads {threads}, median of {runs}")
+          f"{cfg.hidden_size}, vocab {cfg.vocab_size}), kv {n}, threads {threads}, median (min) of {runs}")
     print("| tokens in the step (1 + drafts) | ms | / 1-token step |\n|---:|---:|---:|")
-    print(f"| 1 | {one * 1e3:.2f} | 1.00 |")
-    for k in ks:
-        t = timed([5 + i for i in range(1 + k)], True)
-        print(f"| {1 + k} | {t * 1e3:.2f} | {t / one:.2f} |")
+    for k in sizes:
+        t = statistics.median(times[k])
+        print(f"| {1 + k} | {t * 1e3:.1f} ({min(times[k]) * 1e3:.1f}) | {t / one:.2f} "
+              f"({min(times[k]) / min(times[0]):.2f}) |")
     batch.close()
 
 
@@ -101,10 +104,12 @@ def main(argv=None) -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--draft-tokens", type=int, default=4)
     ap.add_argument("--gen", type=int, default=64)
-    ap.add_argument("--runs", type=int, default=7)
+    ap.add_argument("--runs", type=int, default=9)
+    ap.add_argument("--skip-lookup", action="store_true", help="only the step costs")
     a = ap.parse_args(argv)
     step_costs(a.backend, a.size, a.model, a.threads, [1, 2, 4, 8], a.runs)
-    lookup(a.backend, a.threads, a.draft_tokens, a.gen)
+    if not a.skip_lookup:
+        lookup(a.backend, a.threads, a.draft_tokens, a.gen)
 
 
 if __name__ == "__main__":

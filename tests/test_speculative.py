@@ -327,7 +327,7 @@ def test_run_with_prompt_lookup_prints_what_plain_decoding_prints(tmp_path, caps
     out, err = capsys.readouterr()
     assert out == plain_out and "| drafted " in err
     assert main(["run", "--backend", "cpu_int4", "--prompt", "hi", "--speculative", "mtp"]) == 2
-    assert "--speculative mtp is not implemented yet" in capsys.readouterr().err
+    assert "--speculative mtp needs a checkpoint with a multi-token-prediction (NextN) layer" in capsys.readouterr().err
 
 
 def test_the_server_counts_drafted_and_accepted_tokens(make_tiny):
@@ -368,3 +368,77 @@ def test_a_two_turn_chat_with_prompt_lookup_equals_one_without(make_tiny):
         replies.append(out)
         pipe.model.close()
     assert replies[0] == replies[1]
+
+
+# ----------------------------------------------------------------------------- the MTP (NextN) drafter
+
+@pytest.fixture(scope="module")
+def moe(make_tiny):
+    from glmcore.backend import LoadOptions
+    from glmcore.model import load_model
+    m = load_model(make_tiny("glm4-moe"), "torch", LoadOptions(threads=1, capacity=96), slots=16)
+    yield m
+    m.close()
+
+
+def test_mtp_greedy_speculation_equals_plain_decoding(moe):
+    V, caps, batch = moe.tokenizer.n_vocab, moe.backend.capabilities(), moe.scheduler.batch
+    assert batch.has_nextn
+    g = np.random.default_rng(0)
+    ps = [g.integers(5, V, 10 + i).tolist() for i in range(16)]
+    moe.scheduler.forget()
+    ref = run_all(moe.scheduler, ps, 24)
+    for group in (ps, ps[:1]):
+        moe.scheduler.forget()
+        sched = Scheduler(batch, caps, n_vocab=V, speculation=Speculation("mtp", 3))
+        assert run_all(sched, group, 24) == ref[:len(group)]
+        assert sched.drafted > 0
+        assert all(batch.kv_len(s.index) == len(s.tokens) for s in sched.slots)
+
+
+def test_mtp_drafts_do_not_depend_on_how_the_sequence_was_fed(moe):
+    """The NextN cache caught up step by step (prefill, decodes, a cut verification, a copied prefix)
+    drafts what it drafts over the same ids prefilled at once: each position saw the same id and state."""
+    batch, V = moe.scheduler.batch, moe.tokenizer.n_vocab
+    moe.scheduler.forget()
+    g = np.random.default_rng(5)
+    ids = g.integers(5, V, 30).tolist()
+    batch.step([(0, ids[:12])])
+    batch.draft_nextn(0, ids[12], 3)
+    batch.step([(0, ids[12:14])])
+    batch.step([(0, ids[14:20] + [1, 2, 3])], all_logits=True)      # a verification whose last 3 are rejected
+    batch.copy_prefix(0, 0, 20)
+    batch.draft_nextn(0, ids[20], 2)
+    batch.step([(0, ids[20:25])])
+    batch.copy_prefix(0, 1, 25)                                       # another slot takes the prefix
+    stepwise = [batch.draft_nextn(s, ids[25], 4) for s in (0, 1)]
+    batch.reset(2)
+    batch.step([(2, ids[:25])])
+    assert stepwise == [batch.draft_nextn(2, ids[25], 4)] * 2
+
+
+def test_mtp_first_draft_is_the_nextn_formula(moe):
+    """eh_proj(concat(enorm(embed(t)), hnorm(h))) -> the layer -> final norm -> lm_head, computed here with
+    the layer's own weights on the whole sequence (the embedding at position 0 zeroed, as vLLM does)."""
+    import torch
+    batch, V = moe.scheduler.batch, moe.tokenizer.n_vocab
+    model, mtp = batch.model, batch.mtp.layer
+    moe.scheduler.forget()
+    ids = np.random.default_rng(7).integers(5, V, 9).tolist()
+    _, hidden = model(torch.tensor([ids]), torch.tensor([0]), torch.tensor([3]), torch.tensor([8]),
+                      batch.k_cache, batch.v_cache)
+    nxt = ids[1:] + [42]
+    e = model.embed[torch.tensor(nxt)].clone()
+    e[0] = 0
+    rms = lambda x, w: x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + model.cfg.norm_eps) * w   # noqa: E731
+    x = torch.cat([rms(e, mtp.enorm), rms(hidden[0], mtp.hnorm)], -1) @ mtp.eh_proj.T
+    k, v = torch.zeros_like(batch.mtp.k_cache[:1]), torch.zeros_like(batch.mtp.v_cache[:1])
+    from glmcore_plugins.torch_ref.forward import Step
+    pos = torch.arange(9)[None]
+    step = Step(pos, torch.tensor([0]), model.cos[pos], model.sin[pos],
+                torch.arange(k.shape[2])[None, None] <= pos[:, :, None], None, True)
+    out = model.block(mtp.layer, x[None], step, k, v)[0, -1]
+    want = int(torch.argmax(rms(out, mtp.final_norm) @ model.lm_head.T))
+    batch.reset(3)
+    batch.step([(3, ids)])
+    assert batch.draft_nextn(3, 42, 1) == [want]

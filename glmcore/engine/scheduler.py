@@ -41,7 +41,7 @@ class Scheduler(BackgroundDriver):
         self.batch, self.slots, self.native = batch, self.table.slots, caps.native_batch
         self.n_vocab, self.token_budget, self.max_queue = n_vocab, token_budget, max_queue
         self.speculation = (speculation or Speculation()).checked(caps)
-        self.drafter = self.speculation.drafter()
+        self.drafter = self.speculation.drafter(batch)
         self.waiting: deque[RequestState] = deque()
         self.threaded, self.steps, self.drafted, self.accepted = False, 0, 0, 0
         self._lock = threading.Lock()        # the waiting queue (submit/cancel come from other threads)

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..backend import Capabilities
+from ..backend import BatchSession, Capabilities
 from ..errors import GlmcoreError
 from .request import RequestState
 
@@ -44,16 +44,22 @@ class Speculation:
             raise GlmcoreError(f"--speculative {self.method} needs a backend with native batched steps (one step "
                                "verifies the drafts and rejected ones are cut from its cache); use --speculative off "
                                "or a backend such as cpu_int4 or torch")
-        if self.method is Method.MTP:
-            raise GlmcoreError("--speculative mtp is not implemented yet; use --speculative ngram")
         return self
 
     @property
     def draft_tokens_per_step(self) -> int:
         return 0 if self.method is Method.OFF else self.draft_tokens
 
-    def drafter(self) -> "NgramDrafter | None":
-        return NgramDrafter() if self.method is Method.NGRAM else None
+    def drafter(self, batch: BatchSession) -> "NgramDrafter | MtpDrafter | None":
+        if self.method is Method.NGRAM:
+            return NgramDrafter()
+        if self.method is Method.MTP:
+            if not batch.has_nextn:
+                raise GlmcoreError("--speculative mtp needs a checkpoint with a multi-token-prediction (NextN) layer "
+                                   "(glm4_moe: num_nextn_predict_layers, the mtp tensors kept) on a backend that runs "
+                                   "it (torch); use --speculative ngram")
+            return MtpDrafter(batch)
+        return None
 
 
 class NgramDrafter:
@@ -74,3 +80,14 @@ class NgramDrafter:
                 start = int(hits[-1]) + n
                 return ids[start:start + k].tolist()
         return []
+
+
+class MtpDrafter:
+    """The checkpoint's NextN layer, run by the backend (BatchSession.draft_nextn) from the target's hidden
+    states: its greedy drafts, verified as any draft."""
+
+    def __init__(self, batch: BatchSession):
+        self.batch = batch
+
+    def propose(self, state: RequestState, k: int) -> list[int]:
+        return self.batch.draft_nextn(state.slot.index, state.pending, k)

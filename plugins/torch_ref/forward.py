@@ -139,20 +139,45 @@ class DenseGLM(nn.Module):
         x = self.tp.embed(self.embed, ids).float()
         step = Step(pos, slots, cos, sin, allowed, seq_lens, one_slot)     # what every layer's attention shares
         for i, layer in enumerate(self.layers):
-            h = ops.rms_norm(x, layer.input_norm, cfg.norm_eps).to(dt)
-            out = self.tp.reduce(self.attention(layer, h, step, k_cache[i], v_cache[i]).float())
-            if layer.post_self_attn_norm is not None:     # on the whole (reduced) output, in fp32
-                out = ops.rms_norm(out, layer.post_self_attn_norm, cfg.norm_eps)
-            x = x + out
-            h = ops.rms_norm(x, layer.post_attn_norm, cfg.norm_eps).to(dt)
-            out = self.tp.reduce(self.mlp(layer, h).float())
-            if layer.post_mlp_norm is not None:
-                out = ops.rms_norm(out, layer.post_mlp_norm, cfg.norm_eps)
-            x = x + out
+            x = self.block(layer, x, step, k_cache[i], v_cache[i])
         x = ops.rms_norm(x, self.final_norm, cfg.norm_eps).to(dt)
         rows = x.gather(1, last[:, None, None].expand(b, 1, x.shape[-1]))[:, 0]     # [B, hidden]
         logits = self.tp.gather(F.linear(rows, self.lm_head).float())
         return logits, x
+
+    def block(self, layer, x: torch.Tensor, step: "Step", k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+        """One decoder layer on the fp32 residual stream x [B, T, hidden]."""
+        cfg, ops, dt = self.cfg, self.ops, self.dtype
+        h = ops.rms_norm(x, layer.input_norm, cfg.norm_eps).to(dt)
+        out = self.tp.reduce(self.attention(layer, h, step, k_cache, v_cache).float())
+        if layer.post_self_attn_norm is not None:     # on the whole (reduced) output, in fp32
+            out = ops.rms_norm(out, layer.post_self_attn_norm, cfg.norm_eps)
+        x = x + out
+        h = ops.rms_norm(x, layer.post_attn_norm, cfg.norm_eps).to(dt)
+        out = self.tp.reduce(self.mlp(layer, h).float())
+        if layer.post_mlp_norm is not None:
+            out = ops.rms_norm(out, layer.post_mlp_norm, cfg.norm_eps)
+        return x + out
+
+    def nextn(self, mtp: "NextN", ids: torch.Tensor, start: torch.Tensor, slots: torch.Tensor, hidden: torch.Tensor,
+              k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The multi-token-prediction (NextN) layer, as vLLM's glm4_moe_mtp and llama.cpp's glm4-moe MTP compute
+        it: at position i it sees the next token ids[i] and the target's final hidden state hidden[i] there
+        (its own output for a chained draft), eh_proj(concat(enorm(embed(id)), hnorm(h))) -> one decoder layer
+        (its own KV cache) -> the shared head (its own final norm, the model's lm_head). The embedding at
+        position 0 is zero (nothing precedes it). Returns (float32 logits [B, vocab] of each row's last
+        position, the layer's output [B, T, hidden] before the norm, what a chained draft takes as h)."""
+        cfg, ops = self.cfg, self.ops
+        b, t = ids.shape
+        pos = start[:, None] + self.position_ids[:t]
+        allowed = self.position_ids[None, None, :k_cache.shape[2]] <= pos[:, :, None]
+        step = Step(pos, slots, self.cos[pos], self.sin[pos], allowed, None, k_cache.shape[0] == 1)
+        e = self.tp.embed(self.embed, ids).float().masked_fill((pos == 0)[..., None], 0.0)
+        joined = torch.cat([ops.rms_norm(e, mtp.enorm, cfg.norm_eps), ops.rms_norm(hidden.float(), mtp.hnorm,
+                                                                                  cfg.norm_eps)], dim=-1)
+        x = self.block(mtp.layer, F.linear(joined.to(self.dtype), mtp.eh_proj).float(), step, k_cache, v_cache)
+        out = ops.rms_norm(x[:, -1], mtp.final_norm, cfg.norm_eps).to(self.dtype)
+        return self.tp.gather(F.linear(out, self.lm_head).float()), x
 
     def cache_shapes(self, n_slots: int, positions: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """Each layer's K and V cache: BNSD [slots, kv_heads, positions, head_dim], keys stored rotated."""
@@ -189,6 +214,21 @@ class DenseGLM(nn.Module):
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """float32 logits of final hidden rows (all-positions requests, outside the captured step)."""
         return self.tp.gather(F.linear(hidden, self.lm_head).float())
+
+
+class NextN(nn.Module):
+    """A checkpoint's multi-token-prediction layer j (glm4_moe's mtp.j.*, placed by glmcore.arch.glm4_moe):
+    its norms of the embedding and of the hidden state, their projection, one decoder layer of the model's
+    kind and the shared head's norm (the head is the model's lm_head)."""
+
+    def __init__(self, model: "DenseGLM", weights, j: int, device, dtype):
+        super().__init__()
+        p, f32 = f"mtp.{j}.", torch.float32
+        self.enorm = to_device(weights[p + "enorm.weight"], device, f32)
+        self.hnorm = to_device(weights[p + "hnorm.weight"], device, f32)
+        self.final_norm = to_device(weights[p + "final_norm.weight"], device, f32)
+        self.eh_proj = to_device(weights[p + "eh_proj.weight"], device, dtype)
+        self.layer = model.layer_class(model.cfg, weights, p + "layer.", model.cfg.num_layers + j, device, dtype)
 
 
 class MoeLayer(nn.Module):
