@@ -330,6 +330,12 @@ def test_run_with_prompt_lookup_prints_what_plain_decoding_prints(tmp_path, caps
     assert "--speculative mtp needs a checkpoint with a multi-token-prediction (NextN) layer" in capsys.readouterr().err
 
 
+class Echo:
+    """Drafts the last id again, k times."""
+    def propose(self, state, k):
+        return state.history[-1:] * k
+
+
 def test_the_server_counts_drafted_and_accepted_tokens(make_tiny):
     pytest.importorskip("fastapi")
     from glmcore.backend import LoadOptions
@@ -339,6 +345,8 @@ def test_the_server_counts_drafted_and_accepted_tokens(make_tiny):
     replies = []
     for spec in (None, Speculation("ngram", 4)):
         m = load_model(d, "torch", LoadOptions(threads=1), slots=2, speculation=spec)
+        if spec is not None:             # drafts every step, whatever the random model writes
+            m.scheduler.drafter = Echo()
         with serving(m) as url:
             r = client(url).completions.create(model="tiny", prompt="a b c a b c a b c a b c", max_tokens=24,
                                                temperature=0)

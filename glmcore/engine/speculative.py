@@ -65,9 +65,10 @@ class Speculation:
 class NgramDrafter:
     """Prompt lookup (transformers' prompt_lookup_num_tokens, llama.cpp's ngram speculation): find the
     latest earlier occurrence of the sequence's last n ids (n from max_n down to min_n) in its prompt and
-    output so far, and propose the ids that followed it."""
+    output so far, and propose the ids that followed it. Single-id matches are not used by default: on the
+    demo model they drafted three times as much for twice the accepted tokens, and a rejected draft costs."""
 
-    def __init__(self, max_n: int = 3, min_n: int = 1):
+    def __init__(self, max_n: int = 3, min_n: int = 2):
         self.max_n, self.min_n = max_n, min_n
 
     def propose(self, state: RequestState, k: int) -> list[int]:
