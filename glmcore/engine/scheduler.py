@@ -119,27 +119,35 @@ class Scheduler(BackgroundDriver):
         self.steps += 1
         for e in plan.entries:
             e.state.slot.tokens.extend(e.ids)
-            self.drafted += len(e.draft)
-            e.state.timings.drafted += len(e.draft)
         active = [e for e in plan.entries if e.sample]
         while active:                 # one round per drafted position, and one after them
+            active = self._round(active, logits, plan.all_logits)
+        for e in plan.entries:
+            if e.draft:               # rejected drafts leave the cache as if never fed
+                if e.kept() < len(e.state.slot.tokens):
+                    self.table.truncate(e.state.slot, e.kept())
+                self.drafted += len(e.draft)
+                self.accepted += e.accepted
+                e.state.timings.drafted += len(e.draft)
+
+    def _round(self, active: list[PlanEntry], logits, all_logits: bool) -> list[PlanEntry]:
+        """Mask, sample and apply one position of every active entry; deliver the events."""
+        events = []
+        if any(e.rounds for e in active):
             # a consumer that cancelled on a token of this step (a stop string) gets no more of them
-            events = [ev for e in active if e.rounds and e.state.cancelled
-                      for ev in end(e.state, FinishReason.CANCELLED)]
+            events = [ev for e in active if e.state.cancelled for ev in end(e.state, FinishReason.CANCELLED)]
             active = [e for e in active if e.state.finish_reason is None]
-            rows, dead = constrain([e.state for e in active], [row_of(e, logits, plan.all_logits) for e in active],
-                                   self._masker(active))
+        rows, dead = constrain([e.state for e in active], [row_of(e, logits, all_logits) for e in active],
+                               self._masker(active))
+        if dead:
             for e in active:
                 if e.state.finish_reason is not None:
                     e.rounds += 1       # its row was read: the token that made it stays fed
-            live = [(e, r) for e, r in zip(active, rows) if e.state.finish_reason is None]
-            sampled = sample([e for e, _ in live], [r for _, r in live])
-            more, active = update([e for e, _ in live], sampled, time.perf_counter())
-            self._deliver(events + dead + more)
-        for e in plan.entries:       # rejected drafts leave the cache as if never fed
-            if e.kept() < len(e.state.slot.tokens):
-                self.table.truncate(e.state.slot, e.kept())
-            self.accepted += e.accepted
+            rows = [r for e, r in zip(active, rows) if e.state.finish_reason is None]
+            active = [e for e in active if e.state.finish_reason is None]
+        more, going_on = update(active, sample(active, rows), time.perf_counter())
+        self._deliver(events + dead + more)
+        return going_on
 
     def _masker(self, active: Sequence[PlanEntry]):
         if self._executor is None and sum(e.state.matcher is not None for e in active) > 1:

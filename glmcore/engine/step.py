@@ -84,14 +84,15 @@ def schedule(table: SlotTable, token_budget: int, drafter=None, draft_tokens: in
         if state.status is Status.FINISHED:
             continue
         slot, draft = state.slot, []
-        room = min(draft_tokens, budget - 1, table.capacity - len(slot.tokens) - 1,
-                   state.request.max_new_tokens - len(state.tokens) - 1)
-        if drafter is not None and room > 0:
-            draft = drafter.propose(state, room)[:room]
+        if drafter is not None:
+            room = min(draft_tokens, budget - 1, table.capacity - len(slot.tokens) - 1,
+                       state.request.max_new_tokens - len(state.tokens) - 1)
+            draft = drafter.propose(state, room)[:room] if room > 0 else []
         entries.append(PlanEntry(state, [state.pending] + draft, True, len(slot.tokens), draft))
         state.pending = None
         budget -= 1 + len(draft)
-    for state in sorted((s for s in running if s.todo), key=lambda s: s.id):
+    prefilling = [s for s in running if s.todo]
+    for state in sorted(prefilling, key=lambda s: s.id) if prefilling else ():
         if budget <= 0 and entries:
             break
         chunk = state.todo[:max(budget, 1)]
@@ -156,6 +157,8 @@ def constrain(states: Sequence[RequestState], rows: list[np.ndarray], executor) 
 def sample(entries: Sequence[PlanEntry], rows: Sequence[np.ndarray]) -> list:
     """One token per entry (or its SamplingError): at a drafted position the drafted token is verified
     (kept or replaced, Sampler.verify), after the last one the token is drawn as plain decoding draws it."""
+    if not any(e.draft for e in entries):
+        return sample_batch([e.state.sampler for e in entries], rows, [e.state.history for e in entries])
     plain = [i for i, e in enumerate(entries) if e.rounds >= len(e.draft)]
     out: list = [None] * len(entries)
     for i, token in zip(plain, sample_batch([entries[i].state.sampler for i in plain], [rows[i] for i in plain],
