@@ -150,6 +150,14 @@ class BatchSession(_Closable, ABC):
         """Session.shift for one slot; only backends declaring can_shift implement it."""
         raise NotImplementedError
 
+    has_nextn: bool = False       # draft_nextn works: the backend runs the checkpoint's NextN (MTP) layer
+
+    def draft_nextn(self, slot: int, token: int, k: int) -> list[int]:
+        """Speculative decoding's MTP drafter: k greedy drafts for slot after `token` (sampled, not yet fed),
+        from the checkpoint's multi-token-prediction layer over the slot's hidden states. Optional; backends
+        that implement it set has_nextn."""
+        raise NotImplementedError
+
     def copy_prefix(self, src: int, dst: int, n: int) -> None:
         """dst drops what it held and holds src's first n positions (a shared prompt prefilled once).
         src == dst keeps the slot's first n positions (a conversation that diverges after them).

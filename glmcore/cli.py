@@ -13,7 +13,8 @@ from pathlib import Path
 from . import __version__, arch
 from .backend import registry
 from .events import ReasoningDelta, TextDelta, ToolCallEvent
-from .scheduler import OVERFLOW_POLICIES, WindowPolicy
+from .engine.speculative import Method
+from .scheduler import OVERFLOW_POLICIES, Speculation, WindowPolicy
 from .structured import grammar_from_files, reply_constraint
 from .errors import ContextOverflow, ChatError, GlmcoreError
 from .files import check_text, decode_text, read_bounded
@@ -93,6 +94,18 @@ def template_kwargs(a) -> dict | None:
     return {"enable_thinking": False} if a.no_thinking else None
 
 
+def add_spec_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--speculative", choices=[m.value for m in Method], default="off",
+                   help="speculative decoding, drafts verified in one batched step (a backend with native batched "
+                        "steps): ngram by prompt lookup, mtp by the checkpoint's NextN layer (glm4_moe on torch); "
+                        "the output is the one without it")
+    p.add_argument("--draft-tokens", type=int, default=4, help="with --speculative: most drafted tokens per step")
+
+
+def speculation(a) -> Speculation:
+    return Speculation(a.speculative, a.draft_tokens)
+
+
 def sampling(a) -> SamplingParams:
     return SamplingParams(a.temperature, a.top_p, a.top_k, a.repetition_penalty, a.seed)
 
@@ -100,7 +113,7 @@ def sampling(a) -> SamplingParams:
 def _pipeline(a):
     from .pipeline import Pipeline
     window = WindowPolicy(a.overflow, a.n_keep, a.n_discard)
-    return Pipeline(a.model, a.backend, load_options(a), window)
+    return Pipeline(a.model, a.backend, load_options(a), window, speculation=speculation(a))
 
 
 def _messages(system: str | None) -> list[dict]:
@@ -141,7 +154,7 @@ def _run_batch(a) -> int:
     grammar = grammar_from_files(a.json_schema, a.grammar)
     # a slot holds a whole context of KV cache: a file of 100,000 prompts must not ask for 100,000 of them
     m = load_model(a.model, a.backend, load_options(a), slots=min(a.slots or DEFAULT_MAX_SLOTS, len(prompts)),
-                   token_budget=a.token_budget)
+                   token_budget=a.token_budget, speculation=speculation(a))
     sched = m.scheduler
     start = time.perf_counter()
     handles = []
@@ -168,7 +181,8 @@ def _run_batch(a) -> int:
     prompt_tok = sum(h.timings.prompt_tokens for h in handles)
     print(f"[{m.backend.name}] {len(prompts)} prompts on {sched.batch.n_slots} slots"
           f"{'' if sched.native else ' (adapter: not natively batched)'} | prompt {prompt_tok} tok, "
-          f"generated {generated} tok in {wall:.2f} s | {generated / wall:.1f} tok/s aggregate | {sched.steps} steps",
+          f"generated {generated} tok in {wall:.2f} s | {generated / wall:.1f} tok/s aggregate | {sched.steps} steps"
+          + (f" | drafted {sched.drafted}, accepted {sched.accepted}" if sched.drafted else ""),
           file=sys.stderr)
     m.close()
     return 1 if any(h.error is not None for h in handles) else 0
@@ -522,7 +536,7 @@ def cmd_serve(a) -> int:
     so = ServeOptions(a.host, a.port, a.slots, a.token_budget, a.max_queue,
                       api_key, a.served_name, a.max_body_mb << 20,
                       a.grace, a.read_timeout, a.log_level, a.replicas, a.ray_address,
-                      _names(a.allowed_hosts), _names(a.cors_origins))
+                      _names(a.allowed_hosts), _names(a.cors_origins), speculation(a))
     so.check()
     if so.replicas != 1 or so.ray_address:       # replicas of the server behind Ray Serve's proxy
         from .server.replicas import serve_replicas
@@ -542,6 +556,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("run", help="answer one prompt, streamed")
     add_load_args(p)
     add_gen_args(p)
+    add_spec_args(p)
     p.add_argument("--prompt", help="the user message")
     p.add_argument("--prompts", metavar="FILE", help="a file of prompts, one a line, run together as one batch")
     p.add_argument("--slots", type=int, help="with --prompts: sequences in flight at once (default: one per prompt, "
@@ -555,6 +570,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("chat", help="interactive multi-turn chat")
     add_load_args(p)
     add_gen_args(p)
+    add_spec_args(p)
     p.set_defaults(fn=cmd_chat)
 
     p = sub.add_parser("backends", help="list backends: ready or why not")
@@ -602,6 +618,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--token-budget", type=int, default=256,
                    help="tokens per batched step: more admits prompts faster, fewer keeps decoding smoother")
     p.add_argument("--max-queue", type=int, default=64, help="requests waiting for a slot before 429")
+    add_spec_args(p)
     p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' (default: $GLMCORE_API_KEY, else none)")
     p.add_argument("--allowed-hosts", metavar="NAMES", help="comma-separated host names clients may reach the server "
                    "by, besides the listening address and localhost (other Host headers get 421; '*': any). Default: "

@@ -9,7 +9,7 @@ from pathlib import Path
 from .backend import Backend, LoadOptions, registry
 from .cache import cache_root
 from .config import ModelConfig
-from .scheduler import Scheduler
+from .scheduler import Scheduler, Speculation
 from .errors import BackendError, GlmcoreError
 from .weights import load_weights
 
@@ -60,9 +60,9 @@ def resolve_backend(name: str | None, config: ModelConfig | None = None) -> Back
 
 
 def load_model(model: str | Path | None = None, backend: str | None = None, options: LoadOptions | None = None,
-               slots: int = 1, token_budget: int = 256) -> LoadedModel:
+               slots: int = 1, token_budget: int = 256, speculation: Speculation | None = None) -> LoadedModel:
     """Load a checkpoint (default: the demo model) on a backend (default: the best ready one) as a batch
-    session of `slots` sequences driven by a Scheduler."""
+    session of `slots` sequences driven by a Scheduler (speculative decoding as `speculation` says)."""
     from .chat import chat_format_for
     from .tokenizer import load_tokenizer
 
@@ -91,6 +91,7 @@ def load_model(model: str | Path | None = None, backend: str | None = None, opti
     if slots < 1 or (caps.max_slots is not None and slots > caps.max_slots):
         most = f"1..{caps.max_slots}" if caps.max_slots else "a positive number"
         raise GlmcoreError(f"invalid number of slots {slots} for backend {b.name!r}: use {most}")
+    (speculation or Speculation()).checked(caps)        # refused before the load, not after
     batch = b.load_batch(config, weights, opts, slots)
-    scheduler = Scheduler(batch, caps, n_vocab=tokenizer.n_vocab, token_budget=token_budget)
+    scheduler = Scheduler(batch, caps, n_vocab=tokenizer.n_vocab, token_budget=token_budget, speculation=speculation)
     return LoadedModel(model_dir, config, tokenizer, chat_format_for(tokenizer), b, scheduler)

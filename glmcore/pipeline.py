@@ -10,7 +10,7 @@ from .chat import Message, ToolCallStream, as_message
 from .events import ChatEvent, FinishReason
 from .model import LoadedModel, load_model
 from .sampling import SamplingParams
-from .scheduler import Request, Slot, Timings, WindowPolicy
+from .scheduler import Request, Slot, Speculation, Timings, WindowPolicy
 from .structured import Grammar, reply_constraint
 
 
@@ -24,8 +24,8 @@ class Pipeline:
 
     def __init__(self, model: str | Path | None = None, backend: str | None = None,
                  options: LoadOptions | None = None, window: WindowPolicy | None = None,
-                 loaded: LoadedModel | None = None):
-        self.model = loaded or load_model(model, backend, options)
+                 loaded: LoadedModel | None = None, speculation: Speculation | None = None):
+        self.model = loaded or load_model(model, backend, options, speculation=speculation)
         self.window = window or WindowPolicy()
         self.cached: list[Message] = []      # the conversation the KV cache holds
         self.cached_tools = None

@@ -61,6 +61,24 @@ class Sampler:
         ids, probs = self.distribution(logits, history)
         return int(ids[0]) if probs is None else int(ids[self.rng.choice(len(probs), p=probs)])
 
+    def verify(self, logits: np.ndarray, history: Iterable[int], draft: int) -> int:
+        """Speculative decoding's acceptance of a drafted token (the drafters propose one token, not a
+        distribution): the draft is kept with probability p(draft), else a token is drawn from p with the
+        draft removed -- rejection sampling with a one-point draft distribution, so the token's
+        distribution is exactly p (greedy: the argmax, accepted iff it is the draft)."""
+        ids, probs = self.distribution(logits, history)
+        if probs is None:
+            return int(ids[0])
+        hit = np.flatnonzero(ids == draft)
+        if not hit.size:
+            return int(ids[self.rng.choice(len(probs), p=probs)])
+        p_draft = float(probs[hit[0]])
+        if self.rng.random() < p_draft:
+            return int(draft)
+        rest = probs.copy()
+        rest[hit[0]] = 0.0
+        return int(ids[self.rng.choice(len(rest), p=rest / rest.sum())])
+
     def distribution(self, logits: np.ndarray, history: Iterable[int] = ()) -> tuple[np.ndarray, np.ndarray | None]:
         """The ids that can be drawn, most likely first, and their probabilities (None: greedy, one id)."""
         p = self.params

@@ -11,8 +11,9 @@ import re
 import signal
 import socket
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from ..engine.speculative import Speculation
 from ..errors import GlmcoreError
 
 INSTALL = 'pip install "glmcore[server]"'
@@ -37,6 +38,7 @@ class ServeOptions:
     ray_address: str | None = None
     allowed_hosts: tuple = ()        # names the Host header may give besides the listening address and localhost
     cors_origins: tuple = ()         # web origins whose pages may call the API (CORS); none by default
+    speculation: Speculation = field(default_factory=Speculation)    # speculative decoding (--speculative)
 
     def check(self) -> None:
         """GlmcoreError for options that cannot be served, before anything is loaded."""
@@ -151,7 +153,8 @@ def serve(model_dir, backend, options, so: ServeOptions) -> int:
 
     so.check()
     sock = _bind(so.host, so.port)
-    model = load_model(model_dir, backend, options, slots=so.slots, token_budget=so.token_budget)
+    model = load_model(model_dir, backend, options, slots=so.slots, token_budget=so.token_budget,
+                       speculation=so.speculation)
     model.scheduler.max_queue = so.max_queue
     name = so.name or model.model_dir.name
     app = create_app(model, name, so.api_key, so.max_body or MAX_BODY, read_timeout=so.read_timeout,

@@ -53,6 +53,10 @@ class Metrics:
             lambda: scheduler.queue_len)
         Gauge("glmcore_busy_slots", "slots running a request", registry=r).set_function(lambda: scheduler.busy_slots)
         Gauge("glmcore_slots", "slots of the batch session", registry=r).set(scheduler.batch.n_slots)
+        Gauge("glmcore_draft_tokens", "speculative decoding: drafted tokens so far", registry=r).set_function(
+            lambda: scheduler.drafted)
+        Gauge("glmcore_draft_accepted_tokens", "speculative decoding: drafted tokens the model confirmed so far",
+              registry=r).set_function(lambda: scheduler.accepted)
         self.ttft = Histogram("glmcore_time_to_first_token_seconds", "submission to first generated token",
                               buckets=(.01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 30, 60), registry=r)
         self.itl = Histogram("glmcore_inter_token_latency_seconds", "time between two tokens of one reply",

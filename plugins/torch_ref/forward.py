@@ -195,18 +195,7 @@ class DenseGLM(DenseBlock):
         length start[b]+T as host ints, for kernels that take it (Ops.seq_lens), else None. blocks: on a paged
         cache ([blocks, Hkv, block_size, D] per layer), each row's block table [B, M] int32."""
         b, t = ids.shape
-        pos = start[:, None] + self.position_ids[:t]                       # [B, T] absolute positions
-        cos, sin = self.cos[pos], self.sin[pos]
-        if blocks is None:
-            rows, at = slots[:, None].expand_as(pos), pos
-            positions = k_cache[0].shape[2]     # a caller may pass views of the first S positions: every row's keys lie there
-        else:
-            size = k_cache[0].shape[2]          # positions per block
-            rows, at = blocks.long().gather(1, pos // size), pos % size
-            positions = blocks.shape[1] * size
-        allowed = self.position_ids[None, None, :positions] <= pos[:, :, None]     # [B, T, S]: causal over the slot
-        one_slot = k_cache[0].shape[0] == 1                            # a static fact of the cache, not data
-        step = Step(pos, slots, cos, sin, allowed, seq_lens, one_slot, rows, at, blocks)   # what every layer shares
+        step = self.make_step(start, slots, t, k_cache[0], seq_lens, blocks)     # what every layer's attention shares
         x = self.tp.embed(self.embed, ids).float()
         for layer, k, v in zip(self.layers, k_cache, v_cache):
             x = self.block(layer, x, lambda h: self.attention(layer, h, step, k, v))
@@ -214,6 +203,37 @@ class DenseGLM(DenseBlock):
         rows = x.gather(1, last[:, None, None].expand(b, 1, x.shape[-1]))[:, 0]     # [B, hidden]
         logits = self.tp.gather(F.linear(rows, self.lm_head).float())
         return logits, x
+
+    def make_step(self, start: torch.Tensor, slots: torch.Tensor, t: int, cache: torch.Tensor,
+             seq_lens: list[int] | None = None, blocks: torch.Tensor | None = None) -> Step:
+        """The Step of B rows of t tokens from positions start over a layer's cache (its shape: static facts)."""
+        pos = start[:, None] + self.position_ids[:t]                       # [B, T] absolute positions
+        if blocks is None:
+            rows, at = slots[:, None].expand_as(pos), pos
+            positions = cache.shape[2]     # a caller may pass views of the first S positions: every row's keys lie there
+        else:
+            size = cache.shape[2]          # positions per block
+            rows, at = blocks.long().gather(1, pos // size), pos % size
+            positions = blocks.shape[1] * size
+        allowed = self.position_ids[None, None, :positions] <= pos[:, :, None]     # [B, T, S]: causal over the slot
+        one_slot = cache.shape[0] == 1                               # a static fact of the cache, not data
+        return Step(pos, slots, self.cos[pos], self.sin[pos], allowed, seq_lens, one_slot, rows, at, blocks)
+
+    def nextn(self, mtp: "NextN", ids: torch.Tensor, start: torch.Tensor, slots: torch.Tensor, hidden: torch.Tensor,
+              k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The multi-token-prediction (NextN) layer, as vLLM's glm4_moe_mtp and llama.cpp's glm4-moe MTP compute
+        it: at position i it sees the next token ids[i] and the target's final hidden state hidden[i] there
+        (its own output for a chained draft), eh_proj(concat(enorm(embed(id)), hnorm(h))) -> one decoder layer
+        (its own KV cache) -> the shared head (its own final norm, the model's lm_head). The embedding at
+        position 0 is zero (nothing precedes it). Returns (float32 logits [B, vocab] of each row's last
+        position, the layer's output [B, T, hidden] before the norm, what a chained draft takes as h)."""
+        step = self.make_step(start, slots, ids.shape[1], k_cache)
+        e = self.tp.embed(self.embed, ids).float().masked_fill((step.pos == 0)[..., None], 0.0)
+        joined = torch.cat([self.norm(mtp, "enorm", e), self.norm(mtp, "hnorm", hidden.float())], dim=-1)
+        x = self.linear(joined.to(self.dtype), mtp.eh_proj).float()
+        x = self.block(mtp.layer, x, lambda h: self.attention(mtp.layer, h, step, k_cache, v_cache))
+        out = self.norm(mtp, "final_norm", x[:, -1]).to(self.dtype)
+        return self.tp.gather(F.linear(out, self.lm_head).float()), x
 
     def cache_shapes(self, n_slots: int, positions: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """Each layer's K and V cache: BNSD [slots, kv_heads, positions, head_dim], keys stored rotated."""
@@ -241,6 +261,21 @@ class DenseGLM(DenseBlock):
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """float32 logits of final hidden rows (all-positions requests, outside the captured step)."""
         return self.tp.gather(F.linear(hidden, self.lm_head).float())
+
+
+class NextN(nn.Module):
+    """A checkpoint's multi-token-prediction layer j (glm4_moe's mtp.j.*, placed by glmcore.arch.glm4_moe):
+    its norms of the embedding and of the hidden state, their projection, one decoder layer of the model's
+    kind and the shared head's norm (the head is the model's lm_head)."""
+
+    def __init__(self, model: "DenseGLM", weights, j: int, device, dtype):
+        super().__init__()
+        p, f32 = f"mtp.{j}.", torch.float32
+        self.enorm = to_device(weights[p + "enorm.weight"], device, f32)
+        self.hnorm = to_device(weights[p + "hnorm.weight"], device, f32)
+        self.final_norm = to_device(weights[p + "final_norm.weight"], device, f32)
+        self.eh_proj = to_device(weights[p + "eh_proj.weight"], device, dtype)
+        self.layer = model.layer_class(model.cfg, weights, p + "layer.", model.cfg.num_layers + j, device, dtype)
 
 
 class MoeLayer(nn.Module):

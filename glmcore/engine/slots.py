@@ -1,0 +1,167 @@
+"""The slot table: which request runs in which slot of the BatchSession, what each slot's cache holds,
+and the KV-cache policy carried out on it (place with prefix reuse, make room, slide, truncate, refill)."""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from ..backend import BatchSession, Capabilities
+import numpy as np
+
+from ..errors import ContextOverflow, GlmcoreError
+from .request import WindowPolicy
+
+if TYPE_CHECKING:
+    from .request import RequestState
+
+
+class Slot:
+    """What one slot of the BatchSession holds: its ids in cache order, and the window bookkeeping."""
+
+    def __init__(self, index: int):
+        self.index = index
+        self.tokens: list[int] = []
+        self.turn_starts: list[int] = []
+        self.n_pinned: int | None = None
+        self.shifts = 0
+        self.state: RequestState | None = None      # the running request, None when free
+        self.last_used = 0.0
+
+
+@dataclass(frozen=True)
+class Room:
+    """What the KV-cache policy decided for a slot about to take new ids: they fit (n_discard 0), slide
+    the window first (drop n_discard ids after the first n_keep), or the sequence ends (`full`)."""
+    n_keep: int = 0
+    n_discard: int = 0
+    full: bool = False
+
+
+class SlotTable:
+    """The slots of one BatchSession. `caps` are the backend's: can_shift (slide a window in place) and
+    native_batch (copy a prefix between slots, truncate in place) decide how the policy is carried out."""
+
+    def __init__(self, batch: BatchSession, caps: Capabilities):
+        self.batch = batch
+        self.can_shift, self.native = caps.can_shift, caps.native_batch
+        self.slots = [Slot(i) for i in range(batch.n_slots)]
+
+    @property
+    def capacity(self) -> int:
+        return self.batch.capacity
+
+    def free(self) -> list[Slot]:
+        return [s for s in self.slots if s.state is None]
+
+    def running(self) -> list[RequestState]:
+        return [s.state for s in self.slots if s.state is not None]
+
+    def place(self, state: RequestState, free: list[Slot]) -> None:
+        """Put a request in the free slot that already holds the longest prefix of its prompt (prefix
+        reuse); with a native batch session, copy a longer prefix from any other slot (a shared system
+        prompt)."""
+        prompt = list(state.request.prompt)
+        head = prompt[:-1]             # the last prompt token is always fed: its logits are sampled
+        held = {s.index: common_prefix(s.tokens, head) for s in self.slots}     # once per slot, not per comparison
+        slot = max(free, key=lambda s: (held[s.index], -s.last_used))
+        n = held[slot.index]
+        if self.native:
+            donor = max(self.slots, key=lambda s: held[s.index])
+            if held[donor.index] > n:
+                n = held[donor.index]
+                self.batch.copy_prefix(donor.index, slot.index, n)
+                slot.tokens = prompt[:n]
+        if n < len(slot.tokens):
+            self.truncate(slot, n)
+        slot.turn_starts = [s for s in state.request.turn_starts if 0 < s]
+        slot.n_pinned = state.request.n_pinned
+        slot.state = state
+        state.place(slot, n)
+
+    def make_room(self, slot: Slot, n_new: int, window: WindowPolicy) -> Room:
+        """The KV-cache policy for n_new ids into slot, the window slid already where it says so."""
+        room = make_room(slot, n_new, self.capacity, window)
+        if room.n_discard:
+            self.shift(slot, room.n_keep, room.n_discard)
+        return room
+
+    def shift(self, slot: Slot, n_keep: int, n_discard: int) -> None:
+        """Slide one slot's window: in place where the backend can, else recompute the kept ids."""
+        kept = slot.tokens[:n_keep] + slot.tokens[n_keep + n_discard:]
+        if self.can_shift:
+            self.batch.shift(slot.index, n_keep, n_discard)
+        else:
+            self.refill(slot, kept)
+        slot.tokens = kept
+        slot.turn_starts = [s if s < n_keep else s - n_discard for s in slot.turn_starts
+                            if not n_keep <= s < n_keep + n_discard]
+        slot.shifts += 1
+
+    def truncate(self, slot: Slot, n: int) -> None:
+        """Keep a slot's first n positions, as if nothing after them had been fed: in place where the
+        session is native (copy_prefix onto itself), else recomputed."""
+        if self.native and n:
+            self.batch.copy_prefix(slot.index, slot.index, n)
+        else:
+            self.refill(slot, slot.tokens[:n])
+        slot.tokens = slot.tokens[:n]
+
+    def refill(self, slot: Slot, ids: list[int]) -> None:
+        self.batch.reset(slot.index)
+        if ids:
+            self.batch.step([(slot.index, ids)])
+
+    def drop(self, slot: Slot) -> None:
+        """Forget a slot's cache (after a failed step its content is unknown)."""
+        self.batch.reset(slot.index)
+        slot.tokens = []
+
+    def feed(self, slot: Slot, ids: Sequence[int], window: WindowPolicy) -> np.ndarray:
+        """Teacher forcing: append given ids to an idle slot under `window` (sliding it as generation
+        would) and return the last position's logits. For scoring text (perplexity) and conformance."""
+        ids = [int(t) for t in ids]
+        if slot.state is not None:
+            raise GlmcoreError(f"slot {slot.index} is running a request; feed an idle slot")
+        if self.make_room(slot, len(ids), window).full:
+            raise ContextOverflow(f"{len(slot.tokens) + len(ids)} tokens exceed the context of {self.capacity}; "
+                                  "raise --ctx or use --overflow window")
+        logits = self.batch.step([(slot.index, ids)])[0]
+        slot.tokens.extend(ids)
+        return logits
+
+    def forget(self) -> None:
+        """Drop what every free slot caches."""
+        for slot in self.free():
+            self.truncate(slot, 0)
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading ids a and b share."""
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def make_room(slot: Slot, n_new: int, capacity: int, window: WindowPolicy) -> Room:
+    """The core's KV-cache policy for one slot about to take n_new ids. Raises ContextOverflow when
+    even a slid window cannot hold them."""
+    if len(slot.tokens) + n_new <= capacity:
+        return Room()
+    if window.policy == "error":
+        return Room(full=True)
+    keep = window.n_keep if slot.n_pinned is None else slot.n_pinned
+    if keep + n_new > capacity:
+        raise ContextOverflow(f"{n_new} new tokens + {keep} kept do not fit the context of {capacity} even after "
+                              "sliding the window; shorten the prompt or raise --ctx")
+    need = len(slot.tokens) + n_new - capacity
+    discard = window.n_discard or max(1, (len(slot.tokens) - keep) // 2)
+    discard = min(max(discard, need), len(slot.tokens) - keep)
+    # In a chat, discard whole old turns: round up to the next turn start that still fits.
+    whole = [s - keep for s in slot.turn_starts if discard <= s - keep <= len(slot.tokens) - keep]
+    if whole:
+        discard = min(whole)
+    return Room(keep, discard)
