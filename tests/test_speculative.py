@@ -441,11 +441,8 @@ def test_mtp_first_draft_is_the_nextn_formula(moe):
     rms = lambda x, w: x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + model.cfg.norm_eps) * w   # noqa: E731
     x = torch.cat([rms(e, mtp.enorm), rms(hidden[0], mtp.hnorm)], -1) @ mtp.eh_proj.T
     k, v = torch.zeros_like(batch.mtp.k_cache[:1]), torch.zeros_like(batch.mtp.v_cache[:1])
-    from glmcore_plugins.torch_ref.forward import Step
-    pos = torch.arange(9)[None]
-    step = Step(pos, torch.tensor([0]), model.cos[pos], model.sin[pos],
-                torch.arange(k.shape[2])[None, None] <= pos[:, :, None], None, True)
-    out = model.block(mtp.layer, x[None], step, k, v)[0, -1]
+    step = model.make_step(torch.tensor([0]), torch.tensor([0]), 9, k)
+    out = model.block(mtp.layer, x[None], lambda h: model.attention(mtp.layer, h, step, k, v))[0, -1]
     want = int(torch.argmax(rms(out, mtp.final_norm) @ model.lm_head.T))
     batch.reset(3)
     batch.step([(3, ids)])
