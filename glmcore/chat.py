@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from .errors import ChatError
 from .events import ChatEvent, ReasoningDelta, ToolCall  # ToolCall re-exported
 from .parsers import ChatGLM3Parser, GLM4Parser, PlainParser, ThinkSplitter, XmlCallParser
+from .parsers.reasoning import CLOSE, OPEN
 from .parsers.base import MAX_ARGUMENT_DEPTH, NAME as _NAME, Markup, ToolCallParseError, json_depth  # noqa: F401
 from .parsers.segments import parse_chatglm3_call, parse_glm4_call  # noqa: F401  (re-exported)
 from .template import render as render_template
@@ -107,6 +108,7 @@ class ChatFormat:
     tool_parser: type = PlainParser   # the reply format's tool parser (glmcore.parsers)
     can_continue = True  # encode_continuation extends a cached conversation (False: re-encode it whole)
     thinking = False     # replies may open with <think>...</think> (split off as Message.reasoning)
+    thinking_switch = False   # the template takes enable_thinking (reasoning_effort maps onto it)
     opens_thinking = False   # the generation prompt itself ends with <think> (GLM-Z1): replies start thinking
 
     def configured(self, template_kwargs: dict | None) -> "ChatFormat":
@@ -401,6 +403,7 @@ class TemplateFormat(ChatFormat):
         self.can_continue = "</think>" not in self.template
         # A template that speaks of <think> is a reasoning model's: its replies' thinking is split off.
         self.thinking = "<think>" in self.template or "</think>" in self.template
+        self.thinking_switch = self.thinking and "enable_thinking" in self.template
         self.variables: dict = {}       # a request's chat_template_kwargs (configured)
         self._derive()
 
@@ -550,6 +553,7 @@ class ToolCallStream:
         self._reasoning = self._r_held = ""
         self._decoder = None
         self.message: Message | None = None
+        self.reasoning_tokens = 0
 
     @property
     def errors(self) -> list[str]:
@@ -562,9 +566,16 @@ class ToolCallStream:
             self._decoder = StreamDecoder(tok)
             # read from ids, a tag that is a special token is one only as that token
             self.parser.lexer.text_tags = tuple(t for t in self.parser.lexer.tags if t not in tok.special_ids)
-        if tok.is_special(id):
-            return self._text(self._decoder.flush()) + self._text(Markup(tok.special_names[id]))
-        return self._text(self._decoder.push(id))
+        thinking = self._think is not None and self._think.state == "think"
+        if tok.is_special(id):          # the format's tags go on as Markup; other special tokens add no text
+            name = tok.special_names.get(id)
+            known = name in self.parser.tags or (self._think is not None and name in (OPEN, CLOSE))
+            events = self._text(self._decoder.flush()) + (self._text(Markup(name)) if known else [])
+        else:
+            events = self._text(self._decoder.push(id))
+        if thinking or (self._think is not None and self._think.state == "think"):
+            self.reasoning_tokens += 1      # <think>, the thought and </think> (usage's reasoning_tokens)
+        return events
 
     def feed(self, text: str) -> list[ChatEvent]:
         return self._text(text)

@@ -19,7 +19,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..chat import Message, ToolCall, ToolCallStream, as_message
 from ..errors import ContextOverflow, GlmcoreError, TokenizerError
-from ..events import ChatEvent, FinishReason, ReasoningDelta, TextDelta, ToolCallEvent
+from ..events import ChatEvent, FinishReason, ReasoningDelta, TextDelta, ToolCallDelta, ToolCallEvent, ToolCallStart
 from ..pipeline import chat_request
 from ..sampling import SamplingParams
 from ..scheduler import QueueFull, Request as SchedRequest
@@ -148,11 +148,11 @@ class Reply:
                 self.thought.append(event.text)
                 out.append(event)
             elif isinstance(event, ToolCallEvent):
-                call = event.call
-                call.id = call.id or f"call_{uuid.uuid4().hex[:24]}"
-                self.calls.append(call)
+                self.calls.append(event.call)
                 out.append(event)
                 self.cut = self.one_call
+            else:                       # a call's name, a piece of its arguments
+                out.append(event)
         return out
 
     def push(self, token: int) -> list[ChatEvent]:
@@ -223,11 +223,14 @@ class Generation:
     def cancel(self) -> None:
         self.handle.cancel()
 
-    def usage(self) -> dict:
+    def usage(self, reasoning_tokens: int | None = None) -> dict:
         h = self.handle
         n_prompt, n_new = len(self.request.prompt), len(h.tokens)
-        return {"prompt_tokens": n_prompt, "completion_tokens": n_new, "total_tokens": n_prompt + n_new,
-                "prompt_tokens_details": {"cached_tokens": h.timings.cached_tokens}}
+        out = {"prompt_tokens": n_prompt, "completion_tokens": n_new, "total_tokens": n_prompt + n_new,
+               "prompt_tokens_details": {"cached_tokens": h.timings.cached_tokens}}
+        if reasoning_tokens is not None:
+            out["completion_tokens_details"] = {"reasoning_tokens": reasoning_tokens}
+        return out
 
     def finish_reason(self, reply: Reply) -> FinishReason:
         if not reply.cut and self.handle.finish_reason == FinishReason.LENGTH:
@@ -237,8 +240,9 @@ class Generation:
 
 class State:
     def __init__(self, model, name: str, api_key: str | None, max_body: int, retry_after: int,
-                 read_timeout: float = READ_TIMEOUT):
+                 read_timeout: float = READ_TIMEOUT, thinking_budget: int | None = None):
         self.model, self.name, self.api_key, self.max_body = model, name, api_key, max_body
+        self.thinking_budget = thinking_budget      # a thought's tokens when a request names no budget
         self.scheduler = model.scheduler
         self.retry_after, self.read_timeout = retry_after, read_timeout
         self.metrics = Metrics(self.scheduler)
@@ -419,6 +423,177 @@ def _call_json(call: ToolCall, index: int | None = None) -> dict:
     return out if index is None else {"index": index, **out}
 
 
+def thinking_setup(state: State, fmt, req: ChatRequest) -> tuple[dict | None, int | None]:
+    """(chat_template_kwargs with reasoning_effort mapped onto the template's enable_thinking switch, the thought's
+    token budget: the request's max_thinking_tokens / thinking_budget_tokens, else the server's default)."""
+    kwargs = dict(req.chat_template_kwargs or {})
+    if req.reasoning_effort is not None:
+        if not fmt.thinking_switch:
+            raise ApiError(400, f"'reasoning_effort' maps onto the chat template's enable_thinking switch, and this "
+                           f"{fmt.family} checkpoint's template has none; drop it", "reasoning_effort",
+                           "unsupported_value")
+        kwargs.setdefault("enable_thinking", req.reasoning_effort not in ("none", "minimal"))
+    asked = req.max_thinking_tokens if req.max_thinking_tokens is not None else req.thinking_budget_tokens
+    budget = None if asked == -1 else asked
+    if budget is not None and not fmt.thinking:
+        field = "max_thinking_tokens" if req.max_thinking_tokens is not None else "thinking_budget_tokens"
+        raise ApiError(400, f"'{field}' bounds a thinking model's thought; this {fmt.family} checkpoint's template "
+                       "writes no <think>: drop it", field, "unsupported_value")
+    if asked is None and fmt.thinking:
+        budget = state.thinking_budget
+    if kwargs.get("enable_thinking") is False:
+        budget = None           # the prompt closes the thought already
+    return kwargs or None, budget
+
+
+class Exchange:
+    """One request to an endpoint: prepared (parsed, rendered, tokenized: CPU work, in a worker thread) when it
+    is made, then its events as OpenAI chunks (`chunk`), or the whole response (`final`). `serve` drives it."""
+    endpoint: str              # the label in /metrics
+    param: str                 # the field a prompt error names
+    id_prefix: str
+
+    def __init__(self, state: State, body: bytes):
+        self.state = state
+        self.id, self.created = f"{self.id_prefix}-{uuid.uuid4().hex}", int(time.time())
+        self.req = self.prepare(body)
+        self.include_usage = bool(self.req.stream_options and self.req.stream_options.include_usage)
+
+    def prepare(self, body: bytes):
+        """The parsed request; sets self.sreq (the scheduler Request) and self.reply (its parser)."""
+        raise NotImplementedError
+
+    def chunk(self, event, finish) -> list[dict]:
+        raise NotImplementedError
+
+    def final(self, gen: "Generation") -> dict:
+        raise NotImplementedError
+
+    def finished(self, gen: "Generation") -> None:
+        """The response went out whole."""
+
+    def usage(self, gen: "Generation") -> dict:
+        return gen.usage()
+
+    def _chunks(self, kind: str, choices: list[dict]) -> list[dict]:
+        out = [{"id": self.id, "object": kind, "created": self.created, "model": self.state.name, "choices": [c]}
+               for c in choices]
+        return [{**o, "usage": None} for o in out] if self.include_usage else out
+
+
+class ChatCompletion(Exchange):
+    """POST /v1/chat/completions."""
+    endpoint, param, id_prefix = "chat", "messages", "chatcmpl"
+
+    def prepare(self, body: bytes):
+        state = self.state
+        req = parse(ChatRequest, body)
+        check_model(state, req.model)
+        kwargs, budget = thinking_setup(state, state.model.chat_format, req)
+        try:
+            fmt = self.fmt = state.model.chat_format.configured(kwargs)
+        except GlmcoreError as e:
+            raise ApiError(400, str(e), "chat_template_kwargs", "invalid_value") from None
+        messages = to_messages(state, req)
+        tools, calls, must_call = tool_setup(fmt, req)
+        params, stops = sampling(req), req.stops()
+        state.check_size(_prompt_chars(messages, tools), "messages")
+        if len(messages) > state.scheduler.capacity:   # every message is at least its role token
+            raise ApiError(400, f"'messages' holds {len(messages)} messages, more than a context of "
+                           f"{state.scheduler.capacity} tokens can hold; send fewer", "messages",
+                           "context_length_exceeded")
+        try:
+            sreq = self.sreq = chat_request(fmt, messages, tools, params)
+        except TokenizerError as e:                 # the checkpoint's tokenizer, not the request, is broken
+            raise ApiError(500, f"the model's tokenizer failed on this request: {e}", type="server_error",
+                           code="tokenizer_error") from None
+        except GlmcoreError as e:
+            raise ApiError(400, str(e), "messages") from None
+        except (ValueError, UnicodeError) as e:     # a tokenizer refusing text the protocol let through
+            raise ApiError(400, f"'messages' cannot be tokenized ({str(e)[:80]}); send plain Unicode text",
+                           "messages") from None
+        # one function: its name line goes into the prompt; several, strict tools, response_format, a thinking
+        # budget: a grammar in the format's own call syntax
+        self.opening = constrain_chat(state.model, req, sreq, tools, must_call, calls, fmt, budget)
+        sreq.max_new_tokens = max_new(state, req, len(sreq.prompt))
+        load_test_fields(req, sreq)
+        self.parser = ToolCallStream(fmt, tools, calls=calls)
+        for t in self.opening:     # the forced opening (a name line, an empty metadata line) goes to the parser too
+            self.parser.push(t)
+        self.reply = Reply(self.parser, stops, one_call=req.parallel_tool_calls is False)
+        return req
+
+    def message(self) -> dict:
+        reply = self.reply
+        msg = {"role": "assistant", "content": reply.content or (None if reply.calls else "")}
+        if self.fmt.thinking:      # vLLM's reasoning-parser field: the thinking, null when there was none
+            msg["reasoning_content"] = reply.reasoning or None
+        if reply.calls:
+            msg["tool_calls"] = [_call_json(c) for c in reply.calls]
+        return msg
+
+    def chunk(self, event, finish) -> list[dict]:
+        if event is None:
+            delta = {} if finish else {"role": "assistant", "content": ""}
+        elif isinstance(event, TextDelta):
+            delta = {"content": event.text}
+        elif isinstance(event, ReasoningDelta):
+            delta = {"reasoning_content": event.text}
+        elif isinstance(event, ToolCallStart):      # as OpenAI streams a call: index, id and name, then arguments
+            delta = {"tool_calls": [{"index": event.index, "id": event.id, "type": "function",
+                                     "function": {"name": event.name, "arguments": ""}}]}
+        elif isinstance(event, ToolCallDelta):
+            delta = {"tool_calls": [{"index": event.index, "function": {"arguments": event.arguments}}]}
+        else:                      # ToolCallEvent: its name and arguments went out already
+            return []
+        return self._chunks("chat.completion.chunk",
+                            [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}])
+
+    def usage(self, gen):
+        return gen.usage(self.parser.reasoning_tokens if self.fmt.thinking else None)
+
+    def final(self, gen):
+        return {"id": self.id, "object": "chat.completion", "created": self.created, "model": self.state.name,
+                "choices": [{"index": 0, "message": self.message(), "logprobs": None,
+                             "finish_reason": gen.finish_reason(self.reply)}],
+                "usage": self.usage(gen)}
+
+    def finished(self, gen):
+        # only a reply sent back whole: one cut by a stop string has generated ids past its text
+        if not self.reply.cut and not self.parser.errors and gen.handle.finish_reason in (FinishReason.STOP,
+                                                                                          FinishReason.LENGTH):
+            self.state.reply_ids.put(as_message(self.message()), self.opening + list(gen.handle.tokens))
+
+
+class TextCompletion(Exchange):
+    """POST /v1/completions."""
+    endpoint, param, id_prefix = "completions", "prompt", "cmpl"
+
+    def prepare(self, body: bytes):
+        state = self.state
+        req = parse(CompletionRequest, body)
+        check_model(state, req.model)
+        ids = prompt_ids(state, req.prompt)
+        self.sreq = SchedRequest(ids, sampling(req), max_new(state, req, len(ids)), [state.model.tokenizer.eos_id])
+        constrain_completion(state.model, req, self.sreq)
+        load_test_fields(req, self.sreq)
+        self.reply = Reply(PlainText(state.model.tokenizer), req.stops())
+        return req
+
+    def chunk(self, event, finish) -> list[dict]:
+        return self._chunks("text_completion", [{"index": 0, "text": event.text if event else "", "logprobs": None,
+                                                 "finish_reason": finish}])
+
+    def final(self, gen):
+        return {"id": self.id, "object": "text_completion", "created": self.created, "model": self.state.name,
+                "choices": [{"index": 0, "text": self.reply.content, "logprobs": None,
+                             "finish_reason": gen.finish_reason(self.reply)}],
+                "usage": gen.usage()}
+
+
+ROUTES = {"/chat/completions": ChatCompletion, "/completions": TextCompletion}     # under /v1, POST
+
+
 async def _cancel_on_disconnect(request: Request, gen: Generation) -> None:
     """A non-streamed request whose client went away stops generating and frees its slot."""
     while (await request.receive())["type"] != "http.disconnect":
@@ -426,11 +601,19 @@ async def _cancel_on_disconnect(request: Request, gen: Generation) -> None:
     gen.cancel()
 
 
-async def _respond(state: State, request: Request, endpoint: str, gen: Generation, reply: Reply, stream: bool,
-                   include_usage: bool, make_chunk, make_final, store_ids=None):
-    """Drive one generation to a JSON response or an SSE stream; counts the request in /metrics."""
-    metrics = state.metrics
-    if not stream:
+async def serve_exchange(state: State, request: Request, kind: type[Exchange]):
+    """One request to an endpoint: its body read and prepared, queued, driven to a JSON response or an SSE stream;
+    counted in /metrics."""
+    metrics, endpoint = state.metrics, kind.endpoint
+    try:
+        body = await read_body(request, state.max_body, state.read_timeout)
+        ex = await state.prepare(kind, state, body)
+        gen = Generation(state, ex.sreq, kind.param)
+    except ApiError as e:
+        metrics.requests.labels(endpoint, str(e.status)).inc()
+        raise
+    reply = ex.reply
+    if not ex.req.stream:
         watcher = asyncio.create_task(_cancel_on_disconnect(request, gen))
         try:
             async for token in gen.tokens():
@@ -447,27 +630,26 @@ async def _respond(state: State, request: Request, endpoint: str, gen: Generatio
             metrics.requests.labels(endpoint, "disconnected").inc()
             return Response(status_code=499)
         metrics.requests.labels(endpoint, "200").inc()
-        if store_ids:
-            store_ids()
-        return JSONResponse(make_final())
+        ex.finished(gen)
+        return JSONResponse(ex.final(gen))
+
+    def sse(events) -> str:
+        return "".join(_sse(c) for e in events for c in ex.chunk(e, None))
 
     async def events():
         status = "disconnected"
         try:
-            yield "".join(map(_sse, make_chunk(None, None)))
+            yield "".join(map(_sse, ex.chunk(None, None)))
             async for token in gen.tokens():
-                for event in reply.push(token):
-                    yield "".join(map(_sse, make_chunk(event, None)))
+                yield sse(reply.push(token))
                 if reply.cut:
                     gen.cancel()     # the tokens still in flight are drained, never sent
-            for event in reply.close():
-                yield "".join(map(_sse, make_chunk(event, None)))
-            yield "".join(map(_sse, make_chunk(None, gen.finish_reason(reply))))
-            if include_usage:
-                yield _sse({**make_chunk(None, None)[0], "choices": [], "usage": gen.usage()})
+            yield sse(reply.close())
+            yield "".join(map(_sse, ex.chunk(None, gen.finish_reason(reply))))
+            if ex.include_usage:
+                yield _sse({**ex.chunk(None, None)[0], "choices": [], "usage": ex.usage(gen)})
             status = "200"
-            if store_ids:
-                store_ids()
+            ex.finished(gen)
         except ApiError as e:          # the generation failed after the stream began: say so in the stream
             status = str(e.status)
             yield _sse(e.body())
@@ -511,16 +693,19 @@ class HostCheck:
 
 def create_app(model, name: str, api_key: str | None = None, max_body: int = MAX_BODY,
                retry_after: int = 1, read_timeout: float = READ_TIMEOUT, allowed_hosts=LOCAL_HOSTS,
-               cors_origins=()) -> FastAPI:
+               cors_origins=(), thinking_budget: int | None = None) -> FastAPI:
     """The ASGI app over a LoadedModel with a scheduler (load_model(..., slots=N)); the caller starts the
     scheduler's thread (scheduler.start()) and stops it. allowed_hosts: the names the Host header may give
-    ("*": any); cors_origins: the web origins whose pages may call the API (none by default)."""
+    ("*": any); cors_origins: the web origins whose pages may call the API (none by default); thinking_budget: the
+    most tokens a thinking model's thought may take where a request names no budget (None: no limit)."""
     if model.scheduler is None:
         raise GlmcoreError("the server needs a model loaded with slots (load_model(..., slots=N))")
     if api_key is not None and not api_key.strip():
         raise GlmcoreError("the API key is empty (was --api-key given an unset variable?); give a key, or leave "
                            "the option out to serve without one")
-    state = State(model, name, api_key, max_body, retry_after, read_timeout)
+    if thinking_budget is not None and thinking_budget < 0:
+        raise GlmcoreError(f"invalid thinking budget {thinking_budget}: use 0 or more tokens (or none: no limit)")
+    state = State(model, name, api_key, max_body, retry_after, read_timeout, thinking_budget)
     app = FastAPI(title="glmcore", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.glmcore = state
     if cors_origins:
@@ -529,22 +714,20 @@ def create_app(model, name: str, api_key: str | None = None, max_body: int = MAX
                            allow_headers=["Authorization", "Content-Type"], max_age=600)
     app.add_middleware(HostCheck, allowed=list(allowed_hosts))      # added last: runs first
 
-    @app.exception_handler(ApiError)
-    async def _api_error(_request, e: ApiError):
-        return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
-
-    @app.exception_handler(StarletteHTTPException)
-    async def _http_error(request, e):
-        code = "not_found" if e.status_code == 404 else None
-        msg = f"{request.method} {request.url.path}: {e.detail}"
-        return JSONResponse(error_body(msg, code=code), status_code=e.status_code, headers=e.headers)
-
-    @app.exception_handler(Exception)
-    async def _bug(request, e):        # never a traceback to the client; the log has it
-        log.exception("internal error")
+    async def error(request, e: Exception):
+        """The one place an exception becomes OpenAI's error JSON."""
+        if isinstance(e, ApiError):
+            return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+        if isinstance(e, StarletteHTTPException):
+            msg = f"{request.method} {request.url.path}: {e.detail}"
+            return JSONResponse(error_body(msg, code="not_found" if e.status_code == 404 else None),
+                                status_code=e.status_code, headers=e.headers)
+        log.exception("internal error")     # never a traceback to the client; the log has it
         state.metrics.requests.labels(ENDPOINTS.get(request.url.path, "other"), "500").inc()
         return JSONResponse(error_body(f"internal error ({type(e).__name__}); see the server log", "server_error"),
                             status_code=500)
+    for kind in (ApiError, StarletteHTTPException, Exception):
+        app.add_exception_handler(kind, error)
 
     async def authorize(request: Request) -> None:
         if state.api_key is None:
@@ -566,128 +749,12 @@ def create_app(model, name: str, api_key: str | None = None, max_body: int = MAX
         check_model(state, model_id)
         return _model_card(state)
 
-    def prepare_chat(body: bytes):
-        """Everything a chat request needs before it is queued; CPU work, run in a worker thread."""
-        req = parse(ChatRequest, body)
-        check_model(state, req.model)
-        try:
-            fmt = state.model.chat_format.configured(req.chat_template_kwargs)
-        except GlmcoreError as e:
-            raise ApiError(400, str(e), "chat_template_kwargs", "invalid_value") from None
-        messages = to_messages(state, req)
-        tools, calls, must_call = tool_setup(fmt, req)
-        params, stops = sampling(req), req.stops()
-        state.check_size(_prompt_chars(messages, tools), "messages")
-        if len(messages) > state.scheduler.capacity:   # every message is at least its role token
-            raise ApiError(400, f"'messages' holds {len(messages)} messages, more than a context of "
-                           f"{state.scheduler.capacity} tokens can hold; send fewer", "messages",
-                           "context_length_exceeded")
-        try:
-            sreq = chat_request(fmt, messages, tools, params)
-        except TokenizerError as e:                 # the checkpoint's tokenizer, not the request, is broken
-            raise ApiError(500, f"the model's tokenizer failed on this request: {e}", type="server_error",
-                           code="tokenizer_error") from None
-        except GlmcoreError as e:
-            raise ApiError(400, str(e), "messages") from None
-        except (ValueError, UnicodeError) as e:     # a tokenizer refusing text the protocol let through
-            raise ApiError(400, f"'messages' cannot be tokenized ({str(e)[:80]}); send plain Unicode text",
-                           "messages") from None
-        # one function: its name line goes into the prompt; several, strict tools, response_format: a grammar
-        opening = constrain_chat(state.model, req, sreq, tools, must_call, calls)
-        sreq.max_new_tokens = max_new(state, req, len(sreq.prompt))
-        load_test_fields(req, sreq)
-        return req, fmt, tools, calls, opening, sreq, stops
-
-    @v1.post("/chat/completions")
-    async def chat(request: Request):
-        try:
-            body = await read_body(request, state.max_body, state.read_timeout)
-            req, fmt, tools, calls, opening, sreq, stops = await state.prepare(prepare_chat, body)
-            gen = Generation(state, sreq, "messages")
-        except ApiError as e:
-            state.metrics.requests.labels("chat", str(e.status)).inc()
-            raise
-        parser = ToolCallStream(fmt, tools, calls=calls)
-        for t in opening:              # the forced opening (a name line, an empty metadata line) goes to the parser too
-            parser.push(t)
-        reply = Reply(parser, stops, one_call=req.parallel_tool_calls is False)
-        cid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
-        include_usage = bool(req.stream_options and req.stream_options.include_usage)
-
-        def message() -> dict:
-            msg = {"role": "assistant", "content": reply.content or (None if reply.calls else "")}
-            if fmt.thinking:           # vLLM's reasoning-parser field: the thinking, null when there was none
-                msg["reasoning_content"] = reply.reasoning or None
-            if reply.calls:
-                msg["tool_calls"] = [_call_json(c) for c in reply.calls]
-            return msg
-
-        def chunk(event, finish) -> list[dict]:
-            if event is None:
-                deltas = [{} if finish else {"role": "assistant", "content": ""}]
-            elif isinstance(event, TextDelta):
-                deltas = [{"content": event.text}]
-            elif isinstance(event, ReasoningDelta):
-                deltas = [{"reasoning_content": event.text}]
-            else:                      # as OpenAI streams a call: index, id and name, then the arguments
-                call = _call_json(event.call, next(i for i, c in enumerate(reply.calls) if c is event.call))
-                args = call["function"]["arguments"]
-                deltas = [{"tool_calls": [{**call, "function": {"name": call["function"]["name"], "arguments": ""}}]},
-                          {"tool_calls": [{"index": call["index"], "function": {"arguments": args}}]}]
-            out = [{"id": cid, "object": "chat.completion.chunk", "created": created, "model": state.name,
-                    "choices": [{"index": 0, "delta": d, "logprobs": None, "finish_reason": finish}]} for d in deltas]
-            return [{**o, "usage": None} for o in out] if include_usage else out
-
-        def final():
-            return {"id": cid, "object": "chat.completion", "created": created, "model": state.name,
-                    "choices": [{"index": 0, "message": message(), "logprobs": None,
-                                 "finish_reason": gen.finish_reason(reply)}],
-                    "usage": gen.usage()}
-
-        def store_ids():
-            # only a reply sent back whole: one cut by a stop string has generated ids past its text
-            if not reply.cut and not parser.errors and gen.handle.finish_reason in (FinishReason.STOP,
-                                                                                    FinishReason.LENGTH):
-                state.reply_ids.put(as_message(message()), opening + list(gen.handle.tokens))
-
-        return await _respond(state, request, "chat", gen, reply, req.stream, include_usage, chunk, final, store_ids)
-
-    def prepare_completion(body: bytes):
-        req = parse(CompletionRequest, body)
-        check_model(state, req.model)
-        ids = prompt_ids(state, req.prompt)
-        sreq = SchedRequest(ids, sampling(req), max_new(state, req, len(ids)), [state.model.tokenizer.eos_id])
-        constrain_completion(state.model, req, sreq)
-        load_test_fields(req, sreq)
-        return req, sreq, req.stops()
-
-    @v1.post("/completions")
-    async def completions(request: Request):
-        try:
-            body = await read_body(request, state.max_body, state.read_timeout)
-            req, sreq, stops = await state.prepare(prepare_completion, body)
-            gen = Generation(state, sreq, "prompt")
-        except ApiError as e:
-            state.metrics.requests.labels("completions", str(e.status)).inc()
-            raise
-        reply = Reply(PlainText(state.model.tokenizer), stops)
-        cid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
-        include_usage = bool(req.stream_options and req.stream_options.include_usage)
-
-        def chunk(event, finish) -> list[dict]:
-            out = {"id": cid, "object": "text_completion", "created": created, "model": state.name,
-                   "choices": [{"index": 0, "text": event.text if event else "", "logprobs": None,
-                                "finish_reason": finish}]}
-            return [{**out, "usage": None} if include_usage else out]
-
-        def final():
-            return {"id": cid, "object": "text_completion", "created": created, "model": state.name,
-                    "choices": [{"index": 0, "text": reply.content, "logprobs": None,
-                                 "finish_reason": gen.finish_reason(reply)}],
-                    "usage": gen.usage()}
-
-        return await _respond(state, request, "completions", gen, reply, req.stream, include_usage, chunk, final)
-
+    def route(kind: type[Exchange]):
+        async def endpoint(request: Request):
+            return await serve_exchange(state, request, kind)
+        return endpoint
+    for path, kind in ROUTES.items():
+        v1.add_api_route(path, route(kind), methods=["POST"])
     app.include_router(v1)
     add_chat_page(app)
 
