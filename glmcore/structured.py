@@ -676,16 +676,19 @@ class CallRequest:
     must_call: Sequence[str]         # the reply must call one of these (tool_choice required / named)
     text: "Grammar | None"           # what a text reply must match (response_format)
     space: str                       # '" "? ' where a SentencePiece reply opens with the dummy-prefix space
+    parallel: bool = True            # several calls in one reply (OpenAI's parallel_tool_calls)
+    after_thought: bool = False      # the reply opens inside <think>: the answer's rules follow a thought
 
 
 def reply_constraint(fmt, n_logits: int | None = None, grammar: Grammar | None = None, tools=None,
-                     must_call: Sequence[str] = (), calls: bool = True,
-                     thinking_budget: int | None = None) -> tuple[list[int], Constraint | None]:
+                     must_call: Sequence[str] = (), calls: bool = True, thinking_budget: int | None = None,
+                     parallel: bool = True) -> tuple[list[int], Constraint | None]:
     """(ids forced at the start of the reply, the Constraint of the rest, or None) for a chat reply.
 
     grammar: what a text reply must match (response_format); tools: the request's tools, whose "strict"
     ones get arguments matching their parameters schema; must_call: the reply must call one of these
     (OpenAI's tool_choice "required" or a named function); calls: whether the reply may call tools at all;
+    parallel: whether it may make several calls (where the format writes calls one after another);
     thinking_budget: the most tokens a thinking model's thought may take, after which its own </think> is forced.
     The format's tool parser writes the rules of the answer (calls in its own syntax); a thinking template's
     thought goes in front of them, free text up to </think>."""
@@ -701,7 +704,7 @@ def reply_constraint(fmt, n_logits: int | None = None, grammar: Grammar | None =
     tok = fmt.tok
     table = token_table(tok, n_logits)
     request = CallRequest(tok, functions if calls else [], strict, tuple(must_call), grammar,
-                          '" "? ' if table.sentencepiece else "")
+                          '" "? ' if table.sentencepiece else "", parallel, fmt.thinking and fmt.opens_thinking)
     body = parser(functions or None, calls).grammar(request)
     if body is None and grammar is not None:
         body = CallGrammar("body: @text", {"text": grammar})
@@ -744,9 +747,9 @@ def _thought(fmt, tok, budget: int | None) -> str | None:
     else:
         rules = f"thought{limit}: /(?s:.*)/\n"
         closing = f" {close}"
-    if fmt.opens_thinking:
-        return rules + f'thought_part: thought{closing} "\\n"*\n'
-    return rules + f'thought_part: ("\\n"? {_special(tok, "<think>")} thought{closing} "\\n"*)?\n'
+    if fmt.opens_thinking:      # (the answer's own rules take the newline that follows </think>)
+        return rules + f'thought_part: thought{closing}\n'
+    return rules + f'thought_part: ("\\n"? {_special(tok, "<think>")} thought{closing})?\n'
 
 
 MAX_GRAMMAR_FILE = 1 << 20      # bytes of a --json-schema / --grammar file

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import ast
 
-from ..structured import Grammar, lark_string
+from ..structured import Grammar, lark_string, regex_terminal
 from .base import (CallGrammar, Markup, ToolCallParseError, ToolParser, as_json, dumps, load_json,
                    partial_tail)
 
@@ -35,6 +35,18 @@ def _value(text: str):
         except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
             pass
     return text
+
+
+def _string(schema: dict) -> str:
+    """A raw string argument in Lark, as its schema bounds it: an enum, a pattern, a length; else any text."""
+    if schema.get("enum"):
+        return " | ".join(lark_string(str(v)) for v in schema["enum"])
+    if isinstance(schema.get("pattern"), str):
+        return regex_terminal(schema["pattern"])
+    low, high = schema.get("minLength"), schema.get("maxLength")
+    if isinstance(low, int) or isinstance(high, int):
+        return f"/(?s:.{{{int(low or 0)},{'' if high is None else int(high)}}})/"
+    return "VALUE"
 
 
 class XmlCallParser(ToolParser):
@@ -119,18 +131,14 @@ class XmlCallParser(ToolParser):
             head = ("{" if not self._args else ", ") + dumps(self._key) + ": "
             self._args[self._key] = None        # its place in the order
             return self._delta(head + '"') if self._string else self._delta(head)
-        # value
-        if tag is None:
-            self._buf += part
-            return self._string_piece(part) if self._string else []
-        if tag in (VALUE_END, KEY, END):        # a value the model did not close ends at the next tag
+        # value: up to </arg_value> (a value the model did not close ends at the next <arg_key> or </tool_call>);
+        # any other tag in it is its text, as vLLM's `<arg_value>(.*?)</arg_value>` reads it
+        if tag in (VALUE_END, KEY, END):
             events = self._value_done()
-            if tag == VALUE_END:
-                self._state = "args"
-                return events
             self._state = "args"
-            return events + self._in_call(part, tag)
-        raise ToolCallParseError(f"{tag} inside the value of {self._key!r}")
+            return events if tag == VALUE_END else events + self._in_call(part, tag)
+        self._buf += part
+        return self._string_piece(part) if self._string else []
 
     def _named(self, name: str) -> list:
         name = name.strip()
@@ -188,12 +196,14 @@ class XmlCallParser(ToolParser):
 
         def t(tag):      # the tag as the special token it is, else as text
             return tag if tag in tok.special_ids else lark_string(tag)
-        rules, parts, calls = [], {}, []
+        rules, parts, names = [], {}, []
         functions = {f["name"]: f for f in g.functions}
         for i, name in enumerate(g.must_call or list(functions)):
             schema = g.strict.get(name)
             if schema is None:
-                pair = f'{t(KEY)} KEY {t(KEY_END)} NL? {t(VALUE)} VALUE {t(VALUE_END)} NL?'
+                declared = ((functions.get(name) or {}).get("parameters") or {}).get("properties")
+                keys = " | ".join(map(lark_string, declared)) if isinstance(declared, dict) and declared else "KEY"
+                pair = f'{t(KEY)} ({keys}) {t(KEY_END)} NL? {t(VALUE)} VALUE {t(VALUE_END)} NL?'
                 args = f"({pair})*"
             else:
                 props = schema.get("properties") or {}
@@ -201,9 +211,7 @@ class XmlCallParser(ToolParser):
                 items = []
                 for j, (key, sub) in enumerate(props.items()):
                     if isinstance(sub, dict) and sub.get("type") == "string":
-                        value = (" | ".join(lark_string(str(v)) for v in sub["enum"]) if sub.get("enum")
-                                 else "VALUE")
-                        value = f"({value})"
+                        value = f"({_string(sub)})"
                     else:
                         parts[f"a{i}_{j}"] = Grammar.json_schema(sub if isinstance(sub, (dict, bool)) else {})
                         value = f"@a{i}_{j}"
@@ -211,16 +219,17 @@ class XmlCallParser(ToolParser):
                     items.append(item if key in required else item + "?")
                 args = " ".join(items) or '""'
             rules.append(f"call{i}: {t(CALL)} {lark_string(name)} NL? {args} {t(END)}")
-            calls.append(f"call{i}")
-        rules.append("call: " + " | ".join(calls))
+            names.append(f"call{i}")
+        rules.append("call: " + " | ".join(names))
         rules.append('NL: "\\n"\nKEY: /[^\\n]+/\nVALUE: /(?s:.*)/\nTEXT: /(?s:.*)/')
+        calls = "NL? call (NL? call)*" if g.parallel else "NL? call"
         if g.must_call:
-            body = "body: NL? call (NL? call)*"
+            body = f"body: {calls}"
         elif g.text is not None:
             parts["text"] = g.text
-            body = "body: @text | NL? call (NL? call)*" if functions else "body: @text"
+            body = f"body: @text | {calls}" if functions else "body: @text"
         elif g.strict:
-            body = "body: TEXT (NL? call)* NL?"
+            body = f"body: TEXT ({calls})? NL?"
         else:
             return None
         return CallGrammar("\n".join([body] + rules), parts)

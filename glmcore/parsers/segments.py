@@ -128,7 +128,7 @@ class SegmentParser(ToolParser):
     def grammar(self, g):
         """One forced call: its name line goes into the prompt; several names, strict tools or a text grammar
         beside calls: a Lark grammar over segments (`<|assistant|>` between them)."""
-        if len(g.must_call) == 1:                      # its name line goes into the prompt
+        if len(g.must_call) == 1 and not g.after_thought:      # its name line goes into the prompt
             name = g.must_call[0]
             schema = g.strict.get(name)
             return CallGrammar("body: @args" if schema is not None else "body: BODY\nBODY: /(?s:.*)/",
@@ -152,7 +152,10 @@ class SegmentParser(ToolParser):
                 alts.append(f'{g.space}"\\n" {g.space}@text')
             else:
                 alts.append(f'{g.space}"\\n" BODY')
-        return CallGrammar("body: seg (<|assistant|> seg)*\nseg: " + " | ".join(alts) + "\nBODY: /(?s:.*)/", parts)
+        # after a thought (GLM-Z1: "...</think><|assistant|>name\n{...}") the first segment may open with the mark
+        first = "<|assistant|>? " if g.after_thought else ""
+        return CallGrammar(f"body: {first}seg (<|assistant|> seg)*\nseg: " + " | ".join(alts) + "\nBODY: /(?s:.*)/",
+                           parts)
 
 
 class ChatGLM3Parser(SegmentParser):

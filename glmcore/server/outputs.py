@@ -72,7 +72,8 @@ def constrain_chat(model, req, sreq, tools, must_call: list[str], calls: bool, f
     where = param or ("tool_choice" if must_call else "tools" if tools else "max_thinking_tokens")
     try:
         opening, sreq.constraint = reply_constraint(fmt or model.chat_format, model.config.vocab_size, grammar, tools,
-                                                    must_call, calls, thinking_budget)
+                                                    must_call, calls, thinking_budget,
+                                                    parallel=getattr(req, "parallel_tool_calls", None) is not False)
     except GrammarError as e:
         raise ApiError(400, f"'{where}': {e}", where, "invalid_value") from None
     if sreq.constraint is not None:
