@@ -309,3 +309,37 @@ def test_thinking_fields_refused_where_the_template_has_no_thinking(make_tiny):
                 c.chat.completions.create(model="tiny", messages=messages, max_tokens=2, reasoning_effort="low")
     finally:
         m.close()
+
+
+def test_server_default_thinking_budget(glm47):
+    """`glmcore serve --max-thinking-tokens N` (create_app's thinking_budget): a request that names no budget gets it."""
+    from test_server import client, serving
+
+    from glmcore.model import load_model
+    pytest.importorskip("uvicorn")
+    m = load_model(glm47, "torch", LoadOptions(threads=1), slots=1)
+    try:
+        with serving(m, "glm47", thinking_budget=2) as url:
+            for seed in range(2):
+                r = client(url).chat.completions.create(model="glm47", messages=[{"role": "user", "content": "hi"}],
+                                                        max_tokens=16, temperature=1.0, seed=seed)
+                assert r.usage.completion_tokens_details.reasoning_tokens <= 3
+    finally:
+        m.close()
+
+
+def test_chat_think_on_off(glm46, make_tiny, monkeypatch, capsys):
+    """glmcore chat's /think on|off sets the template's enable_thinking from the next reply; a template without
+    the switch says so."""
+    from glmcore import cli
+    seen = []
+    monkeypatch.setattr(cli, "_chat_turn", lambda pipe, state, params, n, view=None, template_kwargs=None:
+                        seen.append(template_kwargs) or True)
+    lines = iter(["hi", "/think off", "hi", "/think on", "hi", "/think maybe", "/quit"])
+    monkeypatch.setattr("builtins.input", lambda prompt="": next(lines))
+    assert cli.main(["chat", "--model", str(glm46), "--backend", "torch", "--max-new-tokens", "2"]) == 0
+    assert seen == [None, {"enable_thinking": False}, {"enable_thinking": True}]
+    assert "usage: /think on|off" in capsys.readouterr().err
+    lines = iter(["/think off", "/quit"])
+    assert cli.main(["chat", "--model", str(make_tiny("glm4-0414")), "--backend", "torch"]) == 0
+    assert "has no thinking switch" in capsys.readouterr().err
