@@ -16,8 +16,7 @@ from __future__ import annotations
 import ast
 
 from ..structured import Grammar, lark_string, regex_terminal
-from .base import (CallGrammar, Markup, ToolCallParseError, ToolParser, as_json, dumps, load_json,
-                   partial_tail)
+from .base import CallGrammar, Markup, ToolCallParseError, ToolParser, as_json, dumps, load_json
 
 CALL, END, KEY, KEY_END, VALUE, VALUE_END = ("<tool_call>", "</tool_call>", "<arg_key>", "</arg_key>", "<arg_value>",
                                              "</arg_value>")

@@ -10,7 +10,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from ..chat import MAX_ARGUMENT_DEPTH, json_depth
+from ..parsers.base import MAX_ARGUMENT_DEPTH, json_depth
 
 # Nesting a body may have: OpenAI's shapes need < 10 levels, tool schemas a few more. Checked before json.loads,
 # so no request depends on the interpreter's recursion limit (or costs a pretty-printed 900-level schema).
