@@ -738,15 +738,15 @@ def _thought(fmt, tok, budget: int | None) -> str | None:
         return None
     if budget is None and not fmt.opens_thinking:
         return None
-    limit = f"[max_tokens={int(budget)}]" if budget is not None else ""
     close = _special(tok, "</think>")
-    if close.startswith('"'):                     # a text tag: the thought stops at it
-        rules = f'thought[stop={close}{", max_tokens=" + str(int(budget)) if budget is not None else ""}]: ' \
-                f'/(?s:.*)/\n'
-        closing = ""
-    else:
-        rules = f"thought{limit}: /(?s:.*)/\n"
-        closing = f" {close}"
+    if close.startswith('"'):         # a text tag (GLM-Z1 on GLM-4's tokenizer): the thought stops where it is written
+        if budget is not None:        # llguidance ends a max_tokens lexeme without its stop text: nothing to force
+            raise GrammarError("a thinking budget forces the template's </think>, which is no special token of this "
+                               "checkpoint's tokenizer (it is text); drop the budget")
+        rules, closing = f"thought[stop={close}]: /(?s:.*)/\n", ""
+    else:                             # a special token: text can never match it, so the thought is free text
+        limit = f"[max_tokens={int(budget)}]" if budget is not None else ""
+        rules, closing = f"thought{limit}: /(?s:.*)/\n", f" {close}"
     if fmt.opens_thinking:      # (the answer's own rules take the newline that follows </think>)
         return rules + f'thought_part: thought{closing}\n'
     return rules + f'thought_part: ("\\n"? {_special(tok, "<think>")} thought{closing})?\n'

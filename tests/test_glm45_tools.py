@@ -26,8 +26,12 @@ WEATHER = {"city": 'Bei "jing"\n</arg_key> <b>', "days": 3, "opts": {"a": [1, {"
 
 def glm47_style(template: str) -> str:
     """The GLM-4.6 template written as GLM-4.7 writes its turns (vLLM's glm47 parser): no newline after
-    <|assistant|> or the tool name, arguments without newlines, and a generation prompt that opens <think>."""
-    out = template.replace("{{ '\\n<think>' + reasoning_content.strip() +  '</think>'}}",
+    <|assistant|> or the tool name, arguments without newlines, a generation prompt that opens <think>, and
+    preserved thinking (clear_thinking=false keeps earlier turns' reasoning)."""
+    out = template.replace("{%- if loop.index0 > ns.last_user_index and reasoning_content -%}",
+                           "{%- if (loop.index0 > ns.last_user_index or (clear_thinking is defined and not "
+                           "clear_thinking)) and reasoning_content -%}")
+    out = out.replace("{{ '\\n<think>' + reasoning_content.strip() +  '</think>'}}",
                            "{{ '<think>' + reasoning_content.strip() +  '</think>'}}")
     out = out.replace("{{ '\\n<think></think>' }}", "{{ '<think></think>' }}")
     out = out.replace("{{ '\\n<tool_call>' + tc.name }}\n{% set _args = tc.arguments or {} %}\n"
@@ -343,3 +347,34 @@ def test_chat_think_on_off(glm46, make_tiny, monkeypatch, capsys):
     lines = iter(["/think off", "/quit"])
     assert cli.main(["chat", "--model", str(make_tiny("glm4-0414")), "--backend", "torch"]) == 0
     assert "has no thinking switch" in capsys.readouterr().err
+
+
+def test_preserved_thinking_is_the_templates_choice(glm47):
+    """Earlier replies' reasoning_content reaches the template: dropped by default as it drops it, kept with
+    chat_template_kwargs clear_thinking=false (GLM-4.7's preserved thinking)."""
+    fmt = _fmt(glm47)
+    turns = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b", "reasoning_content": "EARLIER"},
+             {"role": "user", "content": "c"}]
+    msgs = [as_message(m) for m in turns]
+    assert "EARLIER" not in fmt.tok.decode(fmt.encode_messages(msgs), skip_special=False)
+    kept = fmt.configured({"clear_thinking": False}).encode_messages(msgs)
+    assert "<think>EARLIER</think>" in fmt.tok.decode(kept, skip_special=False)
+
+
+def test_budget_needs_a_special_think_close(make_tiny, tmp_path):
+    """GLM-Z1's </think> is text on GLM-4's tokenizer: a budget cannot force it, so it is refused in one line
+    (the server leaves its default budget off there); the thought before a required call stops at the text."""
+    from glmcore.hf_tokenizer import GLM_Z1_TEMPLATE
+    from glmcore.structured import GrammarError, reply_constraint
+    dst = tmp_path / "z1"
+    shutil.copytree(make_tiny("glm4-0414"), dst)
+    cfg = json.loads((dst / "tokenizer_config.json").read_text())
+    cfg["chat_template"] = GLM_Z1_TEMPLATE
+    (dst / "tokenizer_config.json").write_text(json.dumps(cfg, ensure_ascii=False))
+    fmt = chat_format_for(load_tokenizer(dst, "glm4-0414"))
+    assert fmt.opens_thinking and "</think>" not in fmt.tok.special_ids
+    with pytest.raises(GrammarError, match="no special token"):
+        reply_constraint(fmt, None, thinking_budget=4)
+    opening, constraint = reply_constraint(fmt, None, None, TOOLS, must_call=["now"])
+    top = json.loads(constraint.grammar)["grammars"][0]["lark_grammar"]
+    assert opening == [] and 'thought[stop="</think>"]' in top and "start: thought_part body" in top
