@@ -165,6 +165,11 @@ class ChatFormat:
         stream.close()
         return stream.message
 
+    def call_prefix(self, name: str) -> list[int]:
+        """Ids that open a call of `name` right after the generation prompt's <|assistant|> in a segmented reply
+        format (ChatGLM3, GLM-4): the model then writes only its arguments (a server forcing tool_choice)."""
+        return self.tool_parser.call_prefix(self.tok, name)
+
     def decode_reply(self, ids, tools: list[dict] | None = None) -> Message:
         """parse_reply of generated ids (stop tokens are dropped; <|assistant|> separates segments)."""
         stream = ToolCallStream(self, tools)
@@ -265,11 +270,6 @@ class _RoleFormat(ChatFormat):
 
     def _tools_turn(self, functions: list[dict], messages: list[Message]) -> tuple[list[int], list[Message]]:
         raise NotImplementedError
-
-    def call_prefix(self, name: str) -> list[int]:
-        """Ids that open a call of `name` right after the generation prompt's <|assistant|>: the model
-        then writes only its arguments (a server forcing OpenAI's tool_choice)."""
-        return self.tok.encode(f"{name}\n")
 
     def _call_text(self, call: ToolCall) -> str:
         raise NotImplementedError
@@ -509,8 +509,6 @@ class TemplateFormat(ChatFormat):
         # after the template's own opening (the [gMASK]<sop> of GLM-4-0414, nothing for GLM-Edge).
         return self._encode(new_messages, None, True, skip=self.render([], None, False))
 
-    def call_prefix(self, name: str) -> list[int]:
-        return self.tok.encode(f"{name}\n")
 
 
 def _map_strings(value, f):

@@ -705,7 +705,7 @@ def reply_constraint(fmt, n_logits: int | None = None, grammar: Grammar | None =
     table = token_table(tok, n_logits)
     request = CallRequest(tok, functions if calls else [], strict, tuple(must_call), grammar,
                           '" "? ' if table.sentencepiece else "", parallel, fmt.thinking and fmt.opens_thinking)
-    body = parser(functions or None, calls).grammar(request)
+    body = parser.grammar(request)
     if body is None and grammar is not None:
         body = CallGrammar("body: @text", {"text": grammar})
     if body is None and thinking_budget is None:

@@ -153,7 +153,8 @@ class ToolParser:
         return ToolCallEvent(call, len(self._ids) - 1)
 
     # -- constrained decoding
-    def grammar(self, g) -> "CallGrammar | None":
+    @classmethod
+    def grammar(cls, g) -> "CallGrammar | None":
         """The Lark rules a reply in this format must match; g: a GrammarRequest (glmcore.structured)."""
         return None
 

@@ -188,7 +188,8 @@ class XmlCallParser(ToolParser):
         return self.raw.strip()
 
     # -- constrained decoding
-    def grammar(self, g):
+    @classmethod
+    def grammar(cls, g):
         """Calls in this format: `tool_choice` required/named (one call or more), strict tools' arguments by
         their schema (string arguments raw, others JSON by their own schema), text beside calls otherwise."""
         tok = g.tok

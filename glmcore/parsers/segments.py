@@ -121,11 +121,13 @@ class SegmentParser(ToolParser):
     def parse(self, body: str) -> dict:
         raise NotImplementedError
 
-    def call_prefix(self, tok, name: str) -> list[int]:
+    @staticmethod
+    def call_prefix(tok, name: str) -> list[int]:
         """Ids that open a call of `name` right after the generation prompt's <|assistant|> (tool_choice)."""
         return tok.encode(f"{name}\n")
 
-    def grammar(self, g):
+    @classmethod
+    def grammar(cls, g):
         """One forced call: its name line goes into the prompt; several names, strict tools or a text grammar
         beside calls: a Lark grammar over segments (`<|assistant|>` between them)."""
         if len(g.must_call) == 1 and not g.after_thought:      # its name line goes into the prompt
@@ -133,12 +135,12 @@ class SegmentParser(ToolParser):
             schema = g.strict.get(name)
             return CallGrammar("body: @args" if schema is not None else "body: BODY\nBODY: /(?s:.*)/",
                                {"args": Grammar.json_schema(schema)} if schema is not None else {},
-                               self.call_prefix(g.tok, name))
+                               cls.call_prefix(g.tok, name))
         if not g.must_call and not g.strict:
             if g.text is None:
                 return None
             if not g.functions:                        # text only: the empty metadata line, then the grammar
-                return CallGrammar(f"body: {g.space}@text", {"text": g.text}, self.call_prefix(g.tok, ""))
+                return CallGrammar(f"body: {g.space}@text", {"text": g.text}, cls.call_prefix(g.tok, ""))
         alts, parts = [], {}
         for i, name in enumerate(g.must_call or [f["name"] for f in g.functions]):
             if name in g.strict:
