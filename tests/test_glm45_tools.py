@@ -378,3 +378,23 @@ def test_budget_needs_a_special_think_close(make_tiny, tmp_path):
     opening, constraint = reply_constraint(fmt, None, None, TOOLS, must_call=["now"])
     top = json.loads(constraint.grammar)["grammars"][0]["lark_grammar"]
     assert opening == [] and 'thought[stop="</think>"]' in top and "start: thought_part body" in top
+
+
+@pytest.mark.parametrize("style", ["glm46", "glm47"])
+def test_text_fed_a_character_at_a_time_gives_the_same_calls(request, style):
+    """Decoded text in the smallest pieces (tags split anywhere) parses to the same message and the same argument
+    pieces' concatenation as the ids do."""
+    fmt = _fmt(request.getfixturevalue(style))
+    sent = {"role": "assistant", "content": "Text first.", "reasoning_content": "hmm", "tool_calls": CALLS}
+    ids = _reply_ids(fmt, sent)
+    _, by_ids = _push(fmt, ids)
+    stream = ToolCallStream(fmt, TOOLS)
+    text = fmt.tok.decode(ids, skip_special=False).replace("</arg_key> <b>", "<b>")   # no tag-like text in a value
+    events = [e for ch in text for e in stream.feed(ch)] + stream.close()
+    msg = stream.message
+    assert msg.error is None and msg.content == "Text first." and msg.reasoning == "hmm"
+    assert [c.name for c in msg.tool_calls] == ["get_weather", "now"]
+    assert msg.tool_calls[0].arguments["city"] == WEATHER["city"].replace("</arg_key> <b>", "<b>")
+    for i, call in enumerate(msg.tool_calls):
+        assert _arguments(events, i) == json.dumps(call.arguments, ensure_ascii=False)
+    assert [c.name for c in by_ids.message.tool_calls] == ["get_weather", "now"]
