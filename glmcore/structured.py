@@ -706,8 +706,8 @@ def reply_constraint(fmt, n_logits: int | None = None, grammar: Grammar | None =
     request = CallRequest(tok, functions if calls else [], strict, tuple(must_call), grammar,
                           '" "? ' if table.sentencepiece else "", parallel, fmt.thinking and fmt.opens_thinking)
     body = parser.grammar(request)
-    if body is None and grammar is not None:
-        body = CallGrammar("body: @text", {"text": grammar})
+    if body is None and grammar is not None:     # a text reply (a SentencePiece one may open with the dummy space)
+        body = CallGrammar(f"body: {request.space}@text", {"text": grammar})
     if body is None and thinking_budget is None:
         return [], None
     think = _thought(fmt, tok, thinking_budget)
@@ -717,9 +717,9 @@ def reply_constraint(fmt, n_logits: int | None = None, grammar: Grammar | None =
     if think is not None and body.opening:       # a forced opening goes into the prompt: no thought before it
         think = None
     top = "start: body\n" if think is None else think + "start: thought_part body\n"
-    what = ("tool_choice" if must_call else "strict tools" if strict else f"{grammar.kind} grammar" if grammar
-            else "thinking budget")
-    return body.opening, Constraint(table, grammar_json(top + body.rules, body.parts), f"grammar of the {what}")
+    what = ("grammar of the tool_choice" if must_call else "grammar of the strict tools" if strict
+            else f"{grammar.kind} grammar" if grammar else "grammar of the thinking budget")
+    return body.opening, Constraint(table, grammar_json(top + body.rules, body.parts), what)
 
 
 def _special(tok, tag: str) -> str:
