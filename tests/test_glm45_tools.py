@@ -398,3 +398,23 @@ def test_text_fed_a_character_at_a_time_gives_the_same_calls(request, style):
     for i, call in enumerate(msg.tool_calls):
         assert _arguments(events, i) == json.dumps(call.arguments, ensure_ascii=False)
     assert [c.name for c in by_ids.message.tool_calls] == ["get_weather", "now"]
+
+
+def test_pipeline_thinking_budget(glm47):
+    """Pipeline.chat(max_thinking_tokens=N): the thought ends within N tokens with </think>, the reply goes on."""
+    from glmcore.pipeline import Pipeline
+    from glmcore.sampling import SamplingParams
+    pipe = Pipeline(glm47, "torch", LoadOptions(threads=1))
+    close = pipe.tokenizer.special_ids["</think>"]
+    messages = [{"role": "user", "content": "hi"}]
+    n_prompt = len(pipe.model.chat_format.encode_messages([as_message(m) for m in messages]))
+    try:
+        for seed in range(3):
+            pipe.reset()
+            reply = pipe.chat(messages, params=SamplingParams(temperature=1.0, seed=seed), max_new_tokens=12,
+                              max_thinking_tokens=3)
+            generated = pipe.slot.tokens[n_prompt:]
+            assert close in generated[:4], generated          # the thought, at most 3 tokens, then </think>
+            assert len(reply.reasoning) > 0 or generated[0] == close
+    finally:
+        pipe.model.close()
