@@ -25,7 +25,7 @@ from ..scheduler import QueueFull, Request as SchedRequest
 from ..structured import GrammarError
 from ..tokenizer import StreamDecoder
 from .outputs import constrain_chat, constrain_completion, load_test_fields
-from .inputs import (_prompt_chars, check_model, max_new, prompt_ids, sampling, thinking_setup, to_messages,
+from .inputs import (check_model, max_new, prompt_chars, prompt_ids, sampling, thinking_setup, to_messages,
                      tool_setup)
 from .page import add_chat_page
 from .protocol import ApiError, ChatRequest, CompletionRequest, error_body, parse
@@ -375,7 +375,7 @@ class ChatCompletion(Exchange):
         messages = to_messages(state, req)
         tools, calls, must_call = tool_setup(fmt, req)
         params, stops = sampling(req), req.stops()
-        state.check_size(_prompt_chars(messages, tools), "messages")
+        state.check_size(prompt_chars(messages, tools), "messages")
         if len(messages) > state.scheduler.capacity:   # every message is at least its role token
             raise ApiError(400, f"'messages' holds {len(messages)} messages, more than a context of "
                            f"{state.scheduler.capacity} tokens can hold; send fewer", "messages",

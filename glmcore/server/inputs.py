@@ -162,7 +162,7 @@ def prompt_ids(state, prompt) -> list[int]:
     return ids
 
 
-def _prompt_chars(messages: list[Message], tools) -> int:
+def prompt_chars(messages: list[Message], tools) -> int:
     """A lower bound on the rendered prompt's length: every content, call and tool as compact JSON (templates
     only add to it -- markers, indentation), computed without rendering anything."""
     def compact(v) -> int:
