@@ -14,6 +14,7 @@ goes out as text (the reply's error says why)."""
 from __future__ import annotations
 
 import ast
+import enum
 
 from ..structured import Grammar, lark_string, regex_terminal
 from .base import CallGrammar, Markup, ToolCallParseError, ToolParser, as_json, dumps, load_json
@@ -48,12 +49,22 @@ def _string(schema: dict) -> str:
     return "VALUE"
 
 
+class At(enum.Enum):
+    """Where the parser is in a reply."""
+    TEXT = "text"          # outside calls
+    NAME = "name"          # after <tool_call>: the tool's name
+    ARGS = "args"          # between arguments: an <arg_key> or </tool_call> comes next
+    KEY = "key"            # inside <arg_key>
+    GAP = "gap"            # after </arg_key>: its <arg_value> comes next
+    VALUE = "value"        # inside <arg_value>
+
+
 class XmlCallParser(ToolParser):
     tags = (CALL, END, KEY, KEY_END, VALUE, VALUE_END)
 
     def __init__(self, functions=None, calls=True):
         super().__init__(functions, calls)
-        self._state = "text"      # text | name | args | key | gap (after </arg_key>) | value
+        self._state = At.TEXT
         self._reset_call()
 
     def _reset_call(self) -> None:
@@ -63,7 +74,6 @@ class XmlCallParser(ToolParser):
         self._string = False       # the value being read is a raw string
         self._vstarted = False     # ...and its first non-space character went out
         self._vheld = ""           # ...trailing whitespace held back
-        self._begun = False
 
     def string_typed(self, name: str, key: str) -> bool:
         params = (self.functions.get(name) or {}).get("parameters") or {}
@@ -72,9 +82,9 @@ class XmlCallParser(ToolParser):
 
     def _take(self, part):
         tag = part if isinstance(part, Markup) else None
-        if self._state == "text":
+        if self._state == At.TEXT:
             if tag == CALL:
-                self._state, self._call = "name", str(part)
+                self._state, self._call = At.NAME, str(part)
                 return []
             return self.text.emit(part)
         self._call += part
@@ -85,7 +95,7 @@ class XmlCallParser(ToolParser):
 
     def _in_call(self, part: str, tag: str | None) -> list:
         state = self._state
-        if state == "name":
+        if state == At.NAME:
             if tag is None:
                 self._buf += part
                 if "\n" not in self._buf.lstrip():
@@ -96,35 +106,35 @@ class XmlCallParser(ToolParser):
                 return self._named(name)
             events = self._named(self._buf)
             return events + self._in_call(part, tag)
-        if state == "args":
+        if state == At.ARGS:
             if tag is None:
                 if part.strip():
                     raise ToolCallParseError(f"text {part.strip()[:20]!r} between the arguments of {self._name!r}")
                 return []
             if tag == KEY:
-                self._state, self._buf = "key", ""
+                self._state, self._buf = At.KEY, ""
                 return []
             if tag == END:
                 return self._finish()
             raise ToolCallParseError(f"{tag} where an <arg_key> or </tool_call> belongs")
-        if state == "key":
+        if state == At.KEY:
             if tag is None:
                 self._buf += part
                 return []
             if tag != KEY_END:
                 raise ToolCallParseError(f"{tag} inside an argument name")
-            self._key, self._state = self._buf.strip(), "gap"
+            self._key, self._state = self._buf.strip(), At.GAP
             if self._key in self._args:
                 raise ToolCallParseError(f"argument {self._key!r} given twice")
             return []
-        if state == "gap":
+        if state == At.GAP:
             if tag is None:
                 if part.strip():
                     raise ToolCallParseError(f"text between argument {self._key!r} and its value")
                 return []
             if tag != VALUE:
                 raise ToolCallParseError(f"{tag} where the value of {self._key!r} belongs")
-            self._state, self._buf = "value", ""
+            self._state, self._buf = At.VALUE, ""
             self._string = self.string_typed(self._name, self._key)
             self._vstarted, self._vheld = False, ""
             head = ("{" if not self._args else ", ") + dumps(self._key) + ": "
@@ -134,7 +144,7 @@ class XmlCallParser(ToolParser):
         # any other tag in it is its text, as vLLM's `<arg_value>(.*?)</arg_value>` reads it
         if tag in (VALUE_END, KEY, END):
             events = self._value_done()
-            self._state = "args"
+            self._state = At.ARGS
             return events if tag == VALUE_END else events + self._in_call(part, tag)
         self._buf += part
         return self._string_piece(part) if self._string else []
@@ -143,7 +153,7 @@ class XmlCallParser(ToolParser):
         name = name.strip()
         if not self.callable(name):
             raise ToolCallParseError(f"{name[:40]!r} is not a tool of this request" if name else "no tool name")
-        self._name, self._state, self._begun = name, "args", True
+        self._name, self._state = name, At.ARGS
         return [self._begin(name)]
 
     def _string_piece(self, text: str) -> list:
@@ -168,19 +178,19 @@ class XmlCallParser(ToolParser):
     def _finish(self) -> list:
         args = as_json(self._args)
         events = self._delta("}" if self._args else "{}") + [self._complete(self._name, args)]
-        self._state = "text"
+        self._state = At.TEXT
         self._reset_call()
         self.text.part()
         return events
 
     def _fail(self, why: str) -> list:
         self.errors.append(f"tool call {self._name or self._buf.strip()[:40]!r}: {why}")
-        raw, self._state = self._call, "text"
+        raw, self._state = self._call, At.TEXT
         self._reset_call()
         return self.text.emit(raw)
 
     def _end(self):
-        if self._state == "text":
+        if self._state == At.TEXT:
             return []
         return self._fail("the reply ended inside the call (cut off before </tool_call>)")
 
