@@ -418,3 +418,19 @@ def test_pipeline_thinking_budget(glm47):
             assert len(reply.reasoning) > 0 or generated[0] == close
     finally:
         pipe.model.close()
+
+
+@pytest.mark.parametrize("args,want", [(["--max-thinking-tokens", "64"], 64), (["--reasoning-budget", "-1"], None),
+                                       ([], None)])
+def test_serve_flag_sets_the_default_budget(glm46, monkeypatch, args, want):
+    """`glmcore serve --max-thinking-tokens N` (llama.cpp's --reasoning-budget; -1: none) reaches the server."""
+    pytest.importorskip("uvicorn")
+    import glmcore.server as server
+    from glmcore import cli
+    seen = {}
+    monkeypatch.setattr(server, "serve", lambda model, backend, options, so: seen.update(so=so) or 0)
+    assert cli.main(["serve", "--model", str(glm46), *args]) == 0
+    assert seen["so"].max_thinking_tokens == want
+    from glmcore.errors import GlmcoreError
+    with pytest.raises(GlmcoreError, match="--max-thinking-tokens -2"):
+        server.ServeOptions(max_thinking_tokens=-2).check()
