@@ -27,7 +27,8 @@ from glmcore.backend import LoadOptions
 from glmcore.model import load_model
 from glmcore.sampling import Sampler, SamplingParams
 from glmcore.scheduler import Request
-from glmcore.structured import Grammar, compile_grammar, mask_rows, token_table
+from glmcore.chat import as_message
+from glmcore.structured import Grammar, compile_grammar, mask_rows, reply_constraint, token_table
 from glmcore.tokenizer import load_tokenizer
 from glmcore_conformance.bench import model_dir_for
 
@@ -82,16 +83,29 @@ def masking(tokenizer, n_logits: int, steps: int, batch: int, seed: int = 0) -> 
     return alone, together
 
 
-def throughput(model, n: int, gen: int, constrained: bool) -> float:
+# --tool-call: tool_choice "required" with a strict tool whose argument is the endless array, so the reply is a
+# call in the checkpoint's own format (GLM-4.5+'s XML) that cannot close within --gen tokens either
+TOOLS = [{"type": "function", "function": {"name": "record", "strict": True, "parameters": {
+    "type": "object", "properties": {"items": ENDLESS}, "required": ["items"]}}}]
+
+
+def throughput(model, n: int, gen: int, constrained: bool, tool_call: bool = False) -> float:
     """Aggregate generated tok/s of n requests of gen tokens each."""
     sched, tok = model.scheduler, model.tokenizer
     sched.forget()
-    constraint = (compile_grammar(tok, Grammar.json_schema(ENDLESS), model.config.vocab_size)
-                  if constrained else None)
-    prefix = [tok.special_ids["[gMASK]"], tok.special_ids.get("<sop>", tok.special_ids.get("sop"))]
+    if tool_call:
+        fmt = model.chat_format
+        opening, constraint = reply_constraint(fmt, model.config.vocab_size, None, TOOLS,
+                                               must_call=["record"] if constrained else ())
+        prompts = [fmt.encode_messages([as_message({"role": "user", "content": f"record {i}"})], TOOLS) + opening
+                   for i in range(n)]
+    else:
+        constraint = (compile_grammar(tok, Grammar.json_schema(ENDLESS), model.config.vocab_size)
+                      if constrained else None)
+        prefix = [tok.special_ids["[gMASK]"], tok.special_ids.get("<sop>", tok.special_ids.get("sop"))]
+        prompts = [prefix + tok.encode(f"record {i}:") for i in range(n)]
     start = time.perf_counter()
-    handles = [sched.submit(Request(prefix + tok.encode(f"record {i}:"), GREEDY, gen, (), constraint=constraint))
-               for i in range(n)]
+    handles = [sched.submit(Request(p, GREEDY, gen, (), constraint=constraint)) for p in prompts]
     sched.run()
     wall = time.perf_counter() - start
     made = sum(len(h.tokens) for h in handles)
@@ -172,6 +186,8 @@ def main(argv=None) -> None:
     ap.add_argument("--steps", type=int, default=2000, help="masking steps timed")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--tool-call", action="store_true", help="throughput of tool_choice \"required\" with a strict "
+                    "tool, in the checkpoint's own call format (default family: glm4-moe, XML calls)")
     ap.add_argument("--compare", action="store_true", help="only compare llguidance with xgrammar (the library "
                     "choice) on the shared ChatGLM3 and GLM-4 tokenizers")
     a = ap.parse_args(argv)
@@ -179,7 +195,7 @@ def main(argv=None) -> None:
         return compare_libraries(a.steps)
     if a.size == "tiny":
         a.gen, a.rounds, a.steps = 8, 1, 200
-    model_dir, _ = model_dir_for(a.model, a.size, family="glm4")
+    model_dir, _ = model_dir_for(a.model, a.size, family="glm4-moe" if a.tool_call else "glm4")
     tok_dir = Path(a.tokenizer) if a.tokenizer else REAL_GLM4 if (REAL_GLM4 / "tokenizer.model").is_file() else None
     tok = load_tokenizer(tok_dir or model_dir, "glm4")
     which = f"{tok_dir.name if tok_dir else 'the model'}'s tokenizer ({tok.n_vocab} ids)"
@@ -189,19 +205,20 @@ def main(argv=None) -> None:
           f"| 1 | {len(alone)} | {ms(alone, 50):.3f} | {ms(alone, 99):.3f} |\n"
           f"| {a.requests} | {len(together)} | {ms(together, 50):.3f} | {ms(together, 99):.3f} |")
 
-    model = load_model(model_dir, a.backend, LoadOptions(threads=a.threads, capacity=64 + a.gen),
+    model = load_model(model_dir, a.backend, LoadOptions(threads=a.threads, capacity=(1024 if a.tool_call else 64) + a.gen),
                        slots=a.requests, token_budget=max(256, 16 * a.requests))
     free, con = [], []
-    throughput(model, a.requests, min(a.gen, 4), False)       # warm-up (kernels, caches)
+    throughput(model, a.requests, min(a.gen, 4), False, a.tool_call)       # warm-up (kernels, caches)
     for _ in range(a.rounds):
-        free.append(throughput(model, a.requests, a.gen, False))
-        con.append(throughput(model, a.requests, a.gen, True))
+        free.append(throughput(model, a.requests, a.gen, False, a.tool_call))
+        con.append(throughput(model, a.requests, a.gen, True, a.tool_call))
     model.close()
     f, c = statistics.median(free), statistics.median(con)
-    print(f"\n{a.backend}, synthetic glm4 {a.size if not a.model else a.model} ({model.config.vocab_size} logits), "
+    kind = "required strict tool call" if a.tool_call else "JSON Schema"
+    print(f"\n{a.backend}, {model.config.family} {a.size if not a.model else a.model} ({model.config.vocab_size} logits), "
           f"{a.requests} requests x {a.gen} tokens, {a.threads} threads, median of {a.rounds}:")
     print(f"| requests | aggregate tok/s |\n|---|---:|\n| {a.requests} unconstrained | {f:.1f} |\n"
-          f"| {a.requests} constrained (JSON Schema) | {c:.1f} |")
+          f"| {a.requests} constrained ({kind}) | {c:.1f} |")
     print(f"constrained / unconstrained: {c / f:.2f}x")
 
 

@@ -13,23 +13,21 @@ Replies are parsed without eval: ChatGLM3's tool_call(...) with `ast`, GLM-4's a
 """
 from __future__ import annotations
 
-import ast
 import copy
 import json
 import re
 import secrets
 from dataclasses import dataclass, field
 
-import numpy as np
-
 from .errors import ChatError
-from .events import ChatEvent, ReasoningDelta, TextDelta, ToolCall, ToolCallEvent  # ToolCall re-exported
-from .reasoning import ThinkSplitter
+from .events import ChatEvent, ReasoningDelta, ToolCall  # ToolCall re-exported
+from .parsers import ChatGLM3Parser, GLM4Parser, PlainParser, ThinkSplitter, XmlCallParser
+from .parsers.reasoning import CLOSE, OPEN
+from .parsers.base import NAME as _NAME, Markup, ToolCallParseError  # noqa: F401  (re-exported)
+from .parsers.segments import parse_chatglm3_call, parse_glm4_call  # noqa: F401  (re-exported)
 from .template import render as render_template
 
 ROLES = ("system", "user", "assistant", "tool")
-ASSISTANT_MARK = "<|assistant|>"     # separates the segments of a ChatGLM3/GLM-4 reply
-_NAME = re.compile(r"[A-Za-z_][\w.\-]*")   # what a tool name can look like
 
 
 @dataclass
@@ -107,9 +105,10 @@ class ChatFormat:
 
     family: str
     stop_ids: list[int]
-    segmented = True     # a reply is <|assistant|>-separated segments, each opening with a metadata line
+    tool_parser: type = PlainParser   # the reply format's tool parser (glmcore.parsers)
     can_continue = True  # encode_continuation extends a cached conversation (False: re-encode it whole)
     thinking = False     # replies may open with <think>...</think> (split off as Message.reasoning)
+    thinking_switch = False   # the template takes enable_thinking (reasoning_effort maps onto it)
     opens_thinking = False   # the generation prompt itself ends with <think> (GLM-Z1): replies start thinking
 
     def configured(self, template_kwargs: dict | None) -> "ChatFormat":
@@ -166,13 +165,10 @@ class ChatFormat:
         stream.close()
         return stream.message
 
-    def call_plausible(self, body: str) -> bool:
-        """Whether a segment's body after a tool-name line can still become this family's call."""
-        return False
-
-    def parse_call(self, body: str) -> dict:
-        """A complete call body's arguments (JSON values), parsed without eval; ToolCallParseError if not."""
-        raise ToolCallParseError("this model has no tool calls")
+    def call_prefix(self, name: str) -> list[int]:
+        """Ids that open a call of `name` right after the generation prompt's <|assistant|> in a segmented reply
+        format (ChatGLM3, GLM-4): the model then writes only its arguments (a server forcing tool_choice)."""
+        return self.tool_parser.call_prefix(self.tok, name)
 
     def decode_reply(self, ids, tools: list[dict] | None = None) -> Message:
         """parse_reply of generated ids (stop tokens are dropped; <|assistant|> separates segments)."""
@@ -185,8 +181,7 @@ class ChatFormat:
 
 
 class ChatGLM2Format(ChatFormat):
-    family = "chatglm2"
-    segmented = False    # plain text replies; no tool calls
+    family = "chatglm2"      # plain text replies; no tool calls
 
     def check_tools(self, tools) -> list[dict]:
         if tools:
@@ -276,11 +271,6 @@ class _RoleFormat(ChatFormat):
     def _tools_turn(self, functions: list[dict], messages: list[Message]) -> tuple[list[int], list[Message]]:
         raise NotImplementedError
 
-    def call_prefix(self, name: str) -> list[int]:
-        """Ids that open a call of `name` right after the generation prompt's <|assistant|>: the model
-        then writes only its arguments (a server forcing OpenAI's tool_choice)."""
-        return self.tok.encode(f"{name}\n")
-
     def _call_text(self, call: ToolCall) -> str:
         raise NotImplementedError
 
@@ -325,6 +315,7 @@ class _RoleFormat(ChatFormat):
 
 class ChatGLM3Format(_RoleFormat):
     family = "chatglm3"
+    tool_parser = ChatGLM3Parser
     sop = "sop"
     TOOLS_SYSTEM = "Answer the following questions as best as you can. You have access to the following tools:"
 
@@ -347,17 +338,11 @@ class ChatGLM3Format(_RoleFormat):
         args = ", ".join(f"{k}={v!r}" for k, v in call.arguments.items())
         return f"```python\ntool_call({args})\n```"
 
-    def call_plausible(self, body):
-        # ChatGLM3's arguments start with "```" or "tool_call(" after optional whitespace
-        b = body.lstrip()
-        return any(b[:len(p)] == p[:len(b)] for p in ("```", "tool_call("))
-
-    def parse_call(self, body):
-        return parse_chatglm3_call(body)
 
 
 class GLM4Format(_RoleFormat):
     family = "glm4"
+    tool_parser = GLM4Parser
     sop = "<sop>"
     TOOLS_SYSTEM = ("你是一个名为 GLM-4 的人工智能助手。你是基于智谱AI训练的语言模型 GLM-4 模型开发的，"
                     "你的任务是针对用户的问题和要求提供适当的答复和支持。")
@@ -381,17 +366,11 @@ class GLM4Format(_RoleFormat):
     def _call_text(self, call):
         return json.dumps(call.arguments, ensure_ascii=False)
 
-    def call_plausible(self, body):
-        # GLM-4 arguments start right after the name line with "{" (its process_response)
-        return not body or body.startswith("{")
-
-    def parse_call(self, body):
-        return parse_glm4_call(body)
 
 
 class TemplateFormat(ChatFormat):
-    """Prompts from the checkpoint's template; replies parsed in GLM-4's segment format (<|assistant|>
-    separates segments, a segment's first line names a tool, its body is JSON arguments)."""
+    """Prompts from the checkpoint's template; replies parsed in the format the template writes (GLM-4.5+'s
+    XML calls, GLM-4-0414's segments, plain text)."""
 
     def __init__(self, tokenizer):
         super().__init__(tokenizer)
@@ -411,17 +390,20 @@ class TemplateFormat(ChatFormat):
                             "tokenizer_config.json from the same one")
         self.stop_ids = list(tokenizer.stop_ids)
         self.assistant_id = self.special.get("<|assistant|>")
-        # GLM templates call tool results "observation" and write a call as an assistant turn with the tool
-        # name as metadata; other templates take OpenAI's roles and tool_calls as they are.
-        self.glm_roles = "observation" in self.template
-        # GLM-4-0414's generation prompt ends at <|assistant|>: the reply opens with a metadata line (a tool name
-        # or nothing). GLM-Edge's ends with "<|assistant|>\n": the reply is plain text.
-        self.segmented = self.glm_roles and self.assistant_id is not None
+        # The template is the protocol. GLM-4.5+ templates write calls as XML (<tool_call>NAME<arg_key>...) from
+        # OpenAI's tool_calls and role "tool". GLM-4-0414's call tool results "observation" and write a call as an
+        # assistant turn with the tool name as metadata; its generation prompt ends at <|assistant|>, so the reply
+        # opens with a metadata line (a tool name or nothing). GLM-Edge's ends with "<|assistant|>\n": plain text.
+        xml = "<arg_key>" in self.template and "<tool_call>" in self.template
+        self.glm_roles = "observation" in self.template and not xml
+        self.tool_parser = (XmlCallParser if xml else GLM4Parser if self.glm_roles and self.assistant_id is not None
+                            else PlainParser)
         # A template that rewrites earlier replies (GLM-Z1 drops their thinking) cannot extend a cached
         # conversation with the reply as generated: the pipeline then builds the whole prompt again.
         self.can_continue = "</think>" not in self.template
         # A template that speaks of <think> is a reasoning model's: its replies' thinking is split off.
         self.thinking = "<think>" in self.template or "</think>" in self.template
+        self.thinking_switch = self.thinking and "enable_thinking" in self.template
         self.variables: dict = {}       # a request's chat_template_kwargs (configured)
         self._derive()
 
@@ -527,14 +509,6 @@ class TemplateFormat(ChatFormat):
         # after the template's own opening (the [gMASK]<sop> of GLM-4-0414, nothing for GLM-Edge).
         return self._encode(new_messages, None, True, skip=self.render([], None, False))
 
-    def call_prefix(self, name: str) -> list[int]:
-        return self.tok.encode(f"{name}\n")
-
-    def call_plausible(self, body):
-        return self.glm_roles and (not body or body.startswith("{"))
-
-    def parse_call(self, body):
-        return parse_glm4_call(body)
 
 
 def _map_strings(value, f):
@@ -562,246 +536,82 @@ def chat_format_for(tokenizer) -> ChatFormat:
 # ----------------------------------------------------------------------------- reply parsing
 
 
-class ToolCallParseError(ValueError):
-    pass
-
-
-def parse_chatglm3_call(body: str) -> dict:
-    """Arguments of ChatGLM3's "```python\\ntool_call(k=v, ...)\\n```" without eval: the call is
-    parsed with ast and each keyword value read with ast.literal_eval (literals only)."""
-    code = body.strip()
-    m = re.fullmatch(r"```[\w+-]*[ \t]*\n?(.*?)\n?[ \t]*```", code, re.S)
-    if m:
-        code = m.group(1).strip()
-    try:
-        tree = ast.parse(code, mode="eval")
-    except SyntaxError as e:
-        raise ToolCallParseError(f"tool call is not valid Python: {e.msg} (line {e.lineno})") from None
-    except (RecursionError, MemoryError, ValueError):     # deeply nested input; ValueError: NUL bytes
-        raise ToolCallParseError("tool call is nested too deeply to parse") from None
-    call = tree.body
-    if not (isinstance(call, ast.Call) and isinstance(call.func, ast.Name) and call.func.id == "tool_call"):
-        raise ToolCallParseError("expected a single tool_call(...) expression")
-    if call.args:
-        raise ToolCallParseError("tool_call takes keyword arguments only")
-    args = {}
-    for kw in call.keywords:
-        if kw.arg is None:
-            raise ToolCallParseError("tool_call(**kwargs) is not allowed")
-        try:
-            args[kw.arg] = ast.literal_eval(kw.value)
-        except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
-            raise ToolCallParseError(f"argument {kw.arg!r} is not a literal") from None
-    return _as_json(args)
-
-
-def parse_glm4_call(body: str) -> dict:
-    if json_depth(body) > MAX_ARGUMENT_DEPTH:     # before json.loads: its limit is the interpreter's, which varies
-        raise ToolCallParseError(f"tool call arguments are nested deeper than {MAX_ARGUMENT_DEPTH} levels")
-    try:
-        args = json.loads(body.strip())
-    except json.JSONDecodeError as e:
-        raise ToolCallParseError(f"tool call arguments are not valid JSON: {e}") from None
-    except (RecursionError, MemoryError, ValueError):      # nesting, or an integer past int max str digits
-        raise ToolCallParseError("tool call arguments are nested too deeply or hold a too-long number") from None
-    if not isinstance(args, dict):
-        raise ToolCallParseError("tool call arguments must be a JSON object")
-    return _as_json(args)
-
-
-def _as_json(args: dict) -> dict:
-    """Arguments exactly as JSON can carry them (what a caller will json.dumps): no bytes, sets,
-    complex numbers, NaN, numbers too long to print, or nesting deeper than MAX_ARGUMENT_DEPTH."""
-    try:
-        text = json.dumps(args, allow_nan=False, ensure_ascii=False)
-    except (TypeError, ValueError, RecursionError, MemoryError) as e:
-        raise ToolCallParseError(f"tool call arguments are not JSON values ({type(e).__name__})") from None
-    # an explicit bound: how deep json.dumps/loads can go depends on sys.getrecursionlimit(), which other
-    # libraries raise -- the same reply must parse the same way in every process
-    if json_depth(text) > MAX_ARGUMENT_DEPTH:
-        raise ToolCallParseError(f"tool call arguments are nested deeper than {MAX_ARGUMENT_DEPTH} levels")
-    return json.loads(text)
-
-
-MAX_ARGUMENT_DEPTH = 32        # tool call arguments (and the server's tool schemas): far beyond any real one
-_STRING = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"')       # a JSON string, unrolled (no per-character branching)
-_NOT_BRACKETS = bytes(sorted(set(range(256)) - set(b"[]{}")))     # UTF-8 continuation bytes are never brackets
-
-
-def json_depth(text: str) -> int:
-    """The deepest nesting of [ and { in JSON text (strings skipped), without parsing it: C-speed regex and
-    numpy, so megabytes cost milliseconds and no recursion limit is involved."""
-    brackets = _STRING.sub("", text).encode("utf-8", "surrogatepass").translate(None, _NOT_BRACKETS)
-    if not brackets:
-        return 0
-    steps = np.frombuffer(brackets, np.uint8)
-    return int(np.cumsum(np.where((steps == 91) | (steps == 123), 1, -1), dtype=np.int64).max())
-
-
-def _release(held: str, text: str) -> tuple[str, str]:
-    """(what can be emitted, the trailing whitespace held back until more text follows) of held + text."""
-    text = held + text
-    body = text.rstrip()
-    return body, text[len(body):]
-
-
 class ToolCallStream:
-    """Turns a streamed reply into ChatEvents: TextDelta as soon as text is certain, and ToolCallEvent
-    when a call is complete (at the next segment or at close()).
+    """A reply's events as it streams: the format's reasoning parser (thinking goes out as ReasoningDelta), then
+    its tool parser (TextDelta, ToolCallStart, ToolCallDelta, ToolCallEvent; glmcore.parsers).
 
-    feed(text) takes decoded text pieces (a literal "<|assistant|>" separates segments);
-    push(id) takes token ids and decodes them itself, keeping the <|assistant|> boundary that
-    text decoded with special tokens skipped loses (ChatGLM3 may answer "text<|assistant|>name\n..."
-    in one reply). Each call returns a list of events. After close(), .message is the whole reply
-    as parse_reply gives it; its content is the concatenation of the text events.
+    feed(text) takes decoded text (tags are found in it); push(id) takes token ids and decodes them, a special
+    token going on as Markup, so text that only spells a tag stays text. After close(), .message is the reply as
+    parse_reply gives it: a call that could not be parsed leaves the whole reply as content, with .error."""
 
-    A ChatGLM3/GLM-4 segment starts with a metadata line: empty for text, a tool name for a call
-    (ChatGLM3 "name\n```python\ntool_call(...)\n```", GLM-4 "name\n{json}"). Text is stripped at
-    both ends as the original chat() did (trailing whitespace is held until more text follows).
-    A call that cannot be parsed is emitted as text and recorded in .errors.
-    """
-
-    def __init__(self, chat_format: ChatFormat, tools: list[dict] | None = None, calls: bool = True):
+    def __init__(self, chat_format: "ChatFormat", tools: list[dict] | None = None, calls: bool = True):
         self.fmt = chat_format
-        # calls=False: every segment is text (OpenAI's tool_choice "none"); no tools: any name is a call
-        self.names = set() if not calls else {f["name"] for f in _functions(tools)} if tools else None
-        self.errors: list[str] = []
-        self.message: Message | None = None
-        self._content = ""              # all text emitted so far
-        self._calls: list[ToolCall] = []
-        self._raw: list[str] = []       # each finished segment as generated
-        self._decoder = None
-        # thinking goes out as ReasoningDelta before the segment parser sees the answer
+        self.parser = chat_format.tool_parser(_functions(tools) if tools else None, calls)
         self._think = ThinkSplitter(chat_format.opens_thinking) if chat_format.thinking else None
         self._reasoning = self._r_held = ""
-        self._pending = ""              # fed text that may be the start of a split "<|assistant|>"
-        self._new_segment()
+        self._decoder = None
+        self.message: Message | None = None
+        self.reasoning_tokens = 0
 
-    def _new_segment(self) -> None:
-        self._state = "head" if self.fmt.segmented else "text"   # head | text | call
-        self._seg = ""                  # raw text of this segment
-        self._meta = ""                 # the metadata line, while in head
-        self._name = self._body = ""    # the call, while in call
-        self._held = ""                 # trailing whitespace held back
-        self._started = False           # leading whitespace of the segment skipped
+    @property
+    def errors(self) -> list[str]:
+        return self.parser.errors
 
-    # -- input
     def push(self, id: int) -> list[ChatEvent]:
+        tok = self.fmt.tok
         if self._decoder is None:
             from .tokenizer import StreamDecoder
-            self._decoder = StreamDecoder(self.fmt.tok)
-        if id == getattr(self.fmt, "assistant_id", None):
-            return self._text(self._decoder.flush()) + self._end_segment(new=True)
-        return self._text(self._decoder.push(id))
+            self._decoder = StreamDecoder(tok)
+            # read from ids, a tag that is a special token is one only as that token
+            self.parser.lexer.text_tags = tuple(t for t in self.parser.lexer.tags if t not in tok.special_ids)
+        thinking = self._think is not None and self._think.state == "think"
+        if tok.is_special(id):          # the format's tags go on as Markup; other special tokens add no text
+            name = tok.special_names.get(id)
+            known = name in self.parser.tags or (self._think is not None and name in (OPEN, CLOSE))
+            events = self._text(self._decoder.flush()) + (self._text(Markup(name)) if known else [])
+        else:
+            events = self._text(self._decoder.push(id))
+        if thinking or (self._think is not None and self._think.state == "think"):
+            self.reasoning_tokens += 1      # <think>, the thought and </think> (usage's reasoning_tokens)
+        return events
 
     def feed(self, text: str) -> list[ChatEvent]:
-        if not self.fmt.segmented:
-            return self._text(text)
-        events = []
-        self._pending += text
-        while ASSISTANT_MARK in self._pending:
-            before, self._pending = self._pending.split(ASSISTANT_MARK, 1)
-            events += self._text(before) + self._end_segment(new=True)
-        keep = next((k for k in range(min(len(ASSISTANT_MARK) - 1, len(self._pending)), 0, -1)
-                     if ASSISTANT_MARK.startswith(self._pending[-k:])), 0)
-        ready = self._pending[:len(self._pending) - keep]
-        self._pending = self._pending[len(ready):]
-        return events + self._text(ready)
+        return self._text(text)
 
     def close(self) -> list[ChatEvent]:
         events = self._text(self._decoder.flush()) if self._decoder is not None else []
-        events += self._text(self._pending)
-        self._pending = ""
-        events += self._end_segment(new=False)
-        if self.errors:
-            raw = "\n".join(r.strip() for r in self._raw if r.strip())
-            self.message = Message("assistant", content=raw, error="; ".join(self.errors), reasoning=self._reasoning)
-        else:
-            self.message = Message("assistant", content=self._content, tool_calls=list(self._calls),
+        if self._think is not None:
+            events += self._split(self._think.close())
+        events += self.parser.close()
+        p = self.parser
+        if p.errors:
+            self.message = Message("assistant", content=p.fallback(), error="; ".join(p.errors),
                                    reasoning=self._reasoning)
+        else:
+            self.message = Message("assistant", content=p.content, tool_calls=list(p.calls), reasoning=self._reasoning)
         return events
 
-    # -- routing
     def _text(self, text: str) -> list:
-        if self._think is not None and self._think.state != "answer":
-            return self._split(self._think.feed(text))
-        return self._route(text)
+        if not text:
+            return []
+        if self._think is None or self._think.state == "answer":
+            return self.parser.feed(text)
+        if isinstance(text, Markup) and text in self.parser.ends_thinking:
+            return self._split(self._think.close()) + self.parser.feed(text)   # thinking never spans segments
+        return self._split(self._think.feed(text))
 
     def _split(self, parts) -> list:
         events = []
         for kind, part in parts:
-            events += self._route(part) if kind == "answer" else self._reason(part)
+            events += self.parser.feed(part) if kind == "answer" else self._reason(part)
         return events
 
     def _reason(self, text: str) -> list:
         # stripped at both ends like the answer: the template writes "<think>\n", the model "\n</think>\n\n"
-        body, self._r_held = _release(self._r_held, text.lstrip() if not self._reasoning else text)
+        text = self._r_held + (text.lstrip() if not self._reasoning else text)
+        body = text.rstrip()
+        self._r_held = text[len(body):]
         if not body:
             return []
         self._reasoning += body
         return [ReasoningDelta(body)]
-
-    def _route(self, text: str) -> list:
-        if not text:
-            return []
-        self._seg += text
-        if self._state == "text":
-            return self._emit(text)
-        if self._state == "call":
-            self._body += text
-            return [] if self.fmt.call_plausible(self._body) else self._call_to_text()
-        self._meta += text
-        if "\n" in self._meta:
-            meta, rest = self._meta.split("\n", 1)
-            name = meta.strip()
-            if not name:
-                self._state = "text"
-                return self._emit(rest)
-            if _NAME.fullmatch(name) and (self.names is None or name in self.names):
-                self._state, self._name, self._body = "call", name, rest
-                return [] if self.fmt.call_plausible(self._body) else self._call_to_text()
-            self._state = "text"
-            return self._emit(self._meta)
-        if self._meta.strip() and not _NAME.fullmatch(self._meta.strip()):
-            self._state = "text"            # a tool name is one word: this is text already
-            return self._emit(self._meta)
-        return []
-
-    def _call_to_text(self) -> list:
-        self._state = "text"
-        return self._emit(self._name + "\n" + self._body)
-
-    def _emit(self, text: str) -> list:
-        if not self._started:
-            text = text.lstrip()
-            if not text:
-                return []
-            self._started = True
-            if self._content:               # a second text segment: on a new line
-                text = "\n" + text
-        body, self._held = _release(self._held, text)
-        if not body:
-            return []
-        self._content += body
-        return [TextDelta(body)]
-
-    def _end_segment(self, new: bool) -> list:
-        # thinking never spans segments: one not closed by </think> ends with its segment
-        events = self._split(self._think.close()) if self._think is not None else []
-        if self._state == "head" and self._meta.strip():
-            self._state = "text"            # ended inside the metadata line: a one-line text reply
-            events += self._emit(self._meta)
-        elif self._state == "call":
-            try:
-                args = self.fmt.parse_call(self._body)
-            except ToolCallParseError as e:
-                self.errors.append(f"tool call {self._name!r}: {e}")
-                events += self._call_to_text()
-            else:
-                call = ToolCall(self._name, args)
-                self._calls.append(call)
-                events.append(ToolCallEvent(call))
-        self._raw.append(self._seg)
-        if new:
-            self._new_segment()
-        return events

@@ -215,7 +215,8 @@ def _stream_reply(pipe, messages, tools, params, max_new_tokens, shown: list | N
               "raise --ctx or use --overflow window", file=sys.stderr)
 
 
-CHAT_HELP = "commands: /system TEXT (none: clear it), /tools FILE.json (/tools none: clear them), /reset, /quit"
+CHAT_HELP = ("commands: /system TEXT (none: clear it), /tools FILE.json (/tools none: clear them), /think on|off, "
+             "/reset, /quit")
 MAX_PROMPTS_BYTES = 64 << 20     # run --prompts: far more than one batch can hold, and never an endless read
 MAX_TOOLS_BYTES = 4 << 20        # chat /tools: the server's body limit
 MAX_LINE_CHARS = 1 << 20         # one line of chat input from a pipe
@@ -241,8 +242,12 @@ class ChatState:
     system: str | None = None
     tools: list | None = None
     history: list = field(default_factory=list)
+    thinking: bool | None = None     # /think on|off: the template's enable_thinking (None: the template's default)
 
     setup_overflows: bool = False    # the system prompt and tools alone do not fit the context
+
+    def template_kwargs(self) -> dict | None:
+        return None if self.thinking is None else {"enable_thinking": self.thinking}
 
     def messages(self) -> list:
         return _messages(self.system) + self.history
@@ -299,7 +304,7 @@ def _read_line(prompt: str) -> str | None:
 def cmd_chat(a) -> int:
     params = sampling(a)
     pipe = _pipeline(a)
-    state = ChatState(a.system)
+    state = ChatState(a.system, thinking=False if a.no_thinking else None)
     # undecodable bytes arrive as surrogates and are refused per line, instead of ending the session
     if hasattr(sys.stdin, "reconfigure"):
         sys.stdin.reconfigure(errors="surrogateescape")
@@ -330,6 +335,15 @@ def cmd_chat(a) -> int:
                 state.history, state.setup_overflows = [], False
                 print(f"(system prompt {'set' if state.system else 'cleared'}; conversation cleared)",
                       file=sys.stderr)
+            elif cmd == "/think":
+                if arg.lower() not in ("on", "off"):
+                    print("usage: /think on|off", file=sys.stderr)
+                elif not pipe.model.chat_format.thinking_switch:
+                    print("error: this model's chat template has no thinking switch (enable_thinking); /think does "
+                          "not apply to it", file=sys.stderr)
+                else:
+                    state.thinking = arg.lower() == "on"
+                    print(f"(thinking {arg.lower()} from the next reply)", file=sys.stderr)
             elif cmd == "/tools" and arg.lower() == "none":
                 state.tools, state.history, state.setup_overflows = None, [], False
                 print("(tools cleared; conversation cleared)", file=sys.stderr)
@@ -349,7 +363,7 @@ def cmd_chat(a) -> int:
                 print(f"unknown command {cmd}; {CHAT_HELP}", file=sys.stderr)
             continue
         state.history.append({"role": "user", "content": line})
-        if not _chat_turn(pipe, state, params, a.max_new_tokens, thinking_view(a), template_kwargs(a)):
+        if not _chat_turn(pipe, state, params, a.max_new_tokens, thinking_view(a), state.template_kwargs()):
             return 0
 
 
@@ -536,7 +550,8 @@ def cmd_serve(a) -> int:
     so = ServeOptions(a.host, a.port, a.slots, a.token_budget, a.max_queue,
                       api_key, a.served_name, a.max_body_mb << 20,
                       a.grace, a.read_timeout, a.log_level, a.replicas, a.ray_address,
-                      _names(a.allowed_hosts), _names(a.cors_origins), speculation(a))
+                      _names(a.allowed_hosts), _names(a.cors_origins), speculation(a),
+                      None if a.max_thinking_tokens == -1 else a.max_thinking_tokens)
     so.check()
     if so.replicas != 1 or so.ray_address:       # replicas of the server behind Ray Serve's proxy
         from .server.replicas import serve_replicas
@@ -625,6 +640,10 @@ def build_parser() -> argparse.ArgumentParser:
                    "any when listening on 0.0.0.0 or ::")
     p.add_argument("--cors-origins", metavar="ORIGINS", help="comma-separated web origins whose pages may call the API "
                    "from a browser, e.g. http://localhost:3000 (default: none; the chat page at / needs none)")
+    p.add_argument("--max-thinking-tokens", "--reasoning-budget", type=int, metavar="N",
+                   help="a thinking model's thought ends after N tokens with its own </think> and the answer follows, "
+                   "where a request names no budget (its max_thinking_tokens / thinking_budget_tokens); -1 or none: "
+                   "no limit")
     p.add_argument("--served-name", help="the model id clients send (default: the model directory's name)")
     p.add_argument("--max-body-mb", type=int, default=4, help="largest request body, MiB (413 above)")
     p.add_argument("--grace", type=float, default=10.0, help="seconds running requests get to finish on SIGTERM")

@@ -6,7 +6,7 @@ The chat layer turns a reply's tokens into a stream of `ChatEvent`s; a request e
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Union
 
 
@@ -38,13 +38,30 @@ class ToolCall:
     """A function call the model made: its name and JSON arguments (the server gives it an id)."""
     name: str
     arguments: dict
-    id: str = ""
+    id: str = field(default="", compare=False)     # who answers it, not what it asks
+
+
+@dataclass(frozen=True)
+class ToolCallStart:
+    """A tool call's name is complete: the call is number `index` of the reply, with its `id` for good."""
+    index: int
+    id: str
+    name: str
+
+
+@dataclass(frozen=True)
+class ToolCallDelta:
+    """The next piece of call `index`'s arguments as JSON text, as the model writes them; the pieces of a
+    call concatenate to json.dumps(call.arguments, ensure_ascii=False)."""
+    index: int
+    arguments: str
 
 
 @dataclass(frozen=True)
 class ToolCallEvent:
-    """One complete, parsed tool call."""
+    """One complete, parsed tool call (after its ToolCallStart and ToolCallDeltas)."""
     call: ToolCall
+    index: int = 0
 
 
-ChatEvent = Union[TextDelta, ReasoningDelta, ToolCallEvent]
+ChatEvent = Union[TextDelta, ReasoningDelta, ToolCallStart, ToolCallDelta, ToolCallEvent]

@@ -43,11 +43,13 @@ class Pipeline:
         self.cached, self.cached_tools, self.slot, self.pending = [], None, None, None
 
     def _request(self, messages: list[Message], tools, params: SamplingParams, max_new_tokens: int,
-                 grammar: Grammar | None = None, fmt=None) -> tuple[Request, list[int]]:
+                 grammar: Grammar | None = None, fmt=None,
+                 max_thinking_tokens: int | None = None) -> tuple[Request, list[int]]:
         """The scheduler Request, and the ids forced at the start of the reply (the end of its prompt)."""
         fmt, n = fmt or self.model.chat_format, len(self.cached)
         slot = self.slot
-        opening, constraint = reply_constraint(fmt, self.model.config.vocab_size, grammar, tools)
+        opening, constraint = reply_constraint(fmt, self.model.config.vocab_size, grammar, tools,
+                                               thinking_budget=max_thinking_tokens)
         if (n and slot is not None and tools == self.cached_tools and messages[:n] == self.cached
                 and len(messages) > n and fmt.can_continue and fmt is self.model.chat_format):
             held = slot.tokens + ([self.pending] if self.pending is not None else [])
@@ -65,15 +67,16 @@ class Pipeline:
 
     def chat(self, messages, tools: list[dict] | None = None, stream: bool = False,
              params: SamplingParams | None = None, max_new_tokens: int = 256, grammar: Grammar | None = None,
-             template_kwargs: dict | None = None):
+             template_kwargs: dict | None = None, max_thinking_tokens: int | None = None):
         """Returns the assistant Message, or with stream=True an iterator of ChatEvents (TextDelta,
         ToolCallEvent); the Message is then in self.cached[-1]. `grammar` (glmcore.structured.Grammar): what
         the reply's text must match (a JSON Schema, a regex, ...), enforced token by token; tools marked
         "strict": true get arguments that match their parameters schema. `template_kwargs`: variables for the
         checkpoint's chat template (vLLM's chat_template_kwargs, e.g. {"enable_thinking": False} where the template
-        has that switch). A thinking model's reply streams ReasoningDelta before its answer; Message.reasoning."""
+        has that switch). A thinking model's reply streams ReasoningDelta before its answer; Message.reasoning;
+        `max_thinking_tokens` ends its thought after that many tokens with the template's </think>."""
         events = self._events([as_message(m) for m in messages], tools, params or SamplingParams(), max_new_tokens,
-                              grammar, template_kwargs)
+                              grammar, template_kwargs, max_thinking_tokens)
         if stream:
             return events
         for _ in events:
@@ -81,11 +84,11 @@ class Pipeline:
         return self.cached[-1]
 
     def _events(self, messages: list[Message], tools, params: SamplingParams,
-                max_new_tokens: int, grammar: Grammar | None = None,
-                template_kwargs: dict | None = None) -> Iterator[ChatEvent]:
+                max_new_tokens: int, grammar: Grammar | None = None, template_kwargs: dict | None = None,
+                max_thinking_tokens: int | None = None) -> Iterator[ChatEvent]:
         m = self.model
         fmt = m.chat_format.configured(template_kwargs)   # other variables: the cache's prompt no longer applies
-        request, opening = self._request(messages, tools, params, max_new_tokens, grammar, fmt)
+        request, opening = self._request(messages, tools, params, max_new_tokens, grammar, fmt, max_thinking_tokens)
         self.finish_reason, self.context_full, self.pending = None, False, None
         handle = m.scheduler.submit(request)
         # Token ids, not text, go to the parser: ChatGLM3 may put <|assistant|> between a text

@@ -667,56 +667,89 @@ def strict_schemas(functions: list[dict]) -> dict[str, dict]:
     return out
 
 
+@dataclass(frozen=True)
+class CallRequest:
+    """What a reply's grammar is asked for, handed to the format's tool parser (glmcore.parsers ... grammar())."""
+    tok: object                      # the tokenizer
+    functions: list                  # the request's function dicts
+    strict: dict                     # name -> parameters schema of its "strict" tools
+    must_call: Sequence[str]         # the reply must call one of these (tool_choice required / named)
+    text: "Grammar | None"           # what a text reply must match (response_format)
+    space: str                       # '" "? ' where a SentencePiece reply opens with the dummy-prefix space
+    parallel: bool = True            # several calls in one reply (OpenAI's parallel_tool_calls)
+    after_thought: bool = False      # the reply opens inside <think>: the answer's rules follow a thought
+
+
 def reply_constraint(fmt, n_logits: int | None = None, grammar: Grammar | None = None, tools=None,
-                     must_call: Sequence[str] = (), calls: bool = True) -> tuple[list[int], Constraint | None]:
+                     must_call: Sequence[str] = (), calls: bool = True, thinking_budget: int | None = None,
+                     parallel: bool = True) -> tuple[list[int], Constraint | None]:
     """(ids forced at the start of the reply, the Constraint of the rest, or None) for a chat reply.
 
     grammar: what a text reply must match (response_format); tools: the request's tools, whose "strict"
     ones get arguments matching their parameters schema; must_call: the reply must call one of these
-    (OpenAI's tool_choice "required" or a named function); calls: whether the reply may call tools at all.
-    A ChatGLM3/GLM-4 reply is segments, each opening with a metadata line (empty for text, a tool name for
-    a call); one forced choice goes into the prompt, a choice among several is a Lark grammar over them."""
+    (OpenAI's tool_choice "required" or a named function); calls: whether the reply may call tools at all;
+    parallel: whether it may make several calls (where the format writes calls one after another);
+    thinking_budget: the most tokens a thinking model's thought may take, after which its own </think> is forced.
+    The format's tool parser writes the rules of the answer (calls in its own syntax); a thinking template's
+    thought goes in front of them, free text up to </think>."""
+    from .parsers.base import CallGrammar
     if grammar is not None and grammar.kind == "json_schema":
         check_schema(grammar.spec)
     functions = fmt.check_tools(tools) if tools else []
     strict = strict_schemas(functions) if calls else {}
-    if strict and fmt.family == "chatglm3":
-        raise GrammarError(f"strict tools need JSON arguments, and {fmt.family} writes tool calls as Python; "
-                           "remove \"strict\" or use a GLM-4 model")
+    parser = fmt.tool_parser
+    if strict and not parser.json_arguments:
+        raise GrammarError(f"strict tools need JSON arguments, and {fmt.family} writes tool calls as Python or "
+                           "not at all; remove \"strict\"")
     tok = fmt.tok
-    if not fmt.segmented:                        # ChatGLM2: the reply is plain text (it has no tools)
-        return [], compile_grammar(tok, grammar, n_logits) if grammar is not None else None
     table = token_table(tok, n_logits)
-    if len(must_call) == 1:                      # its name line goes into the prompt
-        name = must_call[0]
-        if name not in strict:
-            return fmt.call_prefix(name), None
-        return fmt.call_prefix(name), Constraint(
-            table, grammar_json("start: @args", {"args": Grammar.json_schema(strict[name])}),
-            f"parameters schema of tool {name!r}")
-    if not must_call and not strict:
-        if grammar is None:
-            return [], None
-        if not (calls and functions):            # text only: the empty metadata line, then the grammar
-            return fmt.call_prefix(""), compile_grammar(tok, grammar, n_logits)
-    sp = '" "? ' if table.sentencepiece else ""   # a SentencePiece metadata line opens with the dummy "▁"
-    names = list(must_call) or [f["name"] for f in functions]
-    alts, parts = [], {}
-    for i, name in enumerate(names):
-        if name in strict:
-            parts[f"args{i}"] = Grammar.json_schema(strict[name])
-            alts.append(f"{sp}{lark_string(name + chr(10))} @args{i}")
-        else:
-            alts.append(f"{sp}{lark_string(name + chr(10))} BODY")
-    if not must_call:
-        if grammar is not None:
-            parts["text"] = grammar
-            alts.append(f'{sp}"\\n" {sp}@text')
-        else:
-            alts.append(f'{sp}"\\n" BODY')
-    top = "start: seg (<|assistant|> seg)*\nseg: " + " | ".join(alts) + "\nBODY: /(?s:.*)/\n"
-    what = "tool_choice" if must_call else "strict tools"
-    return [], Constraint(table, grammar_json(top, parts), f"grammar of the {what}")
+    request = CallRequest(tok, functions if calls else [], strict, tuple(must_call), grammar,
+                          '" "? ' if table.sentencepiece else "", parallel, fmt.thinking and fmt.opens_thinking)
+    body = parser.grammar(request)
+    if body is None and grammar is not None:     # a text reply (a SentencePiece one may open with the dummy space)
+        body = CallGrammar(f"body: {request.space}@text", {"text": grammar})
+    if body is None and thinking_budget is None:
+        return [], None
+    think = _thought(fmt, tok, thinking_budget)
+    if body is None:
+        free = " | ".join(["TEXT"] + [_special(tok, t) for t in parser.tags])   # the answer as it likes
+        body = CallGrammar(f"body: ({free})*\nTEXT: /(?s:.+)/")
+    if think is not None and body.opening:       # a forced opening goes into the prompt: no thought before it
+        think = None
+    top = "start: body\n" if think is None else think + "start: thought_part body\n"
+    what = ("grammar of the tool_choice" if must_call else "grammar of the strict tools" if strict
+            else f"{grammar.kind} grammar" if grammar else "grammar of the thinking budget")
+    return body.opening, Constraint(table, grammar_json(top + body.rules, body.parts), what)
+
+
+def _special(tok, tag: str) -> str:
+    """A tag in Lark: the special token where the tokenizer has it, else its text."""
+    return tag if tag in tok.special_ids and re.fullmatch(r"<[^<>\s]+>", tag) else lark_string(tag)
+
+
+def _thought(fmt, tok, budget: int | None) -> str | None:
+    """Lark rules `thought_part` of a thinking format's reply: the thought (at most `budget` tokens, then
+    </think> is the only way on) before the answer; optional where the template leaves thinking to the model,
+    required where the generation prompt opens it."""
+    if not fmt.thinking:
+        if budget is not None:
+            raise GrammarError("a thinking budget applies to models that think; this checkpoint's template writes no "
+                               "<think>: drop it")
+        return None
+    if budget is None and not fmt.opens_thinking:
+        return None
+    close = _special(tok, "</think>")
+    if close.startswith('"'):         # a text tag (GLM-Z1 on GLM-4's tokenizer): the thought stops where it is written
+        if budget is not None:        # llguidance ends a max_tokens lexeme without its stop text: nothing to force
+            raise GrammarError("a thinking budget forces the template's </think>, which is no special token of this "
+                               "checkpoint's tokenizer (it is text); drop the budget")
+        rules, closing = f"thought[stop={close}]: /(?s:.*)/\n", ""
+    else:                             # a special token: text can never match it, so the thought is free text
+        limit = f"[max_tokens={int(budget)}]" if budget is not None else ""
+        rules, closing = f"thought{limit}: /(?s:.*)/\n", f" {close}"
+    if fmt.opens_thinking:      # (the answer's own rules take the newline that follows </think>)
+        return rules + f'thought_part: thought{closing}\n'
+    return rules + f'thought_part: ("\\n"? {_special(tok, "<think>")} thought{closing})?\n'
 
 
 MAX_GRAMMAR_FILE = 1 << 20      # bytes of a --json-schema / --grammar file

@@ -10,7 +10,7 @@ import pytest
 
 from glmcore.chat import (ChatGLM3Format, Message, ToolCall, ToolCallStream, chat_format_for,
                           parse_chatglm3_call, parse_glm4_call, ToolCallParseError)
-from glmcore.events import TextDelta, ToolCallEvent
+from glmcore.events import TextDelta, ToolCallDelta, ToolCallEvent, ToolCallStart
 from glmcore.tokenizer import load_tokenizer, write_tokenizer
 
 MODELS = Path(__file__).resolve().parents[2] / "shared" / "models"
@@ -297,13 +297,16 @@ def test_stream_text_events(f3):
 def test_stream_tool_call_events(f3, f4):
     s = ToolCallStream(f3)
     events = _events_by_char(s, "\n 好的。<|assistant|>get_weather\n```python\ntool_call(city='北京')\n```")
-    assert [type(e) for e in events] == [TextDelta, TextDelta, TextDelta, ToolCallEvent]
+    # the name as soon as the body shows a call, the arguments when the segment ends (one Python value)
+    assert [type(e) for e in events] == [TextDelta, TextDelta, TextDelta, ToolCallStart, ToolCallDelta, ToolCallEvent]
     assert events[-1].call == ToolCall("get_weather", {"city": "北京"})
+    assert events[3] == ToolCallStart(0, events[-1].call.id, "get_weather") and events[4].arguments == '{"city": "北京"}'
     assert s.message == f3.parse_reply("\n 好的。<|assistant|>get_weather\n```python\ntool_call(city='北京')\n```")
 
     s = ToolCallStream(f4, tools=TOOLS)
     events = _events_by_char(s, 'get_weather\n{"city": "北京"}')
-    assert events == [ToolCallEvent(ToolCall("get_weather", {"city": "北京"}))]
+    assert events[1:] == [ToolCallDelta(0, '{"city": "北京"}'), ToolCallEvent(ToolCall("get_weather", {"city": "北京"}))]
+    assert events[0] == ToolCallStart(0, events[-1].call.id, "get_weather")
     s = ToolCallStream(f4)
     events = _events_by_char(s, "Paris is the capital.")
     # Held only while the first word could still be a tool name.
@@ -313,7 +316,8 @@ def test_stream_tool_call_events(f3, f4):
 def test_stream_malformed_call_becomes_text(f4):
     s = ToolCallStream(f4)
     events = _events_by_char(s, 'get_weather\n{"city": "北')
-    assert events == [TextDelta('get_weather\n{"city": "北')]
+    # the name went out when "{" showed a call; the arguments never complete, so the call ends as text
+    assert events[1:] == [TextDelta('get_weather\n{"city": "北')] and isinstance(events[0], ToolCallStart)
     assert s.errors and s.message.error
 
 

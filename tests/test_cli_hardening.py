@@ -75,7 +75,7 @@ def test_eval_ctx_past_the_models_context_says_so(make_tiny, tmp_path):
 
 def test_a_text_part_with_a_number_says_the_text_must_be_a_string():
     pytest.importorskip("fastapi")
-    from glmcore.server.app import ApiError, _text
+    from glmcore.server.inputs import ApiError, _text
     with pytest.raises(ApiError) as e:
         _text([{"type": "text", "text": 5}], "messages.0.content")
     assert e.value.param == "messages.0.content.0.text" and "not a string" in e.value.message

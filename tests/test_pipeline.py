@@ -7,7 +7,7 @@ import pytest
 
 from glmcore.backend import Backend, Capabilities, LoadOptions, Probe, Session, hookimpl, registry
 from glmcore.chat import Message, ToolCall
-from glmcore.events import TextDelta, ToolCallEvent
+from glmcore.events import TextDelta, ToolCallDelta, ToolCallEvent, ToolCallStart
 from glmcore.scheduler import WindowPolicy
 from glmcore.pipeline import Pipeline
 from glmcore.sampling import SamplingParams
@@ -98,7 +98,9 @@ def test_tool_round_trip(make_tiny, family, call_text):
     SCRIPTED.script[:] = say(tok, call_text, "<|observation|>")
     history = [{"role": "user", "content": "weather in Beijing?"}]
     events = list(pipe.chat(history, tools=TOOLS, stream=True, params=GREEDY))
-    assert events == [ToolCallEvent(ToolCall("get_weather", {"city": "Beijing"}))]
+    call = ToolCall("get_weather", {"city": "Beijing"})
+    assert events[1:] == [ToolCallDelta(0, '{"city": "Beijing"}'), ToolCallEvent(call)]
+    assert events[0] == ToolCallStart(0, events[-1].call.id, "get_weather")
     reply = pipe.cached[-1]
     assert reply.tool_calls[0].arguments == {"city": "Beijing"}
     first_prompt = len(SCRIPTED.session.fed)

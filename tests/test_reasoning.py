@@ -14,7 +14,7 @@ import pytest
 from glmcore.backend import Backend, Capabilities, Probe, Session, hookimpl, registry
 from glmcore.chat import Message, ToolCall, ToolCallStream, chat_format_for
 from glmcore.errors import ChatError
-from glmcore.events import ReasoningDelta, TextDelta, ToolCallEvent
+from glmcore.events import ReasoningDelta, TextDelta, ToolCallDelta, ToolCallEvent, ToolCallStart
 from glmcore.hf_tokenizer import GLM_Z1_TEMPLATE
 from glmcore.pipeline import Pipeline
 from glmcore.reasoning import ThinkSplitter, split_reasoning
@@ -104,11 +104,13 @@ def test_glm4_0414_tool_calls_stream_after_thinking(make_tiny, z1, call):
     plain = chat_format_for(load_tokenizer(make_tiny("glm4-0414"), "glm4-0414"))
     assert not plain.thinking
     events, msg = _events(plain, call, TOOLS)
+    events = [e for e in events if isinstance(e, ToolCallEvent)]      # after its ToolCallStart and ToolCallDelta
     assert events == [ToolCallEvent(ToolCall("get_weather", {"city": "北京"}))] and msg.content == ""
     fmt = chat_format_for(load_tokenizer(z1, "glm4-0414"))
     events, msg = _events(fmt, "I should look it up.</think><|assistant|>" + call, TOOLS)
-    assert "".join(e.text for e in events[:-1]) == "I should look it up."
-    assert all(isinstance(e, ReasoningDelta) for e in events[:-1])
+    assert "".join(e.text for e in events[:-3]) == "I should look it up."
+    assert all(isinstance(e, ReasoningDelta) for e in events[:-3])
+    assert [type(e) for e in events[-3:]] == [ToolCallStart, ToolCallDelta, ToolCallEvent]
     assert events[-1] == ToolCallEvent(ToolCall("get_weather", {"city": "北京"}))
     assert msg.reasoning == "I should look it up." and msg.tool_calls[0].arguments == {"city": "北京"}
     # an unparsable call is text with .error, never evaluated; the thinking stays apart

@@ -21,7 +21,7 @@ uvicorn = pytest.importorskip("uvicorn", reason='the server needs its extra: pip
 from glmcore.backend import Backend, Capabilities, LoadOptions, Probe, Session, hookimpl, registry  # noqa: E402
 from glmcore.chat import Message, ToolCallStream, chat_format_for  # noqa: E402
 from glmcore.errors import GlmcoreError  # noqa: E402
-from glmcore.events import TextDelta, ToolCallEvent  # noqa: E402
+from glmcore.events import TextDelta, ToolCallDelta, ToolCallEvent  # noqa: E402
 from glmcore.model import load_model  # noqa: E402
 from glmcore.server import _bind, uvicorn_config  # noqa: E402
 from glmcore.server.app import StopStrings, create_app  # noqa: E402
@@ -519,7 +519,7 @@ def test_chat_format_keeps_generated_ids_and_can_parse_no_calls(make_tiny):
     stream = ToolCallStream(fmt, TOOLS)
     for t in fmt.call_prefix("get_weather") + fmt.tok.encode('{"city": "A"}'):
         stream.push(t)
-    assert stream.close() == [ToolCallEvent(stream.message.tool_calls[0])]
+    assert stream.close() == [ToolCallDelta(0, '{"city": "A"}'), ToolCallEvent(stream.message.tool_calls[0])]
 
 
 # ----------------------------------------------------------------------------- the command

@@ -39,6 +39,7 @@ class ServeOptions:
     allowed_hosts: tuple = ()        # names the Host header may give besides the listening address and localhost
     cors_origins: tuple = ()         # web origins whose pages may call the API (CORS); none by default
     speculation: Speculation = field(default_factory=Speculation)    # speculative decoding (--speculative)
+    max_thinking_tokens: int | None = None   # a thinking model's thought, where a request names no budget
 
     def check(self) -> None:
         """GlmcoreError for options that cannot be served, before anything is loaded."""
@@ -51,6 +52,9 @@ class ServeOptions:
             raise GlmcoreError(f"invalid --port {self.port}: use 0..65535 (0: any free port)")
         if self.grace_s < 0:
             raise GlmcoreError(f"invalid --grace {self.grace_s}: use 0 or more seconds")
+        if self.max_thinking_tokens is not None and self.max_thinking_tokens < 0:
+            raise GlmcoreError(f"invalid --max-thinking-tokens {self.max_thinking_tokens}: use 0 or more (-1 or "
+                               "leave it out: no limit)")
         if not self.read_timeout > 0:
             raise GlmcoreError(f"invalid --read-timeout {self.read_timeout}: use a positive number of seconds")
         for origin in self.cors_origins:
@@ -158,7 +162,8 @@ def serve(model_dir, backend, options, so: ServeOptions) -> int:
     model.scheduler.max_queue = so.max_queue
     name = so.name or model.model_dir.name
     app = create_app(model, name, so.api_key, so.max_body or MAX_BODY, read_timeout=so.read_timeout,
-                     allowed_hosts=so.hosts(sock.getsockname()[0]), cors_origins=so.cors_origins)
+                     allowed_hosts=so.hosts(sock.getsockname()[0]), cors_origins=so.cors_origins,
+                     thinking_budget=so.max_thinking_tokens)
     config = uvicorn_config(app, so.read_timeout, log_level=so.log_level, timeout_graceful_shutdown=so.grace_s,
                             access_log=False)
     server = uvicorn.Server(config)

@@ -19,15 +19,16 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..chat import Message, ToolCall, ToolCallStream, as_message
 from ..errors import ContextOverflow, GlmcoreError, TokenizerError
-from ..events import ChatEvent, FinishReason, ReasoningDelta, TextDelta, ToolCallEvent
+from ..events import ChatEvent, FinishReason, ReasoningDelta, TextDelta, ToolCallDelta, ToolCallEvent, ToolCallStart
 from ..pipeline import chat_request
-from ..sampling import SamplingParams
 from ..scheduler import QueueFull, Request as SchedRequest
 from ..structured import GrammarError
 from ..tokenizer import StreamDecoder
 from .outputs import constrain_chat, constrain_completion, load_test_fields
+from .inputs import (check_model, max_new, prompt_chars, prompt_ids, sampling, thinking_setup, to_messages,
+                     tool_setup)
 from .page import add_chat_page
-from .protocol import ApiError, ChatRequest, CompletionRequest, error_body, parse, parse_arguments
+from .protocol import ApiError, ChatRequest, CompletionRequest, error_body, parse
 
 log = logging.getLogger("glmcore.server")
 MAX_BODY = 4 << 20            # bytes; a request body over it is a 413
@@ -152,11 +153,11 @@ class Reply:
                 self.thought.append(event.text)
                 out.append(event)
             elif isinstance(event, ToolCallEvent):
-                call = event.call
-                call.id = call.id or f"call_{uuid.uuid4().hex[:24]}"
-                self.calls.append(call)
+                self.calls.append(event.call)
                 out.append(event)
                 self.cut = self.one_call
+            else:                       # a call's name, a piece of its arguments
+                out.append(event)
         return out
 
     def push(self, token: int) -> list[ChatEvent]:
@@ -227,11 +228,14 @@ class Generation:
     def cancel(self) -> None:
         self.handle.cancel()
 
-    def usage(self) -> dict:
+    def usage(self, reasoning_tokens: int | None = None) -> dict:
         h = self.handle
         n_prompt, n_new = len(self.request.prompt), len(h.tokens)
-        return {"prompt_tokens": n_prompt, "completion_tokens": n_new, "total_tokens": n_prompt + n_new,
-                "prompt_tokens_details": {"cached_tokens": h.timings.cached_tokens}}
+        out = {"prompt_tokens": n_prompt, "completion_tokens": n_new, "total_tokens": n_prompt + n_new,
+               "prompt_tokens_details": {"cached_tokens": h.timings.cached_tokens}}
+        if reasoning_tokens is not None:
+            out["completion_tokens_details"] = {"reasoning_tokens": reasoning_tokens}
+        return out
 
     def finish_reason(self, reply: Reply) -> FinishReason:
         if not reply.cut and self.handle.finish_reason == FinishReason.LENGTH:
@@ -241,8 +245,9 @@ class Generation:
 
 class State:
     def __init__(self, model, name: str, api_key: str | None, max_body: int, retry_after: int,
-                 read_timeout: float = READ_TIMEOUT):
+                 read_timeout: float = READ_TIMEOUT, thinking_budget: int | None = None):
         self.model, self.name, self.api_key, self.max_body = model, name, api_key, max_body
+        self.thinking_budget = thinking_budget      # a thought's tokens when a request names no budget
         self.scheduler = model.scheduler
         self.retry_after, self.read_timeout = retry_after, read_timeout
         self.metrics = Metrics(self.scheduler)
@@ -311,106 +316,6 @@ async def read_body(request: Request, limit: int, timeout: float = READ_TIMEOUT)
     return bytes(body)
 
 
-def sampling(req) -> SamplingParams:
-    d = SamplingParams()
-    try:
-        return SamplingParams(d.temperature if req.temperature is None else req.temperature,
-                              d.top_p if req.top_p is None else req.top_p, req.top_k or 0,
-                              req.repetition_penalty or 1.0, req.seed)
-    except GlmcoreError as e:
-        raise ApiError(400, str(e)) from None
-
-
-def max_new(state: State, req, n_prompt: int) -> int:
-    n = getattr(req, "max_completion_tokens", None) or req.max_tokens
-    return n if n is not None else max(1, state.scheduler.capacity - n_prompt)
-
-
-def _text(content, where: str) -> str:
-    if content is None or isinstance(content, str):
-        return content or ""
-    parts = []
-    for i, part in enumerate(content):
-        if part.get("type") != "text":
-            raise ApiError(400, f"{where}.{i}: content part type {part.get('type')!r} is not supported: this model "
-                           "reads text parts only ({\"type\": \"text\", \"text\": ...})", f"{where}.{i}",
-                           "unsupported_value")
-        if not isinstance(part.get("text"), str):
-            given = "missing" if "text" not in part else json.dumps(part["text"], ensure_ascii=True)[:40]
-            raise ApiError(400, f"{where}.{i}.text is {given}, not a string; send the part's text as a string",
-                           f"{where}.{i}.text", "invalid_value")
-        parts.append(part["text"])
-    return "".join(parts)
-
-
-def to_messages(state: State, req: ChatRequest) -> list[Message]:
-    if not req.messages:
-        raise ApiError(400, "'messages' is empty; send at least one message", "messages")
-    out = []
-    open_calls: list[str] | None = None       # ids of the last assistant turn's calls not yet answered
-    for i, m in enumerate(req.messages):
-        calls = [{"id": c.id, "function": {"name": c.function.name, "arguments": parse_arguments(
-                  c.function.arguments, f"messages.{i}.tool_calls.{j}.function.arguments")}}
-                 for j, c in enumerate(m.tool_calls or [])]
-        if calls and m.role != "assistant":
-            raise ApiError(400, f"messages.{i}: only assistant messages have tool_calls", f"messages.{i}.tool_calls")
-        # a tool result answers a call of the assistant turn before it: one result per call, in a row
-        if m.role == "tool":
-            if not open_calls:
-                raise ApiError(400, f"messages.{i}: a tool message must follow an assistant message with "
-                               "tool_calls (one tool message per call); put the call before its result",
-                               f"messages.{i}.role", "invalid_value")
-            if m.tool_call_id and any(open_calls) and m.tool_call_id not in open_calls:
-                raise ApiError(400, f"messages.{i}: tool_call_id {m.tool_call_id[:40]!r} answers no call of the "
-                               "assistant message before it", f"messages.{i}.tool_call_id", "invalid_value")
-            open_calls.remove(m.tool_call_id if m.tool_call_id in open_calls else open_calls[0])
-        else:
-            open_calls = [c["id"] for c in calls] if calls else None
-        role = "system" if m.role == "developer" else m.role
-        try:
-            msg = as_message({"role": role, "content": _text(m.content, f"messages.{i}.content"),
-                              "tool_calls": calls, "reasoning_content": m.reasoning_content})
-        except GlmcoreError as e:
-            raise ApiError(400, f"messages.{i}: {e}", f"messages.{i}") from None
-        if role == "assistant":
-            msg.ids = state.reply_ids.get(msg)
-        out.append(msg)
-    return out
-
-
-def tool_setup(fmt, req: ChatRequest) -> tuple[list | None, bool, list[str]]:
-    """(tools for the prompt, whether replies are parsed for calls, the functions a reply must call: one is
-    forced by writing its name, several are chosen among by constrained decoding of the name line)."""
-    choice = req.tool_choice
-    if not req.tools:
-        if choice not in (None, "none", "auto"):
-            raise ApiError(400, "'tool_choice' asks for a tool call but 'tools' is empty; send the tools",
-                           "tool_choice")
-        return None, False, []
-    tools = [t.model_dump(exclude_unset=True) for t in req.tools]     # the client's own dicts, as sent
-    try:
-        names = [f["name"] for f in fmt.check_tools(tools)]
-    except GlmcoreError as e:
-        raise ApiError(400, str(e), "tools") from None
-    if choice in (None, "auto"):
-        return tools, True, []
-    if choice == "none":
-        return tools, False, []
-    if choice == "required":
-        return tools, True, names
-    name = choice.function.name                  # the protocol checked the shape {"type", "function": {"name"}}
-    if name not in names:
-        raise ApiError(400, f"tool_choice names the function {name[:40]!r}, which is not in 'tools' "
-                       f"({', '.join(names)})", "tool_choice", "invalid_value")
-    return tools, True, [name]
-
-
-def check_model(state: State, name: str) -> None:
-    if name != state.name:
-        raise ApiError(404, f"the model {name!r} does not exist here; this server serves {state.name!r} "
-                       "(see /v1/models)", "model", "model_not_found")
-
-
 # ----------------------------------------------------------------------------- responses
 
 def _sse(obj) -> str:
@@ -423,6 +328,154 @@ def _call_json(call: ToolCall, index: int | None = None) -> dict:
     return out if index is None else {"index": index, **out}
 
 
+class Exchange:
+    """One request to an endpoint: prepared (parsed, rendered, tokenized: CPU work, in a worker thread) when it
+    is made, then its events as OpenAI chunks (`chunk`), or the whole response (`final`). `serve` drives it."""
+    endpoint: str              # the label in /metrics
+    param: str                 # the field a prompt error names
+    id_prefix: str
+
+    def __init__(self, state: State, body: bytes):
+        self.state = state
+        self.id, self.created = f"{self.id_prefix}-{uuid.uuid4().hex}", int(time.time())
+        self.req = self.prepare(body)
+        self.include_usage = bool(self.req.stream_options and self.req.stream_options.include_usage)
+
+    def prepare(self, body: bytes):
+        """The parsed request; sets self.sreq (the scheduler Request) and self.reply (its parser)."""
+        raise NotImplementedError
+
+    def chunk(self, event, finish) -> list[dict]:
+        raise NotImplementedError
+
+    def final(self, gen: "Generation") -> dict:
+        raise NotImplementedError
+
+    def finished(self, gen: "Generation") -> None:
+        """The response went out whole."""
+
+    def usage(self, gen: "Generation") -> dict:
+        return gen.usage()
+
+    def _chunks(self, kind: str, choices: list[dict]) -> list[dict]:
+        out = [{"id": self.id, "object": kind, "created": self.created, "model": self.state.name, "choices": [c]}
+               for c in choices]
+        return [{**o, "usage": None} for o in out] if self.include_usage else out
+
+
+class ChatCompletion(Exchange):
+    """POST /v1/chat/completions."""
+    endpoint, param, id_prefix = "chat", "messages", "chatcmpl"
+
+    def prepare(self, body: bytes):
+        state = self.state
+        req = parse(ChatRequest, body)
+        check_model(state, req.model)
+        kwargs, budget = thinking_setup(state, state.model.chat_format, req)
+        try:
+            fmt = self.fmt = state.model.chat_format.configured(kwargs)
+        except GlmcoreError as e:
+            raise ApiError(400, str(e), "chat_template_kwargs", "invalid_value") from None
+        messages = to_messages(state, req)
+        tools, calls, must_call = tool_setup(fmt, req)
+        params, stops = sampling(req), req.stops()
+        state.check_size(prompt_chars(messages, tools), "messages")
+        if len(messages) > state.scheduler.capacity:   # every message is at least its role token
+            raise ApiError(400, f"'messages' holds {len(messages)} messages, more than a context of "
+                           f"{state.scheduler.capacity} tokens can hold; send fewer", "messages",
+                           "context_length_exceeded")
+        try:
+            sreq = self.sreq = chat_request(fmt, messages, tools, params)
+        except TokenizerError as e:                 # the checkpoint's tokenizer, not the request, is broken
+            raise ApiError(500, f"the model's tokenizer failed on this request: {e}", type="server_error",
+                           code="tokenizer_error") from None
+        except GlmcoreError as e:
+            raise ApiError(400, str(e), "messages") from None
+        except (ValueError, UnicodeError) as e:     # a tokenizer refusing text the protocol let through
+            raise ApiError(400, f"'messages' cannot be tokenized ({str(e)[:80]}); send plain Unicode text",
+                           "messages") from None
+        # one function: its name line goes into the prompt; several, strict tools, response_format, a thinking
+        # budget: a grammar in the format's own call syntax
+        self.opening = constrain_chat(state.model, req, sreq, tools, must_call, calls, fmt, budget)
+        sreq.max_new_tokens = max_new(state, req, len(sreq.prompt))
+        load_test_fields(req, sreq)
+        self.parser = ToolCallStream(fmt, tools, calls=calls)
+        for t in self.opening:     # the forced opening (a name line, an empty metadata line) goes to the parser too
+            self.parser.push(t)
+        self.reply = Reply(self.parser, stops, one_call=req.parallel_tool_calls is False)
+        return req
+
+    def message(self) -> dict:
+        reply = self.reply
+        msg = {"role": "assistant", "content": reply.content or (None if reply.calls else "")}
+        if self.fmt.thinking:      # vLLM's reasoning-parser field: the thinking, null when there was none
+            msg["reasoning_content"] = reply.reasoning or None
+        if reply.calls:
+            msg["tool_calls"] = [_call_json(c) for c in reply.calls]
+        return msg
+
+    def chunk(self, event, finish) -> list[dict]:
+        if event is None:
+            delta = {} if finish else {"role": "assistant", "content": ""}
+        elif isinstance(event, TextDelta):
+            delta = {"content": event.text}
+        elif isinstance(event, ReasoningDelta):
+            delta = {"reasoning_content": event.text}
+        elif isinstance(event, ToolCallStart):      # as OpenAI streams a call: index, id and name, then arguments
+            delta = {"tool_calls": [{"index": event.index, "id": event.id, "type": "function",
+                                     "function": {"name": event.name, "arguments": ""}}]}
+        elif isinstance(event, ToolCallDelta):
+            delta = {"tool_calls": [{"index": event.index, "function": {"arguments": event.arguments}}]}
+        else:                      # ToolCallEvent: its name and arguments went out already
+            return []
+        return self._chunks("chat.completion.chunk",
+                            [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}])
+
+    def usage(self, gen):
+        return gen.usage(self.parser.reasoning_tokens if self.fmt.thinking else None)
+
+    def final(self, gen):
+        return {"id": self.id, "object": "chat.completion", "created": self.created, "model": self.state.name,
+                "choices": [{"index": 0, "message": self.message(), "logprobs": None,
+                             "finish_reason": gen.finish_reason(self.reply)}],
+                "usage": self.usage(gen)}
+
+    def finished(self, gen):
+        # only a reply sent back whole: one cut by a stop string has generated ids past its text
+        if not self.reply.cut and not self.parser.errors and gen.handle.finish_reason in (FinishReason.STOP,
+                                                                                          FinishReason.LENGTH):
+            self.state.reply_ids.put(as_message(self.message()), self.opening + list(gen.handle.tokens))
+
+
+class TextCompletion(Exchange):
+    """POST /v1/completions."""
+    endpoint, param, id_prefix = "completions", "prompt", "cmpl"
+
+    def prepare(self, body: bytes):
+        state = self.state
+        req = parse(CompletionRequest, body)
+        check_model(state, req.model)
+        ids = prompt_ids(state, req.prompt)
+        self.sreq = SchedRequest(ids, sampling(req), max_new(state, req, len(ids)), [state.model.tokenizer.eos_id])
+        constrain_completion(state.model, req, self.sreq)
+        load_test_fields(req, self.sreq)
+        self.reply = Reply(PlainText(state.model.tokenizer), req.stops())
+        return req
+
+    def chunk(self, event, finish) -> list[dict]:
+        return self._chunks("text_completion", [{"index": 0, "text": event.text if event else "", "logprobs": None,
+                                                 "finish_reason": finish}])
+
+    def final(self, gen):
+        return {"id": self.id, "object": "text_completion", "created": self.created, "model": self.state.name,
+                "choices": [{"index": 0, "text": self.reply.content, "logprobs": None,
+                             "finish_reason": gen.finish_reason(self.reply)}],
+                "usage": gen.usage()}
+
+
+ROUTES = {"/chat/completions": ChatCompletion, "/completions": TextCompletion}     # under /v1, POST
+
+
 async def _cancel_on_disconnect(request: Request, gen: Generation) -> None:
     """A non-streamed request whose client went away stops generating and frees its slot."""
     while (await request.receive())["type"] != "http.disconnect":
@@ -430,11 +483,19 @@ async def _cancel_on_disconnect(request: Request, gen: Generation) -> None:
     gen.cancel()
 
 
-async def _respond(state: State, request: Request, endpoint: str, gen: Generation, reply: Reply, stream: bool,
-                   include_usage: bool, make_chunk, make_final, store_ids=None):
-    """Drive one generation to a JSON response or an SSE stream; counts the request in /metrics."""
-    metrics = state.metrics
-    if not stream:
+async def serve_exchange(state: State, request: Request, kind: type[Exchange]):
+    """One request to an endpoint: its body read and prepared, queued, driven to a JSON response or an SSE stream;
+    counted in /metrics."""
+    metrics, endpoint = state.metrics, kind.endpoint
+    try:
+        body = await read_body(request, state.max_body, state.read_timeout)
+        ex = await state.prepare(kind, state, body)
+        gen = Generation(state, ex.sreq, kind.param)
+    except ApiError as e:
+        metrics.requests.labels(endpoint, str(e.status)).inc()
+        raise
+    reply = ex.reply
+    if not ex.req.stream:
         watcher = asyncio.create_task(_cancel_on_disconnect(request, gen))
         try:
             async for token in gen.tokens():
@@ -451,27 +512,26 @@ async def _respond(state: State, request: Request, endpoint: str, gen: Generatio
             metrics.requests.labels(endpoint, "disconnected").inc()
             return Response(status_code=499)
         metrics.requests.labels(endpoint, "200").inc()
-        if store_ids:
-            store_ids()
-        return JSONResponse(make_final())
+        ex.finished(gen)
+        return JSONResponse(ex.final(gen))
+
+    def sse(events) -> str:
+        return "".join(_sse(c) for e in events for c in ex.chunk(e, None))
 
     async def events():
         status = "disconnected"
         try:
-            yield "".join(map(_sse, make_chunk(None, None)))
+            yield "".join(map(_sse, ex.chunk(None, None)))
             async for token in gen.tokens():
-                for event in reply.push(token):
-                    yield "".join(map(_sse, make_chunk(event, None)))
+                yield sse(reply.push(token))
                 if reply.cut:
                     gen.cancel()     # the tokens still in flight are drained, never sent
-            for event in reply.close():
-                yield "".join(map(_sse, make_chunk(event, None)))
-            yield "".join(map(_sse, make_chunk(None, gen.finish_reason(reply))))
-            if include_usage:
-                yield _sse({**make_chunk(None, None)[0], "choices": [], "usage": gen.usage()})
+            yield sse(reply.close())
+            yield "".join(map(_sse, ex.chunk(None, gen.finish_reason(reply))))
+            if ex.include_usage:
+                yield _sse({**ex.chunk(None, None)[0], "choices": [], "usage": ex.usage(gen)})
             status = "200"
-            if store_ids:
-                store_ids()
+            ex.finished(gen)
         except ApiError as e:          # the generation failed after the stream began: say so in the stream
             status = str(e.status)
             yield _sse(e.body())
@@ -515,16 +575,19 @@ class HostCheck:
 
 def create_app(model, name: str, api_key: str | None = None, max_body: int = MAX_BODY,
                retry_after: int = 1, read_timeout: float = READ_TIMEOUT, allowed_hosts=LOCAL_HOSTS,
-               cors_origins=()) -> FastAPI:
+               cors_origins=(), thinking_budget: int | None = None) -> FastAPI:
     """The ASGI app over a LoadedModel with a scheduler (load_model(..., slots=N)); the caller starts the
     scheduler's thread (scheduler.start()) and stops it. allowed_hosts: the names the Host header may give
-    ("*": any); cors_origins: the web origins whose pages may call the API (none by default)."""
+    ("*": any); cors_origins: the web origins whose pages may call the API (none by default); thinking_budget: the
+    most tokens a thinking model's thought may take where a request names no budget (None: no limit)."""
     if model.scheduler is None:
         raise GlmcoreError("the server needs a model loaded with slots (load_model(..., slots=N))")
     if api_key is not None and not api_key.strip():
         raise GlmcoreError("the API key is empty (was --api-key given an unset variable?); give a key, or leave "
                            "the option out to serve without one")
-    state = State(model, name, api_key, max_body, retry_after, read_timeout)
+    if thinking_budget is not None and thinking_budget < 0:
+        raise GlmcoreError(f"invalid thinking budget {thinking_budget}: use 0 or more tokens (or none: no limit)")
+    state = State(model, name, api_key, max_body, retry_after, read_timeout, thinking_budget)
     app = FastAPI(title="glmcore", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.glmcore = state
     if cors_origins:
@@ -533,22 +596,20 @@ def create_app(model, name: str, api_key: str | None = None, max_body: int = MAX
                            allow_headers=["Authorization", "Content-Type"], max_age=600)
     app.add_middleware(HostCheck, allowed=list(allowed_hosts))      # added last: runs first
 
-    @app.exception_handler(ApiError)
-    async def _api_error(_request, e: ApiError):
-        return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
-
-    @app.exception_handler(StarletteHTTPException)
-    async def _http_error(request, e):
-        code = "not_found" if e.status_code == 404 else None
-        msg = f"{request.method} {request.url.path}: {e.detail}"
-        return JSONResponse(error_body(msg, code=code), status_code=e.status_code, headers=e.headers)
-
-    @app.exception_handler(Exception)
-    async def _bug(request, e):        # never a traceback to the client; the log has it
-        log.exception("internal error")
+    async def error(request, e: Exception):
+        """The one place an exception becomes OpenAI's error JSON."""
+        if isinstance(e, ApiError):
+            return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+        if isinstance(e, StarletteHTTPException):
+            msg = f"{request.method} {request.url.path}: {e.detail}"
+            return JSONResponse(error_body(msg, code="not_found" if e.status_code == 404 else None),
+                                status_code=e.status_code, headers=e.headers)
+        log.exception("internal error")     # never a traceback to the client; the log has it
         state.metrics.requests.labels(ENDPOINTS.get(request.url.path, "other"), "500").inc()
         return JSONResponse(error_body(f"internal error ({type(e).__name__}); see the server log", "server_error"),
                             status_code=500)
+    for kind in (ApiError, StarletteHTTPException, Exception):
+        app.add_exception_handler(kind, error)
 
     async def authorize(request: Request) -> None:
         if state.api_key is None:
@@ -570,128 +631,12 @@ def create_app(model, name: str, api_key: str | None = None, max_body: int = MAX
         check_model(state, model_id)
         return _model_card(state)
 
-    def prepare_chat(body: bytes):
-        """Everything a chat request needs before it is queued; CPU work, run in a worker thread."""
-        req = parse(ChatRequest, body)
-        check_model(state, req.model)
-        try:
-            fmt = state.model.chat_format.configured(req.chat_template_kwargs)
-        except GlmcoreError as e:
-            raise ApiError(400, str(e), "chat_template_kwargs", "invalid_value") from None
-        messages = to_messages(state, req)
-        tools, calls, must_call = tool_setup(fmt, req)
-        params, stops = sampling(req), req.stops()
-        state.check_size(_prompt_chars(messages, tools), "messages")
-        if len(messages) > state.scheduler.capacity:   # every message is at least its role token
-            raise ApiError(400, f"'messages' holds {len(messages)} messages, more than a context of "
-                           f"{state.scheduler.capacity} tokens can hold; send fewer", "messages",
-                           "context_length_exceeded")
-        try:
-            sreq = chat_request(fmt, messages, tools, params)
-        except TokenizerError as e:                 # the checkpoint's tokenizer, not the request, is broken
-            raise ApiError(500, f"the model's tokenizer failed on this request: {e}", type="server_error",
-                           code="tokenizer_error") from None
-        except GlmcoreError as e:
-            raise ApiError(400, str(e), "messages") from None
-        except (ValueError, UnicodeError) as e:     # a tokenizer refusing text the protocol let through
-            raise ApiError(400, f"'messages' cannot be tokenized ({str(e)[:80]}); send plain Unicode text",
-                           "messages") from None
-        # one function: its name line goes into the prompt; several, strict tools, response_format: a grammar
-        opening = constrain_chat(state.model, req, sreq, tools, must_call, calls)
-        sreq.max_new_tokens = max_new(state, req, len(sreq.prompt))
-        load_test_fields(req, sreq)
-        return req, fmt, tools, calls, opening, sreq, stops
-
-    @v1.post("/chat/completions")
-    async def chat(request: Request):
-        try:
-            body = await read_body(request, state.max_body, state.read_timeout)
-            req, fmt, tools, calls, opening, sreq, stops = await state.prepare(prepare_chat, body)
-            gen = Generation(state, sreq, "messages")
-        except ApiError as e:
-            state.metrics.requests.labels("chat", str(e.status)).inc()
-            raise
-        parser = ToolCallStream(fmt, tools, calls=calls)
-        for t in opening:              # the forced opening (a name line, an empty metadata line) goes to the parser too
-            parser.push(t)
-        reply = Reply(parser, stops, one_call=req.parallel_tool_calls is False)
-        cid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
-        include_usage = bool(req.stream_options and req.stream_options.include_usage)
-
-        def message() -> dict:
-            msg = {"role": "assistant", "content": reply.content or (None if reply.calls else "")}
-            if fmt.thinking:           # vLLM's reasoning-parser field: the thinking, null when there was none
-                msg["reasoning_content"] = reply.reasoning or None
-            if reply.calls:
-                msg["tool_calls"] = [_call_json(c) for c in reply.calls]
-            return msg
-
-        def chunk(event, finish) -> list[dict]:
-            if event is None:
-                deltas = [{} if finish else {"role": "assistant", "content": ""}]
-            elif isinstance(event, TextDelta):
-                deltas = [{"content": event.text}]
-            elif isinstance(event, ReasoningDelta):
-                deltas = [{"reasoning_content": event.text}]
-            else:                      # as OpenAI streams a call: index, id and name, then the arguments
-                call = _call_json(event.call, next(i for i, c in enumerate(reply.calls) if c is event.call))
-                args = call["function"]["arguments"]
-                deltas = [{"tool_calls": [{**call, "function": {"name": call["function"]["name"], "arguments": ""}}]},
-                          {"tool_calls": [{"index": call["index"], "function": {"arguments": args}}]}]
-            out = [{"id": cid, "object": "chat.completion.chunk", "created": created, "model": state.name,
-                    "choices": [{"index": 0, "delta": d, "logprobs": None, "finish_reason": finish}]} for d in deltas]
-            return [{**o, "usage": None} for o in out] if include_usage else out
-
-        def final():
-            return {"id": cid, "object": "chat.completion", "created": created, "model": state.name,
-                    "choices": [{"index": 0, "message": message(), "logprobs": None,
-                                 "finish_reason": gen.finish_reason(reply)}],
-                    "usage": gen.usage()}
-
-        def store_ids():
-            # only a reply sent back whole: one cut by a stop string has generated ids past its text
-            if not reply.cut and not parser.errors and gen.handle.finish_reason in (FinishReason.STOP,
-                                                                                    FinishReason.LENGTH):
-                state.reply_ids.put(as_message(message()), opening + list(gen.handle.tokens))
-
-        return await _respond(state, request, "chat", gen, reply, req.stream, include_usage, chunk, final, store_ids)
-
-    def prepare_completion(body: bytes):
-        req = parse(CompletionRequest, body)
-        check_model(state, req.model)
-        ids = prompt_ids(state, req.prompt)
-        sreq = SchedRequest(ids, sampling(req), max_new(state, req, len(ids)), [state.model.tokenizer.eos_id])
-        constrain_completion(state.model, req, sreq)
-        load_test_fields(req, sreq)
-        return req, sreq, req.stops()
-
-    @v1.post("/completions")
-    async def completions(request: Request):
-        try:
-            body = await read_body(request, state.max_body, state.read_timeout)
-            req, sreq, stops = await state.prepare(prepare_completion, body)
-            gen = Generation(state, sreq, "prompt")
-        except ApiError as e:
-            state.metrics.requests.labels("completions", str(e.status)).inc()
-            raise
-        reply = Reply(PlainText(state.model.tokenizer), stops)
-        cid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
-        include_usage = bool(req.stream_options and req.stream_options.include_usage)
-
-        def chunk(event, finish) -> list[dict]:
-            out = {"id": cid, "object": "text_completion", "created": created, "model": state.name,
-                   "choices": [{"index": 0, "text": event.text if event else "", "logprobs": None,
-                                "finish_reason": finish}]}
-            return [{**out, "usage": None} if include_usage else out]
-
-        def final():
-            return {"id": cid, "object": "text_completion", "created": created, "model": state.name,
-                    "choices": [{"index": 0, "text": reply.content, "logprobs": None,
-                                 "finish_reason": gen.finish_reason(reply)}],
-                    "usage": gen.usage()}
-
-        return await _respond(state, request, "completions", gen, reply, req.stream, include_usage, chunk, final)
-
+    def route(kind: type[Exchange]):
+        async def endpoint(request: Request):
+            return await serve_exchange(state, request, kind)
+        return endpoint
+    for path, kind in ROUTES.items():
+        v1.add_api_route(path, route(kind), methods=["POST"])
     app.include_router(v1)
     add_chat_page(app)
 
@@ -706,43 +651,6 @@ def create_app(model, name: str, api_key: str | None = None, max_body: int = MAX
         return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     return app
-
-
-def prompt_ids(state: State, prompt) -> list[int]:
-    """/v1/completions' prompt: text (after the model's [gMASK]sop prefix, no chat template) or token ids."""
-    tok = state.model.tokenizer
-    if isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
-        if len(prompt) != 1:
-            raise ApiError(400, f"'prompt' holds {len(prompt)} prompts; this server takes one per request", "prompt",
-                           "unsupported_value")
-        prompt = prompt[0]
-    if isinstance(prompt, str):
-        state.check_size(len(prompt), "prompt")
-        try:
-            ids = list(state.model.chat_format.prefix) + tok.encode(prompt)
-        except TokenizerError as e:
-            raise ApiError(500, f"the model's tokenizer failed on this request: {e}", type="server_error",
-                           code="tokenizer_error") from None
-        except (ValueError, UnicodeError) as e:     # a tokenizer refusing text the protocol let through
-            raise ApiError(400, f"'prompt' cannot be tokenized ({str(e)[:80]}); send plain Unicode text",
-                           "prompt") from None
-    else:
-        ids = list(prompt)
-        bad = [i for i in ids if not 0 <= i < tok.n_vocab]
-        if bad:
-            raise ApiError(400, f"'prompt' holds token id {bad[0]}, outside 0..{tok.n_vocab - 1}", "prompt")
-    if len(ids) == 0:
-        raise ApiError(400, "'prompt' is empty", "prompt")
-    return ids
-
-
-def _prompt_chars(messages: list[Message], tools) -> int:
-    """A lower bound on the rendered prompt's length: every content, call and tool as compact JSON (templates
-    only add to it -- markers, indentation), computed without rendering anything."""
-    def compact(v) -> int:
-        return len(json.dumps(v, ensure_ascii=False, separators=(",", ":")))
-    return (sum(len(m.content) + sum(compact(c.arguments) for c in m.tool_calls) for m in messages)
-            + sum(compact(t.get("function", t)) for t in tools or []))
 
 
 def _model_card(state: State) -> dict:

@@ -62,15 +62,18 @@ def _schema(schema, param: str) -> Grammar:
         raise ApiError(400, f"'{param}': {e}", param, "invalid_value") from None
 
 
-def constrain_chat(model, req, sreq, tools, must_call: list[str], calls: bool) -> list[int]:
-    """Set a chat request's constraint (response_format / structured_outputs, strict tools, tool_choice among
-    several functions) on the scheduler Request; returns the ids forced at the start of the reply (a named
-    function's name line, or the empty metadata line of a text reply), already appended to its prompt."""
+def constrain_chat(model, req, sreq, tools, must_call: list[str], calls: bool, fmt=None,
+                   thinking_budget: int | None = None) -> list[int]:
+    """Set a chat request's constraint (response_format / structured_outputs, strict tools, tool_choice, a
+    thinking budget) on the scheduler Request, in the reply format of `fmt` (the request's configured chat
+    format); returns the ids forced at the start of the reply (a named function's name line, or the empty
+    metadata line of a text reply), already appended to its prompt."""
     grammar, param = request_grammar(req)
-    where = param or ("tool_choice" if must_call else "tools")
+    where = param or ("tool_choice" if must_call else "tools" if tools else "max_thinking_tokens")
     try:
-        opening, sreq.constraint = reply_constraint(model.chat_format, model.config.vocab_size, grammar, tools,
-                                                    must_call, calls)
+        opening, sreq.constraint = reply_constraint(fmt or model.chat_format, model.config.vocab_size, grammar, tools,
+                                                    must_call, calls, thinking_budget,
+                                                    parallel=getattr(req, "parallel_tool_calls", None) is not False)
     except GrammarError as e:
         raise ApiError(400, f"'{where}': {e}", where, "invalid_value") from None
     if sreq.constraint is not None:

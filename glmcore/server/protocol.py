@@ -10,7 +10,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from ..chat import MAX_ARGUMENT_DEPTH, json_depth
+from ..parsers.base import MAX_ARGUMENT_DEPTH, json_depth
 
 # Nesting a body may have: OpenAI's shapes need < 10 levels, tool schemas a few more. Checked before json.loads,
 # so no request depends on the interpreter's recursion limit (or costs a pretty-printed 900-level schema).
@@ -203,6 +203,11 @@ class ChatRequest(_Sampling):
     max_completion_tokens: int | None = Field(None, ge=1, le=2**31 - 1)
     # variables for the checkpoint's chat template (vLLM/SGLang's extension), e.g. {"enable_thinking": false}
     chat_template_kwargs: dict[str, Any] | None = None
+    # thinking: OpenAI's effort (onto the template's enable_thinking switch), and a budget of thought tokens
+    # (glmcore's name, and llama.cpp's per-request one; -1 there: no limit)
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
+    max_thinking_tokens: int | None = Field(None, ge=0, le=2**31 - 1)
+    thinking_budget_tokens: int | None = Field(None, ge=-1, le=2**31 - 1)
 
 
 class CompletionRequest(_Sampling):

@@ -40,7 +40,8 @@ class Replica:
                                     speculation=so.speculation)
         self.glm_model.scheduler.max_queue = so.max_queue
         self.glm_app = create_app(self.glm_model, so.name, so.api_key, so.max_body, read_timeout=so.read_timeout,
-                                  allowed_hosts=so.hosts(so.host), cors_origins=so.cors_origins)
+                                  allowed_hosts=so.hosts(so.host), cors_origins=so.cors_origins,
+                                  thinking_budget=so.max_thinking_tokens)
         self.glm_model.scheduler.start()
 
     def __serve_build_asgi_app__(self):

@@ -1,0 +1,436 @@
+"""GLM-4.5 / 4.6 / 4.7 conversations: XML tool calls parsed and streamed as they are written, constrained decoding
+in that format, thinking under control -- on a random-weight GLM-4.5-layout checkpoint with the GLM-4.6 template
+and with a GLM-4.7-style one (no newline after the role tag or the tool name, the reply opening inside <think>).
+
+The cases are those of the GLM tool-call bug reports of vLLM (glm45 parser: arguments buffered until </tool_call>,
+#33218 / #44326; zero-argument calls; values holding tag-like text), llama.cpp (#19068: a hang on the XML form),
+SGLang #11888 and Ollama #11563 (calls after thinking, several calls)."""
+from __future__ import annotations
+
+import json
+import shutil
+
+import jsonschema
+import pytest
+
+from glmcore.backend import LoadOptions
+from glmcore.chat import ToolCall, ToolCallStream, as_message, chat_format_for
+from glmcore.events import ReasoningDelta, TextDelta, ToolCallDelta, ToolCallEvent, ToolCallStart
+from glmcore.tokenizer import load_tokenizer
+
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {
+    "city": {"type": "string"}, "days": {"type": "integer"}, "opts": {"type": "object"}}}}},
+    {"type": "function", "function": {"name": "now", "parameters": {"type": "object", "properties": {}}}}]
+WEATHER = {"city": 'Bei "jing"\n</arg_key> <b>', "days": 3, "opts": {"a": [1, {"b": None, "c": "x"}], "d": 1.5}}
+
+
+def glm47_style(template: str) -> str:
+    """The GLM-4.6 template written as GLM-4.7 writes its turns (vLLM's glm47 parser): no newline after
+    <|assistant|> or the tool name, arguments without newlines, a generation prompt that opens <think>, and
+    preserved thinking (clear_thinking=false keeps earlier turns' reasoning)."""
+    out = template.replace("{%- if loop.index0 > ns.last_user_index and reasoning_content -%}",
+                           "{%- if (loop.index0 > ns.last_user_index or (clear_thinking is defined and not "
+                           "clear_thinking)) and reasoning_content -%}")
+    out = out.replace("{{ '\\n<think>' + reasoning_content.strip() +  '</think>'}}",
+                           "{{ '<think>' + reasoning_content.strip() +  '</think>'}}")
+    out = out.replace("{{ '\\n<think></think>' }}", "{{ '<think></think>' }}")
+    out = out.replace("{{ '\\n<tool_call>' + tc.name }}\n{% set _args = tc.arguments or {} %}\n"
+                      "{% for k, v in _args.items() %}\n<arg_key>{{ k }}</arg_key>\n"
+                      "<arg_value>{{ v | tojson(ensure_ascii=False) if v is not string else v }}</arg_value>\n"
+                      "{% endfor %}\n</tool_call>",
+                      "{{ '<tool_call>' + tc.name }}{% set _args = tc.arguments or {} %}"
+                      "{% for k, v in _args.items() %}<arg_key>{{ k }}</arg_key>"
+                      "<arg_value>{{ v | tojson(ensure_ascii=False) if v is not string else v }}</arg_value>"
+                      "{% endfor %}</tool_call>")
+    out = out.replace("<|assistant|>{{- '\\n<think></think>' if (enable_thinking is defined and not enable_thinking) "
+                      "else '' -}}", "<|assistant|>{{- '<think></think>' if (enable_thinking is defined and not "
+                      "enable_thinking) else '<think>' -}}")
+    assert out.count("<tool_call>' + tc.name }}{%") == 1 and out.endswith("else '<think>' -}}\n{%- endif -%}") \
+        or out.rstrip().endswith("{%- endif -%}"), "the GLM-4.6 template changed: update glm47_style"
+    return out
+
+
+@pytest.fixture(scope="module")
+def glm46(make_tiny):
+    return make_tiny("glm4-moe")
+
+
+@pytest.fixture(scope="module")
+def glm47(glm46, tmp_path_factory):
+    dst = tmp_path_factory.mktemp("glm47") / "m"
+    shutil.copytree(glm46, dst)
+    (dst / "chat_template.jinja").unlink(missing_ok=True)
+    cfg = json.loads((dst / "tokenizer_config.json").read_text())
+    cfg["chat_template"] = glm47_style(cfg["chat_template"])
+    (dst / "tokenizer_config.json").write_text(json.dumps(cfg, ensure_ascii=False))
+    return dst
+
+
+def _fmt(path):
+    return chat_format_for(load_tokenizer(path, "glm4-moe"))
+
+
+def _reply_ids(fmt, message: dict, tools=TOOLS) -> list[int]:
+    """The ids the template writes for an assistant message after a user turn (its last turn, so its thinking is
+    kept): the model's own reply when it was trained on the template."""
+    user = [as_message({"role": "user", "content": "weather?"})]
+    head = fmt.encode_messages(user, tools)          # ends with <|assistant|> (and <think> where it opens one)
+    whole = fmt.encode_messages(user + [as_message(message)], tools, add_generation_prompt=False)
+    assert whole[:len(head)] == head, "the template does not extend the prompt with the reply"
+    return whole[len(head):]
+
+
+def _push(fmt, ids, tools=TOOLS, calls=True):
+    stream = ToolCallStream(fmt, tools, calls=calls)
+    events = [e for i in ids for e in stream.push(i)] + stream.close()
+    return events, stream
+
+
+def _arguments(events, index=0) -> str:
+    return "".join(e.arguments for e in events if isinstance(e, ToolCallDelta) and e.index == index)
+
+
+CALLS = [{"id": "call_1", "function": {"name": "get_weather", "arguments": json.dumps(WEATHER, ensure_ascii=False)}},
+         {"id": "call_2", "function": {"name": "now", "arguments": "{}"}}]
+
+
+@pytest.mark.parametrize("style", ["glm46", "glm47"])
+def test_template_calls_parse_back_and_round_trip(request, style):
+    """Two calls (one without arguments, one with a string holding tag-like text, a number and nested JSON) after
+    thinking and text, as the template writes them: parsed from the ids into what was sent, streamed with the name
+    first and argument pieces adding up to the arguments, and sent back they render to exactly the same ids."""
+    fmt = _fmt(request.getfixturevalue(style))
+    assert fmt.tool_parser.__name__ == "XmlCallParser" and fmt.thinking and fmt.opens_thinking == (style == "glm47")
+    sent = {"role": "assistant", "content": "Let me look.", "reasoning_content": "I should check.", "tool_calls": CALLS}
+    ids = _reply_ids(fmt, sent)
+    events, stream = _push(fmt, ids)
+    msg = stream.message
+    assert msg.error is None and msg.content == "Let me look." and msg.reasoning == "I should check."
+    assert msg.tool_calls == [ToolCall("get_weather", WEATHER), ToolCall("now", {})]
+    # streamed as written: thinking, text, then each call's name before its arguments, string values in pieces
+    kinds = [type(e) for e in events]
+    assert kinds.index(ReasoningDelta) < kinds.index(TextDelta) < kinds.index(ToolCallStart)
+    starts = [e for e in events if isinstance(e, ToolCallStart)]
+    assert [(s.index, s.name, s.id) for s in starts] == [(i, c.name, c.id) for i, c in enumerate(msg.tool_calls)]
+    first_delta = next(i for i, e in enumerate(events) if isinstance(e, ToolCallDelta))
+    assert events.index(starts[0]) < first_delta
+    city_pieces = [e.arguments for e in events if isinstance(e, ToolCallDelta) and e.index == 0][1:-1]
+    assert len(city_pieces) > 3      # character by character as the tokens come, not at </tool_call>
+    for i, call in enumerate(msg.tool_calls):
+        assert _arguments(events, i) == json.dumps(call.arguments, ensure_ascii=False)
+    # round trip: the parsed reply, sent back with its calls and tool results, renders the same ids
+    back = {"role": "assistant", "content": msg.content, "reasoning_content": msg.reasoning,
+            "tool_calls": [{"id": c.id, "function": {"name": c.name, "arguments": json.dumps(c.arguments)}}
+                           for c in msg.tool_calls]}
+    results = [{"role": "tool", "tool_call_id": c.id, "content": "sunny"} for c in msg.tool_calls]
+    user = {"role": "user", "content": "weather?"}
+    want = fmt.encode_messages([as_message(m) for m in [user, sent] + results], TOOLS)
+    assert fmt.encode_messages([as_message(m) for m in [user, back] + results], TOOLS) == want
+    assert _reply_ids(fmt, back) == ids
+    assert fmt.parse_reply(fmt.tok.decode(ids, skip_special=False), TOOLS) == msg     # the same from text
+
+
+def test_value_types_follow_the_schema(glm46):
+    """A value is the raw string where the schema says string, else JSON (a Python literal, else the text), as
+    vLLM's and mlx-lm's GLM parsers read it; keys and values are stripped; without tools every value is tried."""
+    fmt = _fmt(glm46)
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
+        "s": {"type": "string"}, "n": {"type": "number"}, "b": {"type": "boolean"}, "any": {}}}}}]
+    text = ("<tool_call>f\n<arg_key> s </arg_key>\n<arg_value> 42 </arg_value>\n<arg_key>n</arg_key><arg_value>4.5"
+            "</arg_value><arg_key>b</arg_key><arg_value>True</arg_value><arg_key>any</arg_key><arg_value>[1, 'x']"
+            "</arg_value><arg_key>free</arg_key><arg_value>plain words</arg_value></tool_call>")
+    assert fmt.parse_reply(text, tools).tool_calls == [ToolCall("f", {"s": "42", "n": 4.5, "b": True, "any": [1, "x"],
+                                                                      "free": "plain words"})]
+    assert fmt.parse_reply(text).tool_calls[0].arguments["s"] == 42
+
+
+def test_value_holding_the_closing_tag_as_text(glm46):
+    """Read from ids, "</arg_value>" typed as text inside a value is text (the tag is a special token); only the
+    token ends the value."""
+    fmt = _fmt(glm46)
+    tok, sp = fmt.tok, fmt.tok.special_ids
+    ids = ([sp["<tool_call>"]] + tok.encode("get_weather") + [sp["<arg_key>"]] + tok.encode("city")
+           + [sp["</arg_key>"], sp["<arg_value>"]] + tok.encode("a</arg_value><arg_key>b") + [sp["</arg_value>"],
+                                                                                              sp["</tool_call>"]])
+    events, stream = _push(fmt, ids)
+    assert stream.message.tool_calls == [ToolCall("get_weather", {"city": "a</arg_value><arg_key>b"})]
+    assert _arguments(events) == json.dumps({"city": "a</arg_value><arg_key>b"})
+
+
+@pytest.mark.parametrize("text,why", [
+    ("Sure.<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Par", "cut off"),
+    ("<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Paris</arg_value>", "cut off"),
+    ("<tool_call>launch_rockets\n</tool_call>", "not a tool of this request"),
+    ("<tool_call>get_weather\nstray<arg_key>city</arg_key></tool_call>", "between the arguments"),
+    ("<tool_call>get_weather<arg_key>city</arg_key><arg_value>a</arg_value><arg_key>city</arg_key>"
+     "<arg_value>b</arg_value></tool_call>", "given twice"),
+    ("<tool_call>get_weather<arg_value>a</arg_value></tool_call>", "where an <arg_key>"),
+])
+def test_cut_off_or_malformed_calls_end_as_text(glm46, text, why):
+    fmt = _fmt(glm46)
+    events, stream = _push(fmt, fmt.tok.encode_rendered(text))
+    msg = stream.message
+    assert msg.tool_calls == [] and why in msg.error and msg.content == text.strip()
+    assert not any(isinstance(e, ToolCallEvent) for e in events)
+    assert "".join(e.text for e in events if isinstance(e, TextDelta)).endswith(text.split(">", 1)[-1][-3:])
+
+
+def test_tool_choice_none_reads_calls_as_text(glm46):
+    fmt = _fmt(glm46)
+    events, stream = _push(fmt, fmt.tok.encode_rendered("<tool_call>now\n</tool_call>"), calls=False)
+    assert stream.message.tool_calls == [] and "now" in stream.message.content
+
+
+# ----------------------------------------------------------------------------- constrained decoding, the server
+
+STRICT = {"type": "object", "properties": {
+    "city": {"type": "string", "maxLength": 12}, "unit": {"enum": ["c", "f"]},
+    "code": {"type": "string", "pattern": "^[a-z]{1,5}$"},
+    "days": {"type": "integer", "minimum": 1, "maximum": 7}, "when": {"type": "array", "items": {"type": "boolean"},
+                                                                       "maxItems": 3}},
+    "required": ["city", "days", "code"], "additionalProperties": False}
+STRICT_TOOLS = [{"type": "function", "function": {"name": "weather", "strict": True, "parameters": STRICT}},
+                {"type": "function", "function": {"name": "now", "parameters": {"type": "object", "properties": {}}}}]
+
+
+@pytest.fixture(scope="module")
+def served(glm46, glm47):
+    pytest.importorskip("openai", reason="the server tests need the dev extra (openai, httpx)")
+    pytest.importorskip("uvicorn", reason='the server needs its extra: pip install "glmcore[server]"')
+    from contextlib import ExitStack
+
+    from test_server import client, serving
+
+    from glmcore.model import load_model
+    with ExitStack() as stack:
+        out = {}
+        for name, path in (("glm46", glm46), ("glm47", glm47)):
+            m = load_model(path, "torch", LoadOptions(threads=1), slots=4, token_budget=64)
+            stack.callback(m.close)
+            out[name] = (m, client(stack.enter_context(serving(m, name))))
+        yield out
+
+
+@pytest.mark.parametrize("style", ["glm46", "glm47"])
+def test_required_strict_call_on_random_weights(served, style):
+    """tool_choice "required" with a strict tool: random weights still return a call in the XML format whose
+    arguments validate, streamed and not; the streamed pieces add up to the non-streamed call. (One call:
+    parallel_tool_calls false constrains the reply to one, which a random model cannot then run past.)"""
+    m, c = served[style]
+    messages = [{"role": "user", "content": "weather in Paris?"}]
+    for seed in range(3):
+        kw = dict(model=style, messages=messages, tools=STRICT_TOOLS, tool_choice="required", max_tokens=160,
+                  temperature=1.0, seed=seed, parallel_tool_calls=False, extra_body={"max_thinking_tokens": 4})
+        r = c.chat.completions.create(**kw)
+        msg = r.choices[0].message
+        assert msg.tool_calls and r.choices[0].finish_reason == "tool_calls", msg
+        for call in msg.tool_calls:
+            args = json.loads(call.function.arguments)
+            if call.function.name == "weather":
+                jsonschema.validate(args, STRICT)
+        chunks = list(c.chat.completions.create(**kw, stream=True))
+        calls: dict[int, dict] = {}
+        for ch in chunks:
+            for d in (ch.choices[0].delta.tool_calls or []) if ch.choices else []:
+                got = calls.setdefault(d.index, {"id": d.id, "name": d.function.name, "arguments": ""})
+                assert d.id in (None, got["id"]) and (d.function.name in (None, got["name"]))
+                got["arguments"] += d.function.arguments or ""
+        # the same call (its id is each response's own; within the stream it stays the one of the first chunk)
+        assert [(v["name"], v["arguments"]) for _, v in sorted(calls.items())] == \
+            [(t.function.name, t.function.arguments) for t in msg.tool_calls]
+        assert all(v["id"].startswith("call_") for v in calls.values())
+        assert chunks[-1].choices[0].finish_reason == "tool_calls"
+        arg_chunks = [ch for ch in chunks if ch.choices and ch.choices[0].delta.tool_calls
+                      and ch.choices[0].delta.tool_calls[0].function.arguments]
+        assert len(arg_chunks) > len(msg.tool_calls)        # as written, not one piece per call at the end
+
+
+def test_named_call_and_a_cut_off_call(served):
+    m, c = served["glm46"]
+    messages = [{"role": "user", "content": "what time is it?"}]
+    r = c.chat.completions.create(model="glm46", messages=messages, tools=STRICT_TOOLS, temperature=1.0, seed=1,
+                                  tool_choice={"type": "function", "function": {"name": "weather"}}, max_tokens=160,
+                                  parallel_tool_calls=False,
+                                  extra_body={"max_thinking_tokens": 0})
+    assert [t.function.name for t in r.choices[0].message.tool_calls] == ["weather"]
+    jsonschema.validate(json.loads(r.choices[0].message.tool_calls[0].function.arguments), STRICT)
+    # cut off inside the call: the text of the call, finish_reason "length", never a 500 or a hang
+    r = c.chat.completions.create(model="glm46", messages=messages, tools=STRICT_TOOLS, tool_choice="required",
+                                  max_tokens=6, temperature=1.0, seed=1, extra_body={"max_thinking_tokens": 0})
+    assert r.choices[0].finish_reason == "length" and not r.choices[0].message.tool_calls
+    assert r.choices[0].message.content
+
+
+@pytest.mark.parametrize("budget", [0, 3, 8])
+def test_thinking_budget_closes_the_thought_and_the_answer_follows(served, budget):
+    """GLM-4.7-style replies open inside <think>: a budget of N ends the thought within N tokens with the template's
+    own </think>, and the reply goes on past it; usage counts the thought's tokens as reasoning_tokens."""
+    m, c = served["glm47"]
+    for seed in range(2):
+        r = c.chat.completions.create(model="glm47", messages=[{"role": "user", "content": "hi"}], max_tokens=24,
+                                      temperature=1.0, seed=seed, extra_body={"max_thinking_tokens": budget})
+        details = r.usage.completion_tokens_details
+        assert 1 <= details.reasoning_tokens <= budget + 1     # the thought and its </think>
+        assert r.usage.completion_tokens > details.reasoning_tokens  # an answer followed
+        assert r.choices[0].message.content is not None
+    # llama.cpp's name for it
+    r = c.chat.completions.create(model="glm47", messages=[{"role": "user", "content": "hi"}], max_tokens=16,
+                                  temperature=1.0, seed=5, extra_body={"thinking_budget_tokens": 2})
+    assert r.usage.completion_tokens_details.reasoning_tokens <= 3
+
+
+def test_reasoning_effort_and_thinking_switch(served):
+    """reasoning_effort maps onto the template's enable_thinking switch (none: what enable_thinking=false renders);
+    reasoning_content comes with reasoning_tokens."""
+    m, c = served["glm46"]
+    messages = [{"role": "user", "content": "hi"}]
+    off = m.chat_format.configured({"enable_thinking": False}).encode_messages([as_message(x) for x in messages])
+    r = c.chat.completions.create(model="glm46", messages=messages, max_tokens=2, reasoning_effort="none")
+    assert r.usage.prompt_tokens == len(off)
+    r = c.chat.completions.create(model="glm46", messages=messages, max_tokens=2, reasoning_effort="high")
+    assert r.usage.prompt_tokens == len(m.chat_format.encode_messages([as_message(x) for x in messages]))
+    m47, c47 = served["glm47"]
+    r = c47.chat.completions.create(model="glm47", messages=messages, max_tokens=6, temperature=1.0, seed=3)
+    if r.choices[0].message.reasoning_content:
+        assert r.usage.completion_tokens_details.reasoning_tokens > 0
+
+
+def test_thinking_fields_refused_where_the_template_has_no_thinking(make_tiny):
+    import openai
+    from test_server import client, serving
+
+    from glmcore.model import load_model
+    pytest.importorskip("uvicorn")
+    m = load_model(make_tiny("glm4-0414"), "torch", LoadOptions(threads=1), slots=1)
+    try:
+        with serving(m) as url:
+            c = client(url)
+            messages = [{"role": "user", "content": "hi"}]
+            with pytest.raises(openai.BadRequestError, match="max_thinking_tokens.*writes no <think>"):
+                c.chat.completions.create(model="tiny", messages=messages, max_tokens=2,
+                                          extra_body={"max_thinking_tokens": 3})
+            with pytest.raises(openai.BadRequestError, match="reasoning_effort.*has none"):
+                c.chat.completions.create(model="tiny", messages=messages, max_tokens=2, reasoning_effort="low")
+    finally:
+        m.close()
+
+
+def test_server_default_thinking_budget(glm47):
+    """`glmcore serve --max-thinking-tokens N` (create_app's thinking_budget): a request that names no budget gets it."""
+    from test_server import client, serving
+
+    from glmcore.model import load_model
+    pytest.importorskip("uvicorn")
+    m = load_model(glm47, "torch", LoadOptions(threads=1), slots=1)
+    try:
+        with serving(m, "glm47", thinking_budget=2) as url:
+            for seed in range(2):
+                r = client(url).chat.completions.create(model="glm47", messages=[{"role": "user", "content": "hi"}],
+                                                        max_tokens=16, temperature=1.0, seed=seed)
+                assert r.usage.completion_tokens_details.reasoning_tokens <= 3
+    finally:
+        m.close()
+
+
+def test_chat_think_on_off(glm46, make_tiny, monkeypatch, capsys):
+    """glmcore chat's /think on|off sets the template's enable_thinking from the next reply; a template without
+    the switch says so."""
+    from glmcore import cli
+    seen = []
+    monkeypatch.setattr(cli, "_chat_turn", lambda pipe, state, params, n, view=None, template_kwargs=None:
+                        seen.append(template_kwargs) or True)
+    lines = iter(["hi", "/think off", "hi", "/think on", "hi", "/think maybe", "/quit"])
+    monkeypatch.setattr("builtins.input", lambda prompt="": next(lines))
+    assert cli.main(["chat", "--model", str(glm46), "--backend", "torch", "--max-new-tokens", "2"]) == 0
+    assert seen == [None, {"enable_thinking": False}, {"enable_thinking": True}]
+    assert "usage: /think on|off" in capsys.readouterr().err
+    lines = iter(["/think off", "/quit"])
+    assert cli.main(["chat", "--model", str(make_tiny("glm4-0414")), "--backend", "torch"]) == 0
+    assert "has no thinking switch" in capsys.readouterr().err
+
+
+def test_preserved_thinking_is_the_templates_choice(glm47):
+    """Earlier replies' reasoning_content reaches the template: dropped by default as it drops it, kept with
+    chat_template_kwargs clear_thinking=false (GLM-4.7's preserved thinking)."""
+    fmt = _fmt(glm47)
+    turns = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b", "reasoning_content": "EARLIER"},
+             {"role": "user", "content": "c"}]
+    msgs = [as_message(m) for m in turns]
+    assert "EARLIER" not in fmt.tok.decode(fmt.encode_messages(msgs), skip_special=False)
+    kept = fmt.configured({"clear_thinking": False}).encode_messages(msgs)
+    assert "<think>EARLIER</think>" in fmt.tok.decode(kept, skip_special=False)
+
+
+def test_budget_needs_a_special_think_close(make_tiny, tmp_path):
+    """GLM-Z1's </think> is text on GLM-4's tokenizer: a budget cannot force it, so it is refused in one line
+    (the server leaves its default budget off there); the thought before a required call stops at the text."""
+    from glmcore.hf_tokenizer import GLM_Z1_TEMPLATE
+    from glmcore.structured import GrammarError, reply_constraint
+    dst = tmp_path / "z1"
+    shutil.copytree(make_tiny("glm4-0414"), dst)
+    cfg = json.loads((dst / "tokenizer_config.json").read_text())
+    cfg["chat_template"] = GLM_Z1_TEMPLATE
+    (dst / "tokenizer_config.json").write_text(json.dumps(cfg, ensure_ascii=False))
+    fmt = chat_format_for(load_tokenizer(dst, "glm4-0414"))
+    assert fmt.opens_thinking and "</think>" not in fmt.tok.special_ids
+    with pytest.raises(GrammarError, match="no special token"):
+        reply_constraint(fmt, None, thinking_budget=4)
+    opening, constraint = reply_constraint(fmt, None, None, TOOLS, must_call=["now"])
+    top = json.loads(constraint.grammar)["grammars"][0]["lark_grammar"]
+    assert opening == [] and 'thought[stop="</think>"]' in top and "start: thought_part body" in top
+
+
+@pytest.mark.parametrize("style", ["glm46", "glm47"])
+def test_text_fed_a_character_at_a_time_gives_the_same_calls(request, style):
+    """Decoded text in the smallest pieces (tags split anywhere) parses to the same message and the same argument
+    pieces' concatenation as the ids do."""
+    fmt = _fmt(request.getfixturevalue(style))
+    sent = {"role": "assistant", "content": "Text first.", "reasoning_content": "hmm", "tool_calls": CALLS}
+    ids = _reply_ids(fmt, sent)
+    _, by_ids = _push(fmt, ids)
+    stream = ToolCallStream(fmt, TOOLS)
+    text = fmt.tok.decode(ids, skip_special=False).replace("</arg_key> <b>", "<b>")   # no tag-like text in a value
+    events = [e for ch in text for e in stream.feed(ch)] + stream.close()
+    msg = stream.message
+    assert msg.error is None and msg.content == "Text first." and msg.reasoning == "hmm"
+    assert [c.name for c in msg.tool_calls] == ["get_weather", "now"]
+    assert msg.tool_calls[0].arguments["city"] == WEATHER["city"].replace("</arg_key> <b>", "<b>")
+    for i, call in enumerate(msg.tool_calls):
+        assert _arguments(events, i) == json.dumps(call.arguments, ensure_ascii=False)
+    assert [c.name for c in by_ids.message.tool_calls] == ["get_weather", "now"]
+
+
+def test_pipeline_thinking_budget(glm47):
+    """Pipeline.chat(max_thinking_tokens=N): the thought ends within N tokens with </think>, the reply goes on."""
+    from glmcore.pipeline import Pipeline
+    from glmcore.sampling import SamplingParams
+    pipe = Pipeline(glm47, "torch", LoadOptions(threads=1))
+    close = pipe.tokenizer.special_ids["</think>"]
+    messages = [{"role": "user", "content": "hi"}]
+    n_prompt = len(pipe.model.chat_format.encode_messages([as_message(m) for m in messages]))
+    try:
+        for seed in range(3):
+            pipe.reset()
+            reply = pipe.chat(messages, params=SamplingParams(temperature=1.0, seed=seed), max_new_tokens=12,
+                              max_thinking_tokens=3)
+            generated = pipe.slot.tokens[n_prompt:]
+            assert close in generated[:4], generated          # the thought, at most 3 tokens, then </think>
+            assert len(reply.reasoning) > 0 or generated[0] == close
+    finally:
+        pipe.model.close()
+
+
+@pytest.mark.parametrize("args,want", [(["--max-thinking-tokens", "64"], 64), (["--reasoning-budget", "-1"], None),
+                                       ([], None)])
+def test_serve_flag_sets_the_default_budget(glm46, monkeypatch, args, want):
+    """`glmcore serve --max-thinking-tokens N` (llama.cpp's --reasoning-budget; -1: none) reaches the server."""
+    pytest.importorskip("uvicorn")
+    import glmcore.server as server
+    from glmcore import cli
+    seen = {}
+    monkeypatch.setattr(server, "serve", lambda model, backend, options, so: seen.update(so=so) or 0)
+    assert cli.main(["serve", "--model", str(glm46), *args]) == 0
+    assert seen["so"].max_thinking_tokens == want
+    from glmcore.errors import GlmcoreError
+    with pytest.raises(GlmcoreError, match="--max-thinking-tokens -2"):
+        server.ServeOptions(max_thinking_tokens=-2).check()
