@@ -66,11 +66,17 @@ def load_model(model: str | Path | None = None, backend: str | None = None, opti
     from .chat import chat_format_for
     from .tokenizer import load_tokenizer
 
+    from .gguf import is_gguf, open_gguf
     model_dir = Path(model) if model else demo_model_dir()
-    if not model_dir.is_dir():
-        raise GlmcoreError(f"model directory {model_dir} does not exist; pass --model DIR of a checkpoint, "
-                           "or create one with `glmcore make-model`")
-    config = ModelConfig.from_dir(model_dir)
+    gguf = None
+    if is_gguf(model_dir):      # a GGUF file (or split set): config, weights and tokenizer from the one file
+        gguf = open_gguf(model_dir)
+        config, tokenizer_dir = gguf.config, gguf.tokenizer_dir
+    elif not model_dir.is_dir():
+        raise GlmcoreError(f"model directory {model_dir} does not exist; pass --model DIR of a checkpoint (or a "
+                           ".gguf file), or create one with `glmcore make-model`")
+    else:
+        config, tokenizer_dir = ModelConfig.from_dir(model_dir), model_dir
     b = resolve_backend(backend, config)
     if options is not None and options.tp != 1:
         from .parallel import tensor_parallel
@@ -80,14 +86,14 @@ def load_model(model: str | Path | None = None, backend: str | None = None, opti
             raise BackendError(f"--tp {options.tp}: {why}")
     opts = b.resolve(options or LoadOptions())
     caps = b.capabilities()
-    tokenizer = load_tokenizer(model_dir, config.family)
+    tokenizer = load_tokenizer(tokenizer_dir, config.family)
     if tokenizer.n_vocab > config.vocab_size:
         raise GlmcoreError(f"{model_dir}: {Path(tokenizer.path).name} has {tokenizer.n_vocab} ids but the model only "
                            f"{config.vocab_size} embedding rows; the tokenizer is from another checkpoint, copy "
                            "the one that came with these weights")
     if opts.cache_dir is None:
         opts.cache_dir = cache_root() / "converted"
-    weights = load_weights(model_dir, config)
+    weights = gguf.weights if gguf else load_weights(model_dir, config)
     if slots < 1 or (caps.max_slots is not None and slots > caps.max_slots):
         most = f"1..{caps.max_slots}" if caps.max_slots else "a positive number"
         raise GlmcoreError(f"invalid number of slots {slots} for backend {b.name!r}: use {most}")

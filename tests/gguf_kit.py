@@ -1,0 +1,110 @@
+"""GGUF files of the project's synthetic checkpoints, laid out as llama.cpp's convert_hf_to_gguf.py lays them out
+(tests must not need a llama.cpp build): tensor names through gguf-py's own TensorNameMap for the architecture,
+1-D tensors kept F32 and 2-D ones in the chosen type (as the converter's --outtype), the vocabulary as its
+ChatGLMModel / Glm4Model set_vocab write it, and its metadata keys. Written with gguf-py's GGUFWriter."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import gguf
+import numpy as np
+
+from glmcore.config import ModelConfig
+from glmcore.weights import _read_raw
+
+
+def write_gguf(model_dir: Path, out: Path, qtype: str = "F32", split_tensors: int = 0) -> Path:
+    """model_dir (a synthetic chatglm-layout or glm4-0414 checkpoint) -> out (.gguf). split_tensors > 0 writes a
+    split set of files holding that many tensors each (llama-gguf-split's layout); returns the first file."""
+    cfg = ModelConfig.from_dir(model_dir)
+    raw = json.loads((Path(model_dir) / "config.json").read_text())
+    arch = gguf.MODEL_ARCH.GLM4 if cfg.model_type == "glm4" else gguf.MODEL_ARCH.CHATGLM
+    name = gguf.MODEL_ARCH_NAMES[arch]
+    w = gguf.GGUFWriter(out, name, split_max_tensors=split_tensors)
+    w.add_name(raw.get("_name_or_path", "").split("/")[-1])
+    w.add_context_length(cfg.max_seq_len)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_feed_forward_length(cfg.ffn_hidden_size)
+    w.add_block_count(cfg.num_layers)
+    w.add_head_count(cfg.num_heads)
+    w.add_head_count_kv(cfg.num_kv_heads)
+    w.add_layer_norm_rms_eps(cfg.norm_eps)
+    w.add_rope_dimension_count(cfg.rotary_dim)
+    w.add_rope_freq_base(cfg.rope_base)
+    if arch == gguf.MODEL_ARCH.GLM4:
+        w.add_key_length(cfg.head_dim)
+        w.add_value_length(cfg.head_dim)
+    _vocab(w, model_dir, cfg)
+    names = gguf.get_tensor_name_map(arch, cfg.num_layers)
+    tensors, _ = _read_raw(Path(model_dir))
+    want = gguf.GGMLQuantizationType[qtype]
+    for hf_name, t in tensors.items():
+        if hf_name.endswith("inv_freq"):
+            continue
+        stored = names.get_name(hf_name.removeprefix("transformer."), try_suffixes=(".weight", ".bias"))
+        assert stored is not None, hf_name
+        data = np.asarray(t, np.float32)
+        if data.ndim == 2 and want != gguf.GGMLQuantizationType.F32:
+            w.add_tensor(stored, gguf.quants.quantize(data, want), raw_dtype=want)
+        else:
+            w.add_tensor(stored, data)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return Path(out) if not split_tensors else Path(out).with_name(
+        f"{Path(out).stem}-00001-of-{len(w.tensors):05d}.gguf")
+
+
+def _vocab(w: gguf.GGUFWriter, model_dir: Path, cfg: ModelConfig) -> None:
+    from glmcore.tokenizer import SP_SPECIALS, read_rank_file
+    from glmcore.vocabulary import GLM4_SPECIALS
+    T = gguf.TokenType
+    if cfg.family == "glm4":            # GLM-4's tiktoken ranks, as the converter's gpt2 vocabulary
+        from glmcore.hf_tokenizer import tokenizer_json
+        tj = tokenizer_json(read_rank_file(Path(model_dir) / "tokenizer.model"), GLM4_SPECIALS)
+        tokens = sorted(tj["model"]["vocab"], key=tj["model"]["vocab"].get) + GLM4_SPECIALS
+        kinds = [T.NORMAL] * len(tj["model"]["vocab"]) + [T.CONTROL] * len(GLM4_SPECIALS)
+        merges = [" ".join(m) for m in tj["model"]["merges"]]
+        w.add_tokenizer_model("gpt2")
+        w.add_tokenizer_pre("chatglm-bpe")
+    elif cfg.family == "glm4-0414":     # tokenizer.json's vocabulary, added tokens and merges (get_vocab_base)
+        tj = json.loads((Path(model_dir) / "tokenizer.json").read_text())
+        vocab = {**tj["model"]["vocab"], **{a["content"]: a["id"] for a in tj["added_tokens"]}}
+        tokens = sorted(vocab, key=vocab.get)
+        specials = {a["content"] for a in tj["added_tokens"]}
+        kinds = [T.CONTROL if t in specials else T.NORMAL for t in tokens]
+        merges = [" ".join(m) if isinstance(m, list) else m for m in tj["model"]["merges"]]
+        w.add_tokenizer_model("gpt2")
+        w.add_tokenizer_pre("glm4")
+        w.add_chat_template(json.loads((Path(model_dir) / "tokenizer_config.json").read_text())["chat_template"])
+    else:                               # ChatGLM2/3's SentencePiece pieces, as set_vocab_chatglm3
+        import sentencepiece as spm
+        sp = spm.SentencePieceProcessor(model_file=str(Path(model_dir) / "tokenizer.model"))
+        specials = SP_SPECIALS[cfg.family]
+        tokens, kinds, scores = [], [], []
+        for i in range(sp.vocab_size()):
+            tokens.append({0: "<unk>", 1: "<bos>", 2: "<eos>"}.get(i, sp.id_to_piece(i)))
+            scores.append(sp.get_score(i))
+            kinds.append(T.UNKNOWN if sp.is_unknown(i) else T.CONTROL if sp.is_control(i) else
+                         T.BYTE if sp.is_byte(i) else T.UNUSED if sp.is_unused(i) else T.NORMAL)
+        tokens += specials
+        kinds += [T.CONTROL] * len(specials)
+        scores += [0.0] * len(specials)
+        merges = None
+        w.add_tokenizer_model("llama")
+        w.add_tokenizer_pre("chatglm-spm")
+    n = len(tokens)
+    tokens += [f"[PAD{i}]" for i in range(n, cfg.vocab_size)]       # padded to the embedding rows
+    kinds += [T.UNUSED] * (cfg.vocab_size - n)
+    w.add_token_list(tokens)
+    w.add_token_types(kinds)
+    if merges is None:
+        w.add_token_scores(scores + [0.0] * (cfg.vocab_size - n))
+        w.add_eos_token_id(2)
+    else:
+        w.add_token_merges(merges)
+        w.add_eos_token_id(tokens.index("<|endoftext|>"))
+        w.add_eot_token_id(tokens.index("<|user|>"))
+        w.add_unk_token_id(tokens.index("<|endoftext|>"))
