@@ -53,8 +53,7 @@ def write_gguf(model_dir: Path, out: Path, qtype: str = "F32", split_tensors: in
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    return Path(out) if not split_tensors else Path(out).with_name(
-        f"{Path(out).stem}-00001-of-{len(w.tensors):05d}.gguf")
+    return Path(out) if not split_tensors else min(Path(out).parent.glob(f"{Path(out).stem}-00001-of-*.gguf"))
 
 
 def _vocab(w: gguf.GGUFWriter, model_dir: Path, cfg: ModelConfig) -> None:

@@ -1,0 +1,198 @@
+"""--model FILE.gguf (issue 40): GGUFs in llama.cpp's layout of the synthetic checkpoints run as their safetensors
+source does; quantized tensors dequantize exactly as gguf-py's own dequantizer; hostile files are refused in one
+line. Files are written by gguf-py's GGUFWriter (tests/gguf_kit.py), never by a llama.cpp build."""
+from __future__ import annotations
+
+import dataclasses
+import struct
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+
+from glmcore.config import ModelConfig
+from glmcore.errors import CheckpointError
+from glmcore.gguf import open_gguf
+from glmcore.pipeline import Pipeline
+from glmcore.sampling import SamplingParams
+from glmcore.weights import load_weights
+from gguf_kit import write_gguf
+
+FAMILIES = ["glm4", "glm4-0414", "chatglm3"]
+TEXTS = ["你好 hello world 123", "  two  spaces\n\nnewlines\ttab", "<|user|> is text here", "The year 2024: ok?",
+         "emoji 🙂 and ümlauts", ""]
+
+
+@pytest.fixture(autouse=True)
+def _cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("GLMCORE_CACHE", str(tmp_path / "cache"))
+
+
+@pytest.fixture(scope="module")
+def files(make_tiny, tmp_path_factory):
+    """family -> (checkpoint dir, {type: gguf path})."""
+    out = {}
+    for family in FAMILIES:
+        d = make_tiny(family)
+        tmp = tmp_path_factory.mktemp(f"gguf-{family}")
+        out[family] = d, {q: write_gguf(d, tmp / f"{q}.gguf", q) for q in ("F32", "Q8_0", "Q4_0")}
+    return out
+
+
+def _greedy(model, prompt="你好 hello") -> tuple[list[int], str]:
+    p = Pipeline(model, backend="torch")
+    try:
+        ids = [p.tokenizer.encode(t) for t in TEXTS]
+        reply = p.chat([{"role": "user", "content": prompt}], params=SamplingParams(temperature=0), max_new_tokens=10)
+        rendered = p.model.chat_format.encode_messages([_msg("system", "be brief"), _msg("user", prompt)])
+        return ids, reply.content, rendered
+    finally:
+        p.model.close()
+
+
+def _msg(role, content):
+    from glmcore.chat import as_message
+    return as_message({"role": role, "content": content})
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_f32_gguf_is_the_checkpoint(files, family):
+    """Config, every canonical tensor (bit for bit), tokenizer ids, the rendered chat and greedy text."""
+    d, ggufs = files[family]
+    cfg = ModelConfig.from_dir(d)
+    c = open_gguf(ggufs["F32"])
+    assert c.config.norm_eps == pytest.approx(cfg.norm_eps, rel=1e-6)          # GGUF stores it as f32
+    assert dataclasses.replace(c.config, name=cfg.name, norm_eps=cfg.norm_eps) == cfg
+    w = load_weights(d, cfg)
+    assert sorted(c.weights) == sorted(w)
+    for name in w:
+        assert np.array_equal(c.weights[name], np.asarray(w[name], np.float32)), name
+    assert _greedy(ggufs["F32"]) == _greedy(d)
+
+
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0"])
+def test_quantized_gguf_runs_and_dequantizes_as_gguf_py(files, qtype):
+    d, ggufs = files["glm4-0414"]
+    c = open_gguf(ggufs[qtype])
+    reader = gguf.GGUFReader(ggufs[qtype])
+    raw = {t.name: t for t in reader.tensors}
+    # split q/k/v stored tensors are the rows of the canonical fused qkv, each as gguf-py dequantizes it
+    parts = [gguf.quants.dequantize(raw[f"blk.1.attn_{x}.weight"].data, raw[f"blk.1.attn_{x}.weight"].tensor_type)
+             for x in "qkv"]
+    assert np.array_equal(c.weights["layers.1.qkv.weight"], np.concatenate(parts))
+    assert c.weights.stored("layers.1.ffn_down.weight").qtype == qtype
+    src = load_weights(d, ModelConfig.from_dir(d))
+    w, q = np.asarray(src["layers.1.ffn_down.weight"], np.float32), c.weights["layers.1.ffn_down.weight"]
+    step = np.abs(w.reshape(w.shape[0], -1, 32)).max(-1, keepdims=True) / (127 if qtype == "Q8_0" else 8)
+    assert np.all(np.abs(q.reshape(step.shape[0], -1, 32) - w.reshape(step.shape[0], -1, 32)) <= step * 1.01)
+    ids, text, rendered = _greedy(ggufs[qtype])
+    ref_ids, _, ref_rendered = _greedy(d)
+    assert (ids, rendered) == (ref_ids, ref_rendered) and text
+
+
+def test_q8_0_logits_within_the_int8_tolerance(files):
+    """Teacher-forced logits of the Q8_0 file against the f32 source, held to conformance's int8 row."""
+    from glmcore.model import load_model
+    from glmcore_conformance.metrics import compare, out_of_bounds
+    from glmcore_conformance.tolerances import TOLERANCES
+    d, ggufs = files["glm4"]
+    ids = [5, 99, 7, 300, 12, 1000, 42, 3]
+    out = []
+    for m in (d, ggufs["Q8_0"]):
+        lm = load_model(m, "torch")
+        try:
+            out.append(np.stack([lm.scheduler.batch.step([(0, [i])])[0] for i in ids]))
+        finally:
+            lm.close()
+    assert not out_of_bounds(compare(out[0], out[1]), TOLERANCES["int8"].bounds())
+
+
+def test_split_set_loads_as_one_file(files, tmp_path):
+    d, _ = files["glm4"]
+    first = write_gguf(d, tmp_path / "m.gguf", "F32", split_tensors=6)
+    assert first.name == "m-00001-of-00003.gguf", sorted(p.name for p in tmp_path.iterdir())
+    whole = open_gguf(files["glm4"][1]["F32"])
+    split = open_gguf(first)
+    assert all(np.array_equal(split.weights[n], whole.weights[n]) for n in whole.weights)
+    (tmp_path / "m-00002-of-00003.gguf").unlink()
+    with pytest.raises(CheckpointError, match="m-00002-of-00003.gguf is missing"):
+        open_gguf(first)
+
+
+def test_cli_run_takes_a_gguf(files, capsys):
+    from glmcore.cli import main
+    assert main(["run", "--model", str(files["glm4-0414"][1]["Q8_0"]), "--backend", "torch", "--prompt", "hi",
+                 "--max-new-tokens", "4", "--temperature", "0"]) == 0
+
+
+# ------------------------------------------------------------------ hostile files
+
+def _s(text: str) -> bytes:
+    b = text.encode()
+    return struct.pack("<Q", len(b)) + b
+
+
+def _kv(key: str, kind: int, payload: bytes) -> bytes:
+    return _s(key) + struct.pack("<I", kind) + payload
+
+
+STR, U32, F32_, ARR = 8, 4, 6, 9
+
+
+def _file(kvs: list[bytes], infos: list[tuple[str, list[int], int, int]], data: bytes = b"", n_kv=None,
+          n_tensors=None) -> bytes:
+    """A GGUF v3 file: header, the kv bytes, tensor infos (name, dims, type, offset), padding, data."""
+    head = b"GGUF" + struct.pack("<IQQ", 3, len(infos) if n_tensors is None else n_tensors,
+                                 len(kvs) if n_kv is None else n_kv)
+    body = b"".join(kvs) + b"".join(_s(n) + struct.pack("<I", len(dims)) + struct.pack(f"<{len(dims)}Q", *dims)
+                                    + struct.pack("<IQ", t, off) for n, dims, t, off in infos)
+    blob = head + body
+    return blob + bytes(-len(blob) % 32) + data
+
+
+ARCH = _kv("general.architecture", STR, _s("chatglm"))
+
+
+@pytest.mark.parametrize("blob, match", [
+    (b"GGUF", "truncated"),
+    (b"GGML" + bytes(20), "magic"),
+    (_file([ARCH], [], n_kv=1 << 40), "metadata keys"),
+    (_file([ARCH], [], n_tensors=1 << 40), "tensors"),
+    (_file([ARCH, _kv("tokenizer.ggml.tokens", ARR, struct.pack("<IQ", STR, 1 << 60))], []), "array of"),
+    (_file([ARCH, _kv("x", ARR, struct.pack("<IQ", ARR, 1))], []), "nested"),
+    (_file([ARCH, _kv("x", STR, struct.pack("<Q", 1 << 50))], []), "string of"),
+    (_file([ARCH, _kv("x", 99, b"")], []), "unknown metadata value type"),
+    (_file([ARCH], [("t", [1 << 50, 1 << 20], 0, 0)]), "absurd dimensions"),
+    (_file([ARCH], [("t", [4, 0], 0, 0)], bytes(64)), "absurd dimensions"),
+    (_file([ARCH], [("t", [4] * 5, 0, 0)]), "5 dimensions"),
+    (_file([ARCH], [("t", [32], 0, 0)], bytes(64)), "truncated"),
+    (_file([ARCH], [("t", [8], 250, 0)], bytes(64)), "unknown type"),
+    (_file([ARCH], [("t", [256], int(gguf.GGMLQuantizationType.IQ4_XS), 0)], bytes(256)), "IQ4_XS.*Q4_K"),
+    (_file([ARCH], [("a", [8], 0, 0), ("b", [8], 0, 0)], bytes(64)), "overlap"),
+    (_file([ARCH], [("a", [8], 0, 4)], bytes(64)), "alignment"),
+    (_file([ARCH], [("a", [8], 0, 0), ("a", [8], 0, 32)], bytes(64)), "duplicated"),
+    (_file([_kv("general.architecture", U32, struct.pack("<I", 7))], []), "not str"),
+    (_file([_kv("general.architecture", STR, _s("llama"))], []), "'llama' is not a GLM model"),
+    (_file([ARCH], []), "token_embd.weight is missing"),
+    (_file([ARCH], [("token_embd.weight", [8, 4], 0, 0)], bytes(128)), "chatglm.attention.head_count is missing"),
+], ids=lambda x: x if isinstance(x, str) else None)
+def test_hostile_gguf_is_one_line(tmp_path, blob, match):
+    path = tmp_path / "bad.gguf"
+    path.write_bytes(blob)
+    with pytest.raises(CheckpointError, match=match) as e:
+        open_gguf(path)
+    assert "\n" not in str(e.value) and str(path) in str(e.value)
+
+
+def test_tensor_of_the_wrong_shape_is_refused(files, tmp_path):
+    """A file whose metadata disagrees with a tensor's shape (here: one layer too many) names the tensor."""
+    d, _ = files["glm4"]
+    path = write_gguf(d, tmp_path / "m.gguf", "F32")
+    data = bytearray(path.read_bytes())
+    key = b"chatglm.block_count"
+    at = data.index(key) + len(key) + 4
+    data[at:at + 4] = struct.pack("<I", 3)
+    path.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match="layers.2.* is missing"):
+        open_gguf(path)
