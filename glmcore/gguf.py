@@ -148,6 +148,30 @@ class GGUFTensor:
             [a.astype(np.float32) if len({x.dtype for x in arrays}) > 1 else a for a in arrays], axis=0)
         return out.reshape(self.shape)
 
+    def __len__(self) -> int:
+        return self.shape[0]
+
+    def __array__(self, dtype=None, copy=None):
+        a = self.array()
+        return a if dtype is None else a.astype(dtype, copy=False)
+
+    def __getitem__(self, rows: slice) -> "GGUFTensor":
+        """Rows r0:r1 of the tensor, still stored (dequantized only when made an array): a packer streams a
+        large quantized tensor chunk by chunk without ever holding all of it as floats."""
+        r0, r1, step = rows.indices(self.shape[0])
+        if step != 1:
+            raise IndexError("GGUFTensor rows: only contiguous slices")
+        parts, at = [], 0
+        for p in self.parts:
+            lo, hi = max(r0 - at, 0), min(r1 - at, p.shape[0])
+            if lo < hi:
+                parts.append(GGUFPart(p.name, p.qtype, p.data[lo:hi], (hi - lo, *p.shape[1:])))
+            at += p.shape[0]
+        if not parts:
+            return GGUFTensor((GGUFPart(self.parts[0].name, "F32", np.zeros((0, *self.shape[1:]), np.float32),
+                                        (0, *self.shape[1:])),), (0, *self.shape[1:]))
+        return GGUFTensor(tuple(parts), (sum(p.shape[0] for p in parts), *self.shape[1:]))
+
     def blocks(self) -> np.ndarray:
         """The stored blocks of every part, rows stacked: uint8 [rows, bytes per row] (one type only)."""
         if self.qtype is None:

@@ -196,3 +196,53 @@ def test_tensor_of_the_wrong_shape_is_refused(files, tmp_path):
     path.write_bytes(bytes(data))
     with pytest.raises(CheckpointError, match="layers.2.* is missing"):
         open_gguf(path)
+
+
+# ------------------------------------------------------------------ cpu_int4 keeps Q4_0 / Q8_0 blocks
+
+@pytest.mark.parametrize("qtype, bits", [("Q4_0", 4), ("Q8_0", 8)])
+def test_cpu_int4_holds_the_blocks_without_requantizing(files, qtype, bits, tmp_path):
+    """Every weight cpu_int4 packs from a Q4_0/Q8_0 file dequantizes exactly to gguf-py's dequantization of the
+    file; its logits agree with the reference run of the same file within the int8-activation row."""
+    from glmcore.backend import LoadOptions, registry
+    from glmcore.model import load_model
+    from glmcore_conformance.metrics import compare, out_of_bounds
+    from glmcore_conformance.tolerances import TOLERANCES
+    from glmcore_plugins.cpu_int4.quant import dequantized_weights, read_packed
+    backend = registry().get("cpu_int4")
+    if not registry().probe("cpu_int4").ready:
+        pytest.skip("cpu_int4's C library cannot be built here")
+    path = files["glm4"][1][qtype]
+    c = open_gguf(path)
+    opts = backend.resolve(LoadOptions())
+    opts.cache_dir = tmp_path
+    meta, blob = read_packed(backend._packed_dir(c.config, c.weights, opts), c.config)
+    assert (meta["options"]["linear_bits"], meta["options"]["embed_bits"], meta["options"]["head_bits"]) == (bits,) * 3
+    held = dequantized_weights(meta, np.asarray(blob))
+    reader = {t.name: t for t in gguf.GGUFReader(path).tensors}
+    assert np.array_equal(held["embed.weight"], gguf.quants.dequantize(reader["token_embd.weight"].data,
+                                                                        reader["token_embd.weight"].tensor_type))
+    for name in held:
+        assert np.array_equal(held[name], c.weights[name]), name
+    ids = [5, 99, 7, 300, 12, 1000, 42, 3]
+    out = []
+    for b in ("torch", "cpu_int4"):
+        lm = load_model(path, b)
+        try:
+            out.append(np.stack([lm.scheduler.batch.step([(0, [i])])[0] for i in ids]))
+        finally:
+            lm.close()
+    assert not out_of_bounds(compare(out[0], out[1]), TOLERANCES["int8"].bounds())
+
+
+def test_cpu_int4_quantization_options_still_apply_to_a_gguf(files, tmp_path):
+    from glmcore.backend import LoadOptions, registry
+    from glmcore_plugins.cpu_int4.quant import read_packed
+    backend = registry().get("cpu_int4")
+    if not registry().probe("cpu_int4").ready:
+        pytest.skip("cpu_int4's C library cannot be built here")
+    c = open_gguf(files["glm4"][1]["Q8_0"])
+    opts = backend.resolve(LoadOptions(extra={"group_size": 64}))
+    opts.cache_dir = tmp_path
+    meta, _ = read_packed(backend._packed_dir(c.config, c.weights, opts), c.config)
+    assert meta["options"]["group_size"] == 64 and meta["options"]["linear_bits"] == 4
