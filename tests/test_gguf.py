@@ -93,19 +93,21 @@ def test_quantized_gguf_runs_and_dequantizes_as_gguf_py(files, qtype):
 
 def test_q8_0_logits_within_the_int8_tolerance(files):
     """Teacher-forced logits of the Q8_0 file against the f32 source, held to conformance's int8 row."""
-    from glmcore.model import load_model
     from glmcore_conformance.metrics import compare, out_of_bounds
     from glmcore_conformance.tolerances import TOLERANCES
     d, ggufs = files["glm4"]
-    ids = [5, 99, 7, 300, 12, 1000, 42, 3]
-    out = []
-    for m in (d, ggufs["Q8_0"]):
-        lm = load_model(m, "torch")
-        try:
-            out.append(np.stack([lm.scheduler.batch.step([(0, [i])])[0] for i in ids]))
-        finally:
-            lm.close()
-    assert not out_of_bounds(compare(out[0], out[1]), TOLERANCES["int8"].bounds())
+    assert not out_of_bounds(compare(_logits(d, "torch"), _logits(ggufs["Q8_0"], "torch")),
+                             TOLERANCES["int8"].bounds())
+
+
+def _logits(model, backend: str) -> np.ndarray:
+    """Teacher-forced logits of a fixed id sequence, one decode step per id."""
+    from glmcore.model import load_model
+    lm = load_model(model, backend)
+    try:
+        return np.stack([lm.scheduler.batch.step([(0, [i])])[0] for i in [5, 99, 7, 300, 12, 1000, 42, 3]])
+    finally:
+        lm.close()
 
 
 def test_split_set_loads_as_one_file(files, tmp_path):
@@ -205,7 +207,6 @@ def test_cpu_int4_holds_the_blocks_without_requantizing(files, qtype, bits, tmp_
     """Every weight cpu_int4 packs from a Q4_0/Q8_0 file dequantizes exactly to gguf-py's dequantization of the
     file; its logits agree with the reference run of the same file within the int8-activation row."""
     from glmcore.backend import LoadOptions, registry
-    from glmcore.model import load_model
     from glmcore_conformance.metrics import compare, out_of_bounds
     from glmcore_conformance.tolerances import TOLERANCES
     from glmcore_plugins.cpu_int4.quant import dequantized_weights, read_packed
@@ -224,15 +225,7 @@ def test_cpu_int4_holds_the_blocks_without_requantizing(files, qtype, bits, tmp_
                                                                         reader["token_embd.weight"].tensor_type))
     for name in held:
         assert np.array_equal(held[name], c.weights[name]), name
-    ids = [5, 99, 7, 300, 12, 1000, 42, 3]
-    out = []
-    for b in ("torch", "cpu_int4"):
-        lm = load_model(path, b)
-        try:
-            out.append(np.stack([lm.scheduler.batch.step([(0, [i])])[0] for i in ids]))
-        finally:
-            lm.close()
-    assert not out_of_bounds(compare(out[0], out[1]), TOLERANCES["int8"].bounds())
+    assert not out_of_bounds(compare(_logits(path, "torch"), _logits(path, "cpu_int4")), TOLERANCES["int8"].bounds())
 
 
 def test_cpu_int4_quantization_options_still_apply_to_a_gguf(files, tmp_path):
