@@ -5,6 +5,7 @@ ChatGLMModel / Glm4Model set_vocab write it, and its metadata keys. Written with
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import gguf
@@ -19,33 +20,46 @@ def write_gguf(model_dir: Path, out: Path, qtype: str = "F32", split_tensors: in
     split set of files holding that many tensors each (llama-gguf-split's layout); returns the first file."""
     cfg = ModelConfig.from_dir(model_dir)
     raw = json.loads((Path(model_dir) / "config.json").read_text())
-    arch = gguf.MODEL_ARCH.GLM4 if cfg.model_type == "glm4" else gguf.MODEL_ARCH.CHATGLM
+    arch = {"glm4": gguf.MODEL_ARCH.GLM4, "glm4_moe": gguf.MODEL_ARCH.GLM4_MOE}.get(cfg.model_type,
+                                                                                 gguf.MODEL_ARCH.CHATGLM)
     name = gguf.MODEL_ARCH_NAMES[arch]
+    blocks = cfg.num_layers + getattr(cfg, "num_mtp_layers", 0)
     w = gguf.GGUFWriter(out, name, split_max_tensors=split_tensors)
     w.add_name(raw.get("_name_or_path", "").split("/")[-1])
     w.add_context_length(cfg.max_seq_len)
     w.add_embedding_length(cfg.hidden_size)
     w.add_feed_forward_length(cfg.ffn_hidden_size)
-    w.add_block_count(cfg.num_layers)
+    w.add_block_count(blocks)
     w.add_head_count(cfg.num_heads)
     w.add_head_count_kv(cfg.num_kv_heads)
     w.add_layer_norm_rms_eps(cfg.norm_eps)
     w.add_rope_dimension_count(cfg.rotary_dim)
     w.add_rope_freq_base(cfg.rope_base)
-    if arch == gguf.MODEL_ARCH.GLM4:
+    if arch != gguf.MODEL_ARCH.CHATGLM:
         w.add_key_length(cfg.head_dim)
         w.add_value_length(cfg.head_dim)
+    if arch == gguf.MODEL_ARCH.GLM4_MOE:           # Glm4MoeModel.set_gguf_parameters
+        w.add_expert_count(cfg.num_experts)
+        w.add_expert_used_count(cfg.experts_per_token)
+        w.add_expert_feed_forward_length(cfg.moe_ffn_hidden_size)
+        w.add_expert_shared_count(cfg.num_shared_experts)
+        w.add_leading_dense_block_count(cfg.sparse_layers.index(True))
+        w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+        w.add_expert_weights_scale(cfg.routed_scaling)
+        w.add_expert_weights_norm(cfg.norm_topk_prob)
+        w.add_nextn_predict_layers(cfg.num_mtp_layers)
     _vocab(w, model_dir, cfg)
-    names = gguf.get_tensor_name_map(arch, cfg.num_layers)
-    tensors, _ = _read_raw(Path(model_dir))
+    names = gguf.get_tensor_name_map(arch, blocks)
+    tensors = _stack_experts(_read_raw(Path(model_dir))[0])
     want = gguf.GGMLQuantizationType[qtype]
     for hf_name, t in tensors.items():
         if hf_name.endswith("inv_freq"):
             continue
-        stored = names.get_name(hf_name.removeprefix("transformer."), try_suffixes=(".weight", ".bias"))
+        hf_name = hf_name.removeprefix("transformer.").replace("e_score_correction_bias", "e_score_correction.bias")
+        stored = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
         assert stored is not None, hf_name
         data = np.asarray(t, np.float32)
-        if data.ndim == 2 and want != gguf.GGMLQuantizationType.F32:
+        if data.ndim >= 2 and "ffn_gate_inp" not in stored and want != gguf.GGMLQuantizationType.F32:
             w.add_tensor(stored, gguf.quants.quantize(data, want), raw_dtype=want)
         else:
             w.add_tensor(stored, data)
@@ -54,6 +68,20 @@ def write_gguf(model_dir: Path, out: Path, qtype: str = "F32", split_tensors: in
     w.write_tensors_to_file()
     w.close()
     return Path(out) if not split_tensors else min(Path(out).parent.glob(f"{Path(out).stem}-00001-of-*.gguf"))
+
+
+def _stack_experts(tensors: dict) -> dict:
+    """Glm4MoeModel.modify_tensors: each layer's experts.E.{gate,up,down}_proj stacked into one [E, out, in]."""
+    out, experts = {}, {}
+    for name, t in tensors.items():
+        m = re.fullmatch(r"(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(\w+)\.weight", name)
+        if m:
+            experts.setdefault(f"{m.group(1)}.{m.group(3)}.weight", {})[int(m.group(2))] = t
+        else:
+            out[name] = t
+    for name, by_e in experts.items():
+        out[name] = np.stack([by_e[e] for e in range(len(by_e))])
+    return out
 
 
 def _vocab(w: gguf.GGUFWriter, model_dir: Path, cfg: ModelConfig) -> None:
@@ -68,7 +96,7 @@ def _vocab(w: gguf.GGUFWriter, model_dir: Path, cfg: ModelConfig) -> None:
         merges = [" ".join(m) for m in tj["model"]["merges"]]
         w.add_tokenizer_model("gpt2")
         w.add_tokenizer_pre("chatglm-bpe")
-    elif cfg.family == "glm4-0414":     # tokenizer.json's vocabulary, added tokens and merges (get_vocab_base)
+    elif cfg.family in ("glm4-0414", "glm4-moe"):     # tokenizer.json's vocabulary, added tokens and merges
         tj = json.loads((Path(model_dir) / "tokenizer.json").read_text())
         vocab = {**tj["model"]["vocab"], **{a["content"]: a["id"] for a in tj["added_tokens"]}}
         tokens = sorted(vocab, key=vocab.get)
@@ -106,4 +134,5 @@ def _vocab(w: gguf.GGUFWriter, model_dir: Path, cfg: ModelConfig) -> None:
         w.add_token_merges(merges)
         w.add_eos_token_id(tokens.index("<|endoftext|>"))
         w.add_eot_token_id(tokens.index("<|user|>"))
+        w.add_eom_token_id(tokens.index("<|observation|>"))
         w.add_unk_token_id(tokens.index("<|endoftext|>"))

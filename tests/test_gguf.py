@@ -19,7 +19,7 @@ from glmcore.sampling import SamplingParams
 from glmcore.weights import load_weights
 from gguf_kit import write_gguf
 
-FAMILIES = ["glm4", "glm4-0414", "chatglm3"]
+FAMILIES = ["glm4", "glm4-0414", "chatglm3", "glm4-moe"]
 TEXTS = ["你好 hello world 123", "  two  spaces\n\nnewlines\ttab", "<|user|> is text here", "The year 2024: ok?",
          "emoji 🙂 and ümlauts", ""]
 
