@@ -17,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -128,12 +129,15 @@ class GGUFTensor:
     attn_v; a gate|up pair), or of one stored tensor."""
     parts: tuple[GGUFPart, ...]
     shape: tuple[int, ...]
+    # The canonical array from the parts' arrays, where it is not their rows stacked (MLA's kv_b from the
+    # converter's transposed k_b and v_b); such a tensor has no block layout of its own.
+    compose: Callable[..., np.ndarray] | None = None
 
     @property
     def qtype(self) -> str | None:
-        """The stored type of all parts, None where they differ (llama-quantize's mixes: Q4_K_M)."""
+        """The stored type of all parts, None where they differ (llama-quantize's mixes: Q4_K_M) or are composed."""
         kinds = {p.qtype for p in self.parts}
-        return kinds.pop() if len(kinds) == 1 else None
+        return kinds.pop() if len(kinds) == 1 and self.compose is None else None
 
     @property
     def dtype(self) -> np.dtype:
@@ -144,6 +148,8 @@ class GGUFTensor:
 
     def array(self) -> np.ndarray:
         arrays = [p.array() for p in self.parts]
+        if self.compose is not None:
+            return self.compose(*[np.asarray(a, np.float32) for a in arrays]).reshape(self.shape)
         out = arrays[0] if len(arrays) == 1 else np.concatenate(
             [a.astype(np.float32) if len({x.dtype for x in arrays}) > 1 else a for a in arrays], axis=0)
         return out.reshape(self.shape)
@@ -159,6 +165,8 @@ class GGUFTensor:
         """Rows r0:r1 of the tensor, still stored (dequantized only when made an array): a packer streams a
         large quantized tensor chunk by chunk without ever holding all of it as floats."""
         r0, r1, step = rows.indices(self.shape[0])
+        if self.compose is not None:
+            return stack("", "rows", [GGUFPart(self.parts[0].name, "F32", self.array()[rows], (r1 - r0, *self.shape[1:]))])
         if step != 1:
             raise IndexError("GGUFTensor rows: only contiguous slices")
         parts, at = [], 0
@@ -267,7 +275,10 @@ def _value(field):
         return [x.item() for i in field.data for x in field.parts[i]]
     if kind == GGUFValueType.STRING:
         return bytes(field.parts[field.data[0]]).decode("utf-8")
-    return field.parts[field.data[0]][0].item()
+    value = field.parts[field.data[0]][0]
+    if kind == GGUFValueType.FLOAT32:    # the decimal the converter wrote (1e-05, not 9.99999974738e-06)
+        return float(str(value))
+    return value.item()
 
 
 def read_split(path: Path) -> list[GGUFFile]:

@@ -20,10 +20,14 @@ def write_gguf(model_dir: Path, out: Path, qtype: str = "F32", split_tensors: in
     split set of files holding that many tensors each (llama-gguf-split's layout); returns the first file."""
     cfg = ModelConfig.from_dir(model_dir)
     raw = json.loads((Path(model_dir) / "config.json").read_text())
-    arch = {"glm4": gguf.MODEL_ARCH.GLM4, "glm4_moe": gguf.MODEL_ARCH.GLM4_MOE}.get(cfg.model_type,
-                                                                                 gguf.MODEL_ARCH.CHATGLM)
+    arch = {"glm4": gguf.MODEL_ARCH.GLM4, "glm4_moe": gguf.MODEL_ARCH.GLM4_MOE,
+            "glm4_moe_lite": gguf.MODEL_ARCH.DEEPSEEK2}.get(cfg.model_type, gguf.MODEL_ARCH.CHATGLM)
     name = gguf.MODEL_ARCH_NAMES[arch]
-    blocks = cfg.num_layers + getattr(cfg, "num_mtp_layers", 0)
+    # the NextN layers, where this gguf-py names them for the architecture (older ones skip them, as
+    # the converter did for deepseek2 before GLM-4.7-Flash)
+    mtp = getattr(cfg, "num_mtp_layers", 0) if gguf.get_tensor_name_map(arch, cfg.num_layers + 1).get_name(
+        f"model.layers.{cfg.num_layers}.enorm.weight", try_suffixes=(".weight",)) else 0
+    blocks = cfg.num_layers + mtp
     w = gguf.GGUFWriter(out, name, split_max_tensors=split_tensors)
     w.add_name(raw.get("_name_or_path", "").split("/")[-1])
     w.add_context_length(cfg.max_seq_len)
@@ -31,14 +35,22 @@ def write_gguf(model_dir: Path, out: Path, qtype: str = "F32", split_tensors: in
     w.add_feed_forward_length(cfg.ffn_hidden_size)
     w.add_block_count(blocks)
     w.add_head_count(cfg.num_heads)
-    w.add_head_count_kv(cfg.num_kv_heads)
+    w.add_head_count_kv(1 if arch == gguf.MODEL_ARCH.DEEPSEEK2 else cfg.num_kv_heads)   # MLA written as MQA
     w.add_layer_norm_rms_eps(cfg.norm_eps)
     w.add_rope_dimension_count(cfg.rotary_dim)
     w.add_rope_freq_base(cfg.rope_base)
-    if arch != gguf.MODEL_ARCH.CHATGLM:
+    if arch == gguf.MODEL_ARCH.DEEPSEEK2:          # DeepseekV2Model.set_gguf_parameters
+        if cfg.q_lora_rank:
+            w.add_q_lora_rank(cfg.q_lora_rank)
+        w.add_kv_lora_rank(cfg.kv_lora_rank)
+        w.add_key_length(cfg.kv_lora_rank + cfg.rotary_dim)
+        w.add_value_length(cfg.kv_lora_rank)
+        w.add_key_length_mla(cfg.head_dim)
+        w.add_value_length_mla(cfg.v_head_dim)
+    elif arch != gguf.MODEL_ARCH.CHATGLM:
         w.add_key_length(cfg.head_dim)
         w.add_value_length(cfg.head_dim)
-    if arch == gguf.MODEL_ARCH.GLM4_MOE:           # Glm4MoeModel.set_gguf_parameters
+    if arch in (gguf.MODEL_ARCH.GLM4_MOE, gguf.MODEL_ARCH.DEEPSEEK2):    # Glm4MoeModel.set_gguf_parameters
         w.add_expert_count(cfg.num_experts)
         w.add_expert_used_count(cfg.experts_per_token)
         w.add_expert_feed_forward_length(cfg.moe_ffn_hidden_size)
@@ -47,19 +59,20 @@ def write_gguf(model_dir: Path, out: Path, qtype: str = "F32", split_tensors: in
         w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
         w.add_expert_weights_scale(cfg.routed_scaling)
         w.add_expert_weights_norm(cfg.norm_topk_prob)
-        w.add_nextn_predict_layers(cfg.num_mtp_layers)
+        w.add_nextn_predict_layers(mtp)
     _vocab(w, model_dir, cfg)
     names = gguf.get_tensor_name_map(arch, blocks)
-    tensors = _stack_experts(_read_raw(Path(model_dir))[0])
+    tensors = _split_kv_b(_stack_experts(_read_raw(Path(model_dir))[0]), cfg)
     want = gguf.GGMLQuantizationType[qtype]
     for hf_name, t in tensors.items():
-        if hf_name.endswith("inv_freq"):
+        layer = re.match(r"model\.layers\.(\d+)\.", hf_name)
+        if hf_name.endswith("inv_freq") or (layer and int(layer.group(1)) >= blocks):
             continue
         hf_name = hf_name.removeprefix("transformer.").replace("e_score_correction_bias", "e_score_correction.bias")
         stored = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
         assert stored is not None, hf_name
         data = np.asarray(t, np.float32)
-        if data.ndim >= 2 and "ffn_gate_inp" not in stored and want != gguf.GGMLQuantizationType.F32:
+        if data.ndim >= 2 and "ffn_gate_inp" not in stored and data.shape[-1] % 32 == 0 and want != gguf.GGMLQuantizationType.F32:
             w.add_tensor(stored, gguf.quants.quantize(data, want), raw_dtype=want)
         else:
             w.add_tensor(stored, data)
@@ -84,6 +97,19 @@ def _stack_experts(tensors: dict) -> dict:
     return out
 
 
+def _split_kv_b(tensors: dict, cfg) -> dict:
+    """DeepseekV2Model.modify_tensors: kv_b_proj per head split into k_b (transposed) and v_b."""
+    out = {}
+    for name, t in tensors.items():
+        if name.endswith("kv_b_proj.weight"):
+            kv_b = np.asarray(t, np.float32).reshape(cfg.num_heads, cfg.qk_nope_dim + cfg.v_head_dim, -1)
+            out[name.replace("kv_b_proj", "k_b_proj")] = kv_b[:, :cfg.qk_nope_dim].transpose(0, 2, 1)
+            out[name.replace("kv_b_proj", "v_b_proj")] = kv_b[:, cfg.qk_nope_dim:]
+        else:
+            out[name] = t
+    return out
+
+
 def _vocab(w: gguf.GGUFWriter, model_dir: Path, cfg: ModelConfig) -> None:
     from glmcore.tokenizer import SP_SPECIALS, read_rank_file
     from glmcore.vocabulary import GLM4_SPECIALS
@@ -96,7 +122,7 @@ def _vocab(w: gguf.GGUFWriter, model_dir: Path, cfg: ModelConfig) -> None:
         merges = [" ".join(m) for m in tj["model"]["merges"]]
         w.add_tokenizer_model("gpt2")
         w.add_tokenizer_pre("chatglm-bpe")
-    elif cfg.family in ("glm4-0414", "glm4-moe"):     # tokenizer.json's vocabulary, added tokens and merges
+    elif cfg.family in ("glm4-0414", "glm4-moe", "glm4-moe-lite"):     # tokenizer.json's vocabulary, added tokens and merges
         tj = json.loads((Path(model_dir) / "tokenizer.json").read_text())
         vocab = {**tj["model"]["vocab"], **{a["content"]: a["id"] for a in tj["added_tokens"]}}
         tokens = sorted(vocab, key=vocab.get)

@@ -19,7 +19,7 @@ from glmcore.sampling import SamplingParams
 from glmcore.weights import load_weights
 from gguf_kit import write_gguf
 
-FAMILIES = ["glm4", "glm4-0414", "chatglm3", "glm4-moe"]
+FAMILIES = ["glm4", "glm4-0414", "chatglm3", "glm4-moe", "glm4-moe-lite"]
 TEXTS = ["你好 hello world 123", "  two  spaces\n\nnewlines\ttab", "<|user|> is text here", "The year 2024: ok?",
          "emoji 🙂 and ümlauts", ""]
 
@@ -62,9 +62,12 @@ def test_f32_gguf_is_the_checkpoint(files, family):
     d, ggufs = files[family]
     cfg = ModelConfig.from_dir(d)
     c = open_gguf(ggufs["F32"])
-    assert c.config.norm_eps == pytest.approx(cfg.norm_eps, rel=1e-6)          # GGUF stores it as f32
-    assert dataclasses.replace(c.config, name=cfg.name, norm_eps=cfg.norm_eps) == cfg
     w = load_weights(d, cfg)
+    if family == "glm4-moe-lite" and not any(n.startswith("mtp.") for n in c.weights):
+        # gguf-py releases before GLM-4.7-Flash name no NextN tensors for deepseek2 (its converter skipped them)
+        cfg = dataclasses.replace(cfg, num_mtp_layers=0)
+        w = {n: t for n, t in w.items() if not n.startswith("mtp.")}
+    assert dataclasses.replace(c.config, name=cfg.name) == cfg
     assert sorted(c.weights) == sorted(w)
     for name in w:
         assert np.array_equal(c.weights[name], np.asarray(w[name], np.float32)), name
