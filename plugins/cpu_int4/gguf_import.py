@@ -14,6 +14,8 @@ from collections.abc import Iterator, Mapping
 
 import numpy as np
 
+from glmcore.weights import release
+
 from .quant import LINEAR, QuantOptions
 
 BITS = {"Q4_0": 4, "Q8_0": 8}
@@ -34,7 +36,10 @@ def block_codes(t, bits: int):
         q = np.ascontiguousarray(blk[..., 2:]).view(np.int8).reshape(b.shape[0], -1)
         if (q == -128).any():
             return None
-    return q, np.ascontiguousarray(d), None
+    d = np.ascontiguousarray(d)
+    for p in t.parts:       # the file's pages, once read, leave this process (they stay in the page cache)
+        release(p.data)
+    return q, d, None
 
 
 class StoredTensors(Mapping):
