@@ -486,14 +486,11 @@ def cmd_make_model(a) -> int:
 
 def cmd_convert(a) -> int:
     from .cache import new_output_dir, seal
-    from .config import ModelConfig
-    from .model import resolve_backend
-    from .gguf import is_gguf, open_gguf
-    from .weights import load_weights
-    if not a.model or not (Path(a.model).is_dir() or is_gguf(a.model)):
-        raise GlmcoreError(f"--model {a.model!r} is not a checkpoint directory or a .gguf file")
-    gguf = open_gguf(a.model) if is_gguf(a.model) else None
-    cfg = gguf.config if gguf else ModelConfig.from_dir(a.model)
+    from .model import open_checkpoint, resolve_backend
+    if not a.model:
+        raise GlmcoreError("--model is empty; name a checkpoint directory or a .gguf file")
+    ckpt = open_checkpoint(a.model)
+    cfg = ckpt.config
     backend = resolve_backend(a.backend, cfg)
     opts = load_options(a)
     if opts.tp != 1:
@@ -502,7 +499,7 @@ def cmd_convert(a) -> int:
         if getattr(a, key) is not None:
             opts.extra[key] = getattr(a, key)
     opts = backend.resolve(opts)
-    weights = gguf.weights if gguf else load_weights(a.model, cfg)
+    weights = ckpt.weights()
     out = new_output_dir(a.out)
     try:
         backend.convert(cfg, weights, opts, out, progress)

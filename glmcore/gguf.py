@@ -78,7 +78,35 @@ def _reader_class():
                     raise _Bad(f"a nested metadata array at byte {orig_offs}")
                 if n > MAX_ARRAY or n * min_size.get(item, 1) > len(self.data) - orig_offs:
                     raise _Bad(f"a metadata array of {n} items at byte {orig_offs}")
+                return self._array(orig_offs, item, n)
             return super()._get_field_parts(orig_offs, raw_type)
+
+        def _array(self, orig_offs, item, n):
+            """An array as one part of all its items (the stock reader makes numpy views per item: a minute for
+            a 151552-token vocabulary and its merges): a numpy array of scalars, or an object array of bytes."""
+            try:
+                kind = GGUFValueType(item)
+            except ValueError:
+                raise _Bad(f"unknown metadata array item type {item} at byte {orig_offs}") from None
+            head = [self._get(orig_offs, np.uint32), self._get(orig_offs + 4, np.uint64)]
+            offs = orig_offs + 12
+            if kind == GGUFValueType.STRING:
+                mv, end, order = memoryview(self.data), len(self.data), "big" if self.byte_order == "S" else "little"
+                items = []
+                for _ in range(n):
+                    size = int.from_bytes(mv[offs:offs + 8], order) if offs + 8 <= end else -1
+                    if not 0 <= size <= MAX_STRING or offs + 8 + size > end:
+                        raise _Bad(f"truncated or oversized string in a metadata array at byte {offs}")
+                    items.append(bytes(mv[offs + 8:offs + 8 + size]))
+                    offs += 8 + size
+                values = np.empty(n, object)
+                values[:] = items
+            elif kind in self.gguf_scalar_to_np:
+                values = self._get(offs, self.gguf_scalar_to_np[kind], n)
+                offs += values.nbytes
+            else:
+                raise _Bad(f"metadata array of {kind.name} at byte {orig_offs}")
+            return offs - orig_offs, [*head, values], [2], [GGUFValueType.ARRAY, kind]
 
         def _build_fields(self, offs, count):
             if int(count) > MAX_KEYS:
@@ -142,7 +170,7 @@ class GGUFTensor:
     @property
     def dtype(self) -> np.dtype:
         """What array() gives: the stored float type, float32 for dequantized blocks."""
-        if self.qtype in ("F32", "F16") or self.qtype == "BF16":
+        if self.qtype in ("F32", "F16", "BF16"):
             return self.parts[0].array().dtype
         return np.dtype(np.float32)
 
@@ -150,9 +178,11 @@ class GGUFTensor:
         arrays = [p.array() for p in self.parts]
         if self.compose is not None:
             return self.compose(*[np.asarray(a, np.float32) for a in arrays]).reshape(self.shape)
-        out = arrays[0] if len(arrays) == 1 else np.concatenate(
-            [a.astype(np.float32) if len({x.dtype for x in arrays}) > 1 else a for a in arrays], axis=0)
-        return out.reshape(self.shape)
+        if len(arrays) == 1:
+            return arrays[0].reshape(self.shape)
+        if len({a.dtype for a in arrays}) > 1:         # parts of different types meet in float32
+            arrays = [a.astype(np.float32) for a in arrays]
+        return np.concatenate(arrays, axis=0).reshape(self.shape)
 
     def __len__(self) -> int:
         return self.shape[0]
@@ -269,10 +299,9 @@ def _value(field):
     """A metadata field as Python: str, int, float, bool, or a list of them."""
     from gguf import GGUFValueType
     kind = field.types[0] if field.types else None
-    if kind == GGUFValueType.ARRAY:
-        if len(field.types) > 1 and field.types[1] == GGUFValueType.STRING:
-            return [bytes(field.parts[i]).decode("utf-8") for i in field.data]
-        return [x.item() for i in field.data for x in field.parts[i]]
+    if kind == GGUFValueType.ARRAY:         # one part of all items (CheckedReader._array)
+        items = field.parts[field.data[0]]
+        return [b.decode("utf-8") for b in items] if field.types[1] == GGUFValueType.STRING else items.tolist()
     if kind == GGUFValueType.STRING:
         return bytes(field.parts[field.data[0]]).decode("utf-8")
     value = field.parts[field.data[0]][0]
