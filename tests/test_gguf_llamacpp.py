@@ -23,7 +23,7 @@ from glmcore.tokenizer import load_tokenizer
 pytestmark = pytest.mark.slow
 
 LLAMACPP = os.environ.get("GLMCORE_LLAMACPP")
-FAMILIES = ["glm4", "glm4-0414", "chatglm3", "glm4-moe"]
+FAMILIES = ["glm4", "glm4-0414", "chatglm3", "glm4-moe", "glm4-moe-lite"]
 STRINGS = ["Hello world", " leading space", "trailing space ", "  two  spaces", "\n\nnewlines\n", "\ttabs\tand more",
            "你好，世界", "写一首关于春天的诗", "日本語のテキスト", "한국어 텍스트", "Ünïcödé àccents", "emoji 🙂🚀",
            "numbers 1234567890", "3.14159 and 2,718", "x=y+z*2", "def f(a):\n    return a", "{\"json\": [1, 2]}",
@@ -40,10 +40,12 @@ def llamacpp():
     from glmcore_conformance.llamacpp import LlamaCpp
     if not LLAMACPP:
         pytest.skip("$GLMCORE_LLAMACPP is unset: no llama.cpp build to compare with")
-    lc = LlamaCpp(Path(LLAMACPP))
-    missing = [t for t in ("llama-quantize", "llama-tokenize") if not lc.tool(t).exists()]
-    assert not missing, f"$GLMCORE_LLAMACPP={LLAMACPP} lacks {missing}; build them"
-    return lc
+    return LlamaCpp(Path(LLAMACPP))
+
+
+def _tool(lc, name: str) -> str:
+    assert lc.tool(name).exists(), f"$GLMCORE_LLAMACPP={LLAMACPP} lacks {name}; build it (conformance/llamacpp.py)"
+    return str(lc.tool(name))
 
 
 @pytest.fixture(scope="module")
@@ -62,7 +64,7 @@ def converted(llamacpp, make_tiny, tmp_path_factory):
 
 def _quantize(lc, src: Path, qtype: str) -> Path:
     dst = src.with_name(f"{qtype}.gguf")
-    r = subprocess.run([str(lc.tool("llama-quantize")), str(src), str(dst), qtype], capture_output=True, text=True,
+    r = subprocess.run([_tool(lc, "llama-quantize"), str(src), str(dst), qtype], capture_output=True, text=True,
                        timeout=1800)
     assert r.returncode == 0, r.stderr[-2000:]
     return dst
@@ -88,7 +90,7 @@ def test_tokenizer_ids_equal_llama_tokenize(llamacpp, converted, family, tmp_pat
     tok = load_tokenizer(c.tokenizer_dir, c.config.family)
     for i, text in enumerate(STRINGS):
         (tmp_path / f"{i}.txt").write_text(text, encoding="utf-8")
-        r = subprocess.run([str(llamacpp.tool("llama-tokenize")), "-m", str(f32), "-f", str(tmp_path / f"{i}.txt"),
+        r = subprocess.run([_tool(llamacpp, "llama-tokenize"), "-m", str(f32), "-f", str(tmp_path / f"{i}.txt"),
                             "--ids", "--no-bos", "--log-disable"], capture_output=True, text=True, timeout=120)
         assert r.returncode == 0, r.stderr[-1000:]
         theirs = ast.literal_eval(r.stdout.strip().splitlines()[-1])
