@@ -242,3 +242,14 @@ def test_cpu_int4_quantization_options_still_apply_to_a_gguf(files, tmp_path):
     opts.cache_dir = tmp_path
     meta, _ = read_packed(backend._packed_dir(c.config, c.weights, opts), c.config)
     assert meta["options"]["group_size"] == 64 and meta["options"]["linear_bits"] == 4
+
+
+def test_identity_is_the_content_not_only_the_header(files, tmp_path):
+    """Two files alike but for a weight get different fingerprints (conversion caches key on them)."""
+    path = files["glm4"][1]["F32"]
+    data = bytearray(path.read_bytes())
+    at = gguf.GGUFReader(path).tensors[-1].data_offset
+    data[at:at + 4] = struct.pack("<f", 123.0)      # the first value of the last tensor
+    other = tmp_path / "other.gguf"
+    other.write_bytes(bytes(data))
+    assert open_gguf(other).weights.fingerprint() != open_gguf(path).weights.fingerprint()

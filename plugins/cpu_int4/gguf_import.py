@@ -30,8 +30,11 @@ def block_codes(t, bits: int):
     b = t.blocks()
     blk = b.reshape(b.shape[0], -1, BLOCK_BYTES[t.qtype])
     d = np.ascontiguousarray(blk[..., :2]).view(np.float16)[..., 0]
-    if t.qtype == "Q4_0":
-        q = np.concatenate([blk[..., 2:] & 15, blk[..., 2:] >> 4], axis=-1).reshape(b.shape[0], -1)
+    if t.qtype == "Q4_0":           # byte j: input j in the low nibble, input j + 16 in the high one
+        q = np.empty((*blk.shape[:2], 32), np.uint8)
+        np.bitwise_and(blk[..., 2:], 15, out=q[..., :16])
+        np.right_shift(blk[..., 2:], 4, out=q[..., 16:])
+        q = q.reshape(b.shape[0], -1)
     else:
         q = np.ascontiguousarray(blk[..., 2:]).view(np.int8).reshape(b.shape[0], -1)
         if (q == -128).any():
