@@ -20,8 +20,18 @@ from glmcore.weights import load_weights
 from gguf_kit import write_gguf
 
 FAMILIES = ["glm4", "glm4-0414", "chatglm3", "glm4-moe", "glm4-moe-lite"]
-TEXTS = ["你好 hello world 123", "  two  spaces\n\nnewlines\ttab", "<|user|> is text here", "The year 2024: ok?",
-         "emoji 🙂 and ümlauts", ""]
+# 50 texts for tokenizer checks (here against the checkpoint's own tokenizer; in test_gguf_llamacpp.py
+# against llama-tokenize)
+STRINGS = ["Hello world", " leading space", "trailing space ", "  two  spaces", "\n\nnewlines\n", "\ttabs\tand more",
+           "你好，世界", "写一首关于春天的诗", "日本語のテキスト", "한국어 텍스트", "Ünïcödé àccents", "emoji 🙂🚀",
+           "numbers 1234567890", "3.14159 and 2,718", "x=y+z*2", "def f(a):\n    return a", "{\"json\": [1, 2]}",
+           "<|user|> stays text", "[gMASK]<sop> too", "it's they're we've I'm you'll he'd", "IT'S LOUD",
+           "a" * 50, "ab" * 30, "混合 mixed 文本 text", "URL https://example.com/a?b=c", "email@example.com",
+           "tabs\t\tdouble", "\r\nwindows line", "¿Qué tal?", "Привет, мир", "مرحبا بالعالم", "שלום עולם",
+           "नमस्ते दुनिया", "Γειά σου Κόσμε", "snake_case_name", "CamelCaseName", "kebab-case-name", "100%",
+           "$5.00 & €3,50", "a\u200bzero width", "   ", "!!!???...", "— em dash – en dash", "«quotes» “curly”",
+           "line1\nline2\nline3", "1+1=2", "tokenizer test 🙂 你好 123", "end.", "x", "GLM-4.5 and GLM-4.7-Flash"]
+TEXTS = STRINGS[:6] + [""]
 
 
 @pytest.fixture(autouse=True)
@@ -72,6 +82,20 @@ def test_f32_gguf_is_the_checkpoint(files, family):
     for name in w:
         assert np.array_equal(c.weights[name], np.asarray(w[name], np.float32)), name
     assert _greedy(ggufs["F32"]) == _greedy(d)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_tokenizer_from_the_metadata_encodes_as_the_checkpoints(files, family):
+    """The tokenizer rebuilt from tokenizer.ggml.* gives the checkpoint's own tokenizer's ids and text."""
+    from glmcore.tokenizer import load_tokenizer
+    d, ggufs = files[family]
+    c = open_gguf(ggufs["Q8_0"])
+    ours, theirs = load_tokenizer(c.tokenizer_dir, c.config.family), load_tokenizer(d, c.config.family)
+    assert (ours.n_vocab, ours.eos_id, ours.special_ids) == (theirs.n_vocab, theirs.eos_id, theirs.special_ids)
+    for text in STRINGS:
+        ids = theirs.encode(text)
+        assert ours.encode(text) == ids, text
+        assert ours.decode(ids) == theirs.decode(ids)
 
 
 @pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0"])

@@ -19,20 +19,12 @@ import pytest
 
 from glmcore.gguf import open_gguf
 from glmcore.tokenizer import load_tokenizer
+from test_gguf import STRINGS
 
 pytestmark = pytest.mark.slow
 
 LLAMACPP = os.environ.get("GLMCORE_LLAMACPP")
 FAMILIES = ["glm4", "glm4-0414", "chatglm3", "glm4-moe", "glm4-moe-lite"]
-STRINGS = ["Hello world", " leading space", "trailing space ", "  two  spaces", "\n\nnewlines\n", "\ttabs\tand more",
-           "你好，世界", "写一首关于春天的诗", "日本語のテキスト", "한국어 텍스트", "Ünïcödé àccents", "emoji 🙂🚀",
-           "numbers 1234567890", "3.14159 and 2,718", "x=y+z*2", "def f(a):\n    return a", "{\"json\": [1, 2]}",
-           "<|user|> stays text", "[gMASK]<sop> too", "it's they're we've I'm you'll he'd", "IT'S LOUD",
-           "a" * 50, "ab" * 30, "混合 mixed 文本 text", "URL https://example.com/a?b=c", "email@example.com",
-           "tabs\t\tdouble", "\r\nwindows line", "¿Qué tal?", "Привет, мир", "مرحبا بالعالم", "שלום עולם",
-           "नमस्ते दुनिया", "Γειά σου Κόσμε", "snake_case_name", "CamelCaseName", "kebab-case-name", "100%",
-           "$5.00 & €3,50", "a\u200bzero width", "   ", "!!!???...", "— em dash – en dash", "«quotes» “curly”",
-           "line1\nline2\nline3", "1+1=2", "tokenizer test 🙂 你好 123", "end.", "x", "GLM-4.5 and GLM-4.7-Flash"]
 
 
 @pytest.fixture(scope="module")
