@@ -277,3 +277,17 @@ def test_identity_is_the_content_not_only_the_header(files, tmp_path):
     other = tmp_path / "other.gguf"
     other.write_bytes(bytes(data))
     assert open_gguf(other).weights.fingerprint() != open_gguf(path).weights.fingerprint()
+
+
+def test_eval_perplexity_of_a_gguf_is_its_sources(files, tmp_path, capsys):
+    import re
+    from glmcore.cli import main
+    d, ggufs = files["glm4-0414"]
+    text = tmp_path / "text.txt"
+    text.write_text(" ".join(STRINGS) * 3, encoding="utf-8")
+    found = []
+    for model in (d, ggufs["F32"]):
+        assert main(["eval", "--model", str(model), "--perplexity", str(text), "--ctx", "32", "--chunks", "3",
+                     "--backend", "torch", "--threads", "1"]) == 0
+        found.append(re.search(r"Final estimate: PPL = ([\d.]+)", capsys.readouterr().out).group(1))
+    assert found[0] == found[1]
