@@ -291,3 +291,14 @@ def test_eval_perplexity_of_a_gguf_is_its_sources(files, tmp_path, capsys):
                      "--backend", "torch", "--threads", "1"]) == 0
         found.append(re.search(r"Final estimate: PPL = ([\d.]+)", capsys.readouterr().out).group(1))
     assert found[0] == found[1]
+
+
+def test_two_ranks_open_the_gguf_too(files, capsys):
+    """--tp 2: every rank opens the GGUF itself (the weights are never sent) and the text is one rank's."""
+    from glmcore.cli import main
+    args = ["run", "--backend", "torch", "--model", str(files["glm4-0414"][1]["Q8_0"]), "--prompt", "hi",
+            "--max-new-tokens", "6", "--temperature", "0", "--threads", "1"]
+    assert main(args) == 0
+    alone = capsys.readouterr().out
+    assert main(args + ["--tp", "2"]) == 0
+    assert capsys.readouterr().out == alone
