@@ -178,22 +178,27 @@ def test_bin(make_tiny, tmp_path_factory, cases):
     run_batch(tmp, jobs)
 
 
+GGUF_FAMILIES = ("glm4", "glm4-0414", "chatglm3")       # each tokenizer the metadata rebuilds
+
+
 @pytest.fixture(scope="module")
-def gguf_file(make_tiny, tmp_path_factory):
+def gguf_files(make_tiny, tmp_path_factory):
     from gguf_kit import write_gguf
-    return write_gguf(make_tiny("glm4"), tmp_path_factory.mktemp("gguf") / "tiny.gguf", "Q4_0")
+    tmp = tmp_path_factory.mktemp("gguf")
+    return {f: write_gguf(make_tiny(f), tmp / f"{f}.gguf", "Q4_0") for f in GGUF_FAMILIES}
 
 
 @FUZZ
-@given(st.lists(st.tuples(st.booleans(), st.lists(BYTE_EDIT, min_size=1, max_size=3)),
+@given(st.lists(st.tuples(st.sampled_from(GGUF_FAMILIES), st.booleans(), st.lists(BYTE_EDIT, min_size=1, max_size=3)),
                 min_size=BATCH, max_size=BATCH))
-def test_gguf(gguf_file, tmp_path_factory, cases):
-    """GGUF files (issue 40): byte edits anywhere, or only in the header (counts, lengths, types, dims, offsets)."""
+def test_gguf(gguf_files, tmp_path_factory, cases):
+    """GGUF files (issue 40): byte edits anywhere, or only in the header (counts, lengths, types, dims, offsets,
+    the vocabulary and merges)."""
     tmp = tmp_path_factory.mktemp("gguf")
-    data = gguf_file.read_bytes()
-    header = _gguf_header_size(gguf_file)
     jobs = []
-    for i, (header_only, edits) in enumerate(cases):
+    for i, (family, header_only, edits) in enumerate(cases):
+        data = gguf_files[family].read_bytes()
+        header = _gguf_header_size(gguf_files[family])
         blob = mutate_bytes(data[:header], edits) + data[header:] if header_only else mutate_bytes(data, edits)
         (tmp / f"{i}.gguf").write_bytes(blob)
         jobs.append({"kind": "gguf", "path": str(tmp / f"{i}.gguf"), "cache": str(tmp / "cache")})
