@@ -77,16 +77,24 @@ def test_llamacpp_f32_gguf_runs_as_the_checkpoint(converted, family):
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_tokenizer_ids_equal_llama_tokenize(llamacpp, converted, family, tmp_path):
-    _, f32 = converted[family]
+    """Plain text (special tokens not parsed, no BOS). One known divergence: llama.cpp's SentencePiece merges may
+    spell a control token from plain text (ChatGLM3's "sop" in "<sop>"), which the checkpoint's own tokenizer
+    never does; there glmcore follows the checkpoint."""
+    d, f32 = converted[family]
     c = open_gguf(f32)
-    tok = load_tokenizer(c.tokenizer_dir, c.config.family)
+    tok, own = load_tokenizer(c.tokenizer_dir, c.config.family), load_tokenizer(d, c.config.family)
+    wrong = []
     for i, text in enumerate(STRINGS):
         (tmp_path / f"{i}.txt").write_text(text, encoding="utf-8")
         r = subprocess.run([_tool(llamacpp, "llama-tokenize"), "-m", str(f32), "-f", str(tmp_path / f"{i}.txt"),
-                            "--ids", "--no-bos", "--log-disable"], capture_output=True, text=True, timeout=120)
+                            "--ids", "--no-bos", "--no-parse-special", "--log-disable"], capture_output=True, text=True, timeout=120)
         assert r.returncode == 0, r.stderr[-1000:]
         theirs = ast.literal_eval(r.stdout.strip().splitlines()[-1])
-        assert tok.encode(text) == theirs, (family, text)
+        ours = tok.encode(text)
+        spelled_control = any(i in tok.special_names for i in theirs) and ours == own.encode(text)
+        if ours != theirs and not (c.config.family in ("chatglm2", "chatglm3") and spelled_control):
+            wrong.append((text, ours, theirs))
+    assert not wrong, (len(wrong), wrong[:3])
 
 
 @pytest.mark.parametrize("qtype", ["Q4_0", "Q8_0"])
