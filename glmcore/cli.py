@@ -582,7 +582,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(fn=cmd_make_model)
 
     p = sub.add_parser("convert", help="write a backend's converted model (IR, ONNX parts, packed int4)")
-    add_load_args(p, model_help="checkpoint directory or .gguf file to convert (required)")
+    add_load_args(p, model_help="checkpoint dir or .gguf file to convert (required)")
     p.add_argument("--out", required=True, help="a new or empty directory")
     p.add_argument("--seq-len", type=int, help="tpu_bm1684x: fixed context")
     p.add_argument("--quantize", help="tpu_bm1684x: F16|BF16|W8F16|W4F16")
