@@ -344,10 +344,10 @@ def moe_gguf_to_canonical(parts: dict, where: Path, layer: dict[str, str], fused
         if name in top:
             out[top[name]] = stack(where, name, [part])
             continue
+        if name == "rope_freqs.weight":         # a buffer some converters write; the rotary is computed
+            continue
         m = re.fullmatch(r"blk\.(\d+)\.(.+)", name)
-        if m is None or name == "rope_freqs.weight":
-            if name == "rope_freqs.weight":
-                continue
+        if m is None:
             raise CheckpointError(f"{where}: unknown tensor {name!r} for a MoE GLM GGUF; the file is not a GLM model "
                                   "llama.cpp wrote")
         p, rest = f"layers.{int(m.group(1))}.", m.group(2)
