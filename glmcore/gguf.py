@@ -25,7 +25,7 @@ import numpy as np
 
 from .config import ModelConfig
 from .errors import CheckpointError
-from .weights import BF16, Weights, _check
+from .weights import BF16, Weights, check_tensors
 
 # Types whose dequantizer the gguf package has and glmcore loads; IQ*/TQ* and the rest are refused by name.
 LOADABLE = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
@@ -411,7 +411,7 @@ def open_gguf(path) -> GGUFCheckpoint:
     cfg = module.gguf_config(meta, {n: p.shape for n, p in parts.items()})
     tensors = module.gguf_to_canonical(cfg, parts, path)
     module.complete(cfg, tensors, path)
-    _check(tensors, cfg, path)
+    check_tensors(tensors, cfg, path)
     identity = _identity(files)
     tok_dir = write_tokenizer_dir(meta, cfg, identity)
     return GGUFCheckpoint(cfg, GGUFWeights(tensors, [f.path for f in files], cfg, identity), tok_dir, meta)
@@ -463,14 +463,14 @@ class GGUFVocab:
     def glm4_ranks(self) -> dict[bytes, int] | None:
         """GLM-4's tiktoken ranks when the vocabulary is laid out as GLM-4's (ranks = ids, then its 14
         special tokens in order), else None."""
-        from .hf_tokenizer import _byte_decoder
+        from .hf_tokenizer import byte_decoder
         from .vocabulary import GLM4_SPECIALS
         if self.model != "gpt2" or CONTROL not in self.types:
             return None
         n = self.types.index(CONTROL)
         if self.tokens[n:n + len(GLM4_SPECIALS)] != GLM4_SPECIALS or self.used() != n + len(GLM4_SPECIALS):
             return None
-        dec = _byte_decoder()
+        dec = byte_decoder()
         try:
             return {bytes(dec[c] for c in t): i for i, t in enumerate(self.tokens[:n])}
         except KeyError:
