@@ -167,20 +167,25 @@ def build(sdist: Path, dest: Path, jobs: int = 2) -> Path:
 
 # ---------------------------------------------------------------- the converter, with our vocabulary
 
-def convert(root: Path, model_dir: Path, out: Path) -> None:
+def convert(root: Path, model_dir: Path, out: Path, outtype: str = "f16") -> None:
     """Run llama.cpp's convert_hf_to_gguf.py on a ChatGLM2/3 or GLM-4 (chatglm layout) checkpoint, its vocabulary
     read by our own tokenizer code instead of the checkpoint's remote code: ChatGLM2/3's SentencePiece pieces with
     the special tokens numbered after them, GLM-4's byte-level BPE ranks (tiktoken file) as llama.cpp writes a
-    tiktoken vocabulary (token strings and merges as for Qwen), then its 14 special tokens."""
+    tiktoken vocabulary (token strings and merges as for Qwen), then its 14 special tokens. The tokenizer.json
+    checkpoints (GLM-4-0414, the MoE GLMs) keep the converter's own vocabulary code, told the pre-tokenizer it
+    names GLM-4-0414's, GLM-4.5's and GLM-4.7-Flash's ("glm4": it recognises a vocabulary by the hash of its
+    output, and a synthetic vocabulary is none it knows)."""
     sys.path[:0] = [str(root), str(root / "gguf-py")]
     import convert_hf_to_gguf
+    from conversion.base import TextModel
     from conversion.chatglm import ChatGLMModel
 
     from glmcore.config import ModelConfig
 
     family = ModelConfig.from_dir(model_dir).family
     ChatGLMModel.set_vocab = _glm4_vocab if family == "glm4" else _sentencepiece_vocab
-    sys.argv = ["convert_hf_to_gguf.py", str(model_dir), "--outtype", "f16", "--outfile", str(out)]
+    TextModel.get_vocab_base_pre = lambda self, tokenizer: "glm4"
+    sys.argv = ["convert_hf_to_gguf.py", str(model_dir), "--outtype", outtype, "--outfile", str(out)]
     convert_hf_to_gguf.main()
 
 
@@ -263,11 +268,12 @@ def main(argv=None) -> int:
     c.add_argument("root", type=Path)
     c.add_argument("model", type=Path)
     c.add_argument("out", type=Path)
+    c.add_argument("--outtype", default="f16")
     a = ap.parse_args(argv)
     if a.cmd == "build":
         print(f"export {ENV}={build(a.sdist, a.dir, a.jobs)}")
     else:
-        convert(a.root, a.model, a.out)
+        convert(a.root, a.model, a.out, a.outtype)
     return 0
 
 

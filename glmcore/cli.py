@@ -514,12 +514,11 @@ def cmd_make_model(a) -> int:
 
 def cmd_convert(a) -> int:
     from .cache import new_output_dir, seal
-    from .config import ModelConfig
-    from .model import resolve_backend
-    from .weights import load_weights
-    if not a.model or not Path(a.model).is_dir():
-        raise GlmcoreError(f"--model {a.model!r} is not a checkpoint directory")
-    cfg = ModelConfig.from_dir(a.model)
+    from .model import open_checkpoint, resolve_backend
+    if not a.model:
+        raise GlmcoreError("--model is empty; name a checkpoint directory or a .gguf file")
+    ckpt = open_checkpoint(a.model)
+    cfg = ckpt.config
     backend = resolve_backend(a.backend, cfg)
     opts = load_options(a)
     if opts.tp != 1:
@@ -528,7 +527,7 @@ def cmd_convert(a) -> int:
         if getattr(a, key) is not None:
             opts.extra[key] = getattr(a, key)
     opts = backend.resolve(opts)
-    weights = load_weights(a.model, cfg)
+    weights = ckpt.weights()
     out = new_output_dir(a.out)
     try:
         backend.convert(cfg, weights, opts, out, progress)
@@ -614,7 +613,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(fn=cmd_make_model)
 
     p = sub.add_parser("convert", help="write a backend's converted model (IR, ONNX parts, packed int4)")
-    add_load_args(p, model_help="checkpoint directory to convert (required)")
+    add_load_args(p, model_help="checkpoint dir or .gguf file to convert (required)")
     p.add_argument("--out", required=True, help="a new or empty directory")
     p.add_argument("--seq-len", type=int, help="tpu_bm1684x: fixed context")
     p.add_argument("--quantize", help="tpu_bm1684x: F16|BF16|W8F16|W4F16")

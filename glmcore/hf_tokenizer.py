@@ -65,7 +65,7 @@ def _byte_encoder() -> dict[int, str]:
 
 
 @lru_cache(maxsize=1)
-def _byte_decoder() -> dict[str, int]:
+def byte_decoder() -> dict[str, int]:
     return {v: k for k, v in _byte_encoder().items()}
 
 
@@ -203,7 +203,7 @@ class HFTokenizer(Tokenizer):
         self.special_ids = added
         self.special_names = {i: t for t, i in added.items()}
         self.n_base = min(added.values(), default=self.n_vocab)
-        dec = _byte_decoder()
+        dec = byte_decoder()
         self._bytes = [b""] * self.n_vocab
         for tok, i in vocab.items():
             if i not in self.special_names:

@@ -36,6 +36,31 @@ class LoadedModel:
         self.scheduler.batch.close()
 
 
+@dataclass
+class Checkpoint:
+    """What --model names, opened: a checkpoint directory, or a GGUF file (or split set) whose metadata gives
+    the config and, written once into the cache, the tokenizer files."""
+    path: Path
+    config: ModelConfig
+    tokenizer_dir: Path
+    gguf: object = None             # glmcore.gguf.GGUFCheckpoint
+
+    def weights(self):
+        return self.gguf.weights if self.gguf is not None else load_weights(self.path, self.config)
+
+
+def open_checkpoint(model) -> Checkpoint:
+    from .gguf import is_gguf, open_gguf
+    path = Path(model)
+    if is_gguf(path):
+        g = open_gguf(path)
+        return Checkpoint(path, g.config, g.tokenizer_dir, g)
+    if not path.is_dir():
+        raise GlmcoreError(f"model directory {path} does not exist (it is not a checkpoint directory or a .gguf "
+                           "file); pass --model DIR of a checkpoint, or create one with `glmcore make-model`")
+    return Checkpoint(path, ModelConfig.from_dir(path), path)
+
+
 def resolve_backend(name: str | None, config: ModelConfig | None = None) -> Backend:
     """The named backend, or the best ready one that runs config; refused (one line, naming the backends
     that do) when it is not ready or does not run config's architecture."""
@@ -66,11 +91,8 @@ def load_model(model: str | Path | None = None, backend: str | None = None, opti
     from .chat import chat_format_for
     from .tokenizer import load_tokenizer
 
-    model_dir = Path(model) if model else demo_model_dir()
-    if not model_dir.is_dir():
-        raise GlmcoreError(f"model directory {model_dir} does not exist; pass --model DIR of a checkpoint, "
-                           "or create one with `glmcore make-model`")
-    config = ModelConfig.from_dir(model_dir)
+    ckpt = open_checkpoint(model if model else demo_model_dir())
+    model_dir, config = ckpt.path, ckpt.config
     b = resolve_backend(backend, config)
     if options is not None and options.tp != 1:
         from .parallel import tensor_parallel
@@ -80,14 +102,14 @@ def load_model(model: str | Path | None = None, backend: str | None = None, opti
             raise BackendError(f"--tp {options.tp}: {why}")
     opts = b.resolve(options or LoadOptions())
     caps = b.capabilities()
-    tokenizer = load_tokenizer(model_dir, config.family)
+    tokenizer = load_tokenizer(ckpt.tokenizer_dir, config.family)
     if tokenizer.n_vocab > config.vocab_size:
         raise GlmcoreError(f"{model_dir}: {Path(tokenizer.path).name} has {tokenizer.n_vocab} ids but the model only "
                            f"{config.vocab_size} embedding rows; the tokenizer is from another checkpoint, copy "
                            "the one that came with these weights")
     if opts.cache_dir is None:
         opts.cache_dir = cache_root() / "converted"
-    weights = load_weights(model_dir, config)
+    weights = ckpt.weights()
     if slots < 1 or (caps.max_slots is not None and slots > caps.max_slots):
         most = f"1..{caps.max_slots}" if caps.max_slots else "a positive number"
         raise GlmcoreError(f"invalid number of slots {slots} for backend {b.name!r}: use {most}")

@@ -24,8 +24,8 @@ def parse_opts(pairs: list[str]) -> dict:
     return out
 
 
-def add_load_args(p: argparse.ArgumentParser, model_help: str = "checkpoint directory (default: the built-in "
-                  "demo model)") -> None:
+def add_load_args(p: argparse.ArgumentParser, model_help: str = "checkpoint directory or .gguf file (default: "
+                  "the built-in demo model)") -> None:
     p.add_argument("--backend", help="backend name (default: the best ready one; see `glmcore backends`)")
     p.add_argument("--model", help=model_help)
     p.add_argument("--precision", help="compute precision the backend offers: f32, bf16, f16")

@@ -442,6 +442,7 @@ def _load_local(g: Group, backend: Backend, config: ModelConfig, weights, option
 def follow() -> int:
     """A follower rank: run rank 0's calls on this rank's shard until it says exit."""
     from .backend import registry
+    from .gguf import is_gguf, open_gguf
     from .weights import load_weights
     g = _GROUP
     sessions: dict[int, BatchSession] = {}
@@ -452,8 +453,8 @@ def follow() -> int:
         if msg[0] == "load":
             _, sid, name, model_dir, config, options, n_slots, kind = msg
             try:
-                sessions[sid] = _load_local(g, registry().get(name), config, load_weights(model_dir, config),
-                                            options, n_slots, kind)
+                weights = open_gguf(model_dir).weights if is_gguf(model_dir) else load_weights(model_dir, config)
+                sessions[sid] = _load_local(g, registry().get(name), config, weights, options, n_slots, kind)
                 status = None
             except Exception as e:  # noqa: BLE001 - reported to rank 0, which raises it
                 status = f"{type(e).__name__}: {e}"
@@ -626,7 +627,9 @@ class TensorParallel(Backend):
         if not files:
             raise BackendError("tensor parallel: every rank reads its shards from the checkpoint files; pass "
                                "weights from glmcore.weights.load_weights(model_dir)")
-        model_dir = str(Path(files[0]).parent)
+        from .gguf import is_gguf
+        # what every rank opens: the checkpoint directory, or the GGUF (its first file, for a split set)
+        model_dir = str(files[0]) if is_gguf(files[0]) else str(Path(files[0]).parent)
         plan(config, 0, self.world)          # refuse a split this model cannot take before starting ranks
         options = self.inner.resolve(options)
         kind = self.inner.probe().device.split(":")[0]

@@ -89,7 +89,7 @@ def load_weights(model_dir: str | Path, cfg: ModelConfig) -> Weights:
     module = arch.of(cfg)
     tensors = module.to_canonical(raw, model_dir)
     module.complete(cfg, tensors, model_dir)
-    _check(tensors, cfg, model_dir)
+    check_tensors(tensors, cfg, model_dir)
     return Weights(tensors, files, cfg)
 
 
@@ -145,7 +145,9 @@ def _read_index(index: Path) -> dict[str, str]:
     return weight_map
 
 
-def _check(tensors: dict[str, np.ndarray], cfg: ModelConfig, model_dir: Path) -> None:
+def check_tensors(tensors: dict[str, np.ndarray], cfg: ModelConfig, model_dir: Path) -> None:
+    """Every canonical tensor of cfg present, of a float dtype and its shape (an optional group all or none);
+    nothing else. For any reader: a checkpoint directory or a GGUF."""
     expected = canonical_shapes(cfg)
     optional = {n: s.shape for n, s in arch.of(cfg).optional_tensors(cfg).items()}
     for group in {_group(n) for n in optional if n in tensors}:        # a stored optional group is complete

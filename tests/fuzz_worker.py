@@ -42,6 +42,18 @@ def load_checkpoint(path, **_):
     _touch(load_weights(path, cfg))
 
 
+def load_gguf(path, cache, **_):
+    """What `glmcore run --model FILE.gguf` reads, short of a backend: every tensor dequantized."""
+    import os
+    os.environ["GLMCORE_CACHE"] = cache
+    from glmcore.gguf import open_gguf
+    from glmcore.tokenizer import load_tokenizer
+    c = open_gguf(path)
+    tok = load_tokenizer(c.tokenizer_dir, c.config.family)
+    assert isinstance(tok.decode(tok.encode("hello 你好 <|user|>") + list(range(min(tok.n_vocab, 4096)))), str)
+    _touch(c.weights)
+
+
 def _model(model_dir):
     from glmcore.config import ModelConfig
     from glmcore.weights import load_weights

@@ -1,7 +1,7 @@
 """Property-based fuzzing of every file format glmcore reads (issue 14).
 
 Hypothesis mutates valid files -- safetensors headers and bytes, .bin zips and the tensors their pickle
-describes, index/config/tokenizer JSON, tokenizer models, cpu_int4 packed meta.json, OpenVINO IR, ONNX
+describes, GGUF files, index/config/tokenizer JSON, tokenizer models, cpu_int4 packed meta.json, OpenVINO IR, ONNX
 cache entries -- and each batch of mutated files is loaded by tests/fuzz_worker.py in a process of its
 own, so a crash (SIGSEGV) fails the test instead of killing it. Every load must succeed or raise a
 GlmcoreError with a one-line message. Packed models and IRs are re-sealed after the mutation: a
@@ -176,6 +176,38 @@ def test_bin(make_tiny, tmp_path_factory, cases):
         (tmp / f"{i}.bin").write_bytes(blob)
         jobs.append({"kind": "bin", "path": str(tmp / f"{i}.bin")})
     run_batch(tmp, jobs)
+
+
+GGUF_FAMILIES = ("glm4", "glm4-0414", "chatglm3")       # each tokenizer the metadata rebuilds
+
+
+@pytest.fixture(scope="module")
+def gguf_files(make_tiny, tmp_path_factory):
+    from gguf_kit import write_gguf
+    tmp = tmp_path_factory.mktemp("gguf")
+    return {f: write_gguf(make_tiny(f), tmp / f"{f}.gguf", "Q4_0") for f in GGUF_FAMILIES}
+
+
+@FUZZ
+@given(st.lists(st.tuples(st.sampled_from(GGUF_FAMILIES), st.booleans(), st.lists(BYTE_EDIT, min_size=1, max_size=3)),
+                min_size=BATCH, max_size=BATCH))
+def test_gguf(gguf_files, tmp_path_factory, cases):
+    """GGUF files (issue 40): byte edits anywhere, or only in the header (counts, lengths, types, dims, offsets,
+    the vocabulary and merges)."""
+    tmp = tmp_path_factory.mktemp("gguf")
+    jobs = []
+    for i, (family, header_only, edits) in enumerate(cases):
+        data = gguf_files[family].read_bytes()
+        header = _gguf_header_size(gguf_files[family])
+        blob = mutate_bytes(data[:header], edits) + data[header:] if header_only else mutate_bytes(data, edits)
+        (tmp / f"{i}.gguf").write_bytes(blob)
+        jobs.append({"kind": "gguf", "path": str(tmp / f"{i}.gguf"), "cache": str(tmp / "cache")})
+    run_batch(tmp, jobs)
+
+
+def _gguf_header_size(path: Path) -> int:
+    from gguf import GGUFReader
+    return GGUFReader(path).data_offset
 
 
 # ------------------------------------------------------------------ checkpoint JSON and tokenizer files

@@ -360,7 +360,7 @@ def test_interrupted_convert_leaves_no_part_file(make_tiny, tmp_path, monkeypatc
     from glmcore.cli import main
     from glmcore_plugins.cpu_int4 import quant
 
-    def interrupted(cfg, weights, o, out, progress=None, fingerprint=""):
+    def interrupted(cfg, weights, o, out, progress=None, fingerprint="", codes=None):
         Path(out).mkdir(parents=True, exist_ok=True)
         (Path(out) / "weights.bin.part").write_bytes(b"\0" * 4096)
         raise KeyboardInterrupt

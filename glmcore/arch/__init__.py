@@ -52,6 +52,15 @@ def for_model_type(model_type) -> Architecture | None:
     return _BY_MODEL_TYPE.get(model_type) if isinstance(model_type, str) else None
 
 
+def for_gguf(gguf_arch) -> Architecture | None:
+    """The module that reads a GGUF file of llama.cpp architecture `gguf_arch` (general.architecture)."""
+    return next((a for a in _BY_NAME.values() if gguf_arch in a.gguf_architectures), None)
+
+
+def gguf_architectures() -> list[str]:
+    return [g for a in _BY_NAME.values() for g in a.gguf_architectures]
+
+
 def of(config) -> Architecture:
     """The architecture module of a parsed config."""
     return get(config.arch)
@@ -83,4 +92,4 @@ register(GLM4_MOE)
 register(GLM4_MOE_LITE)
 
 __all__ = ["Architecture", "Axis", "Role", "Split", "StoredNames", "TensorSpec", "architectures", "for_family",
-           "for_model_type", "get", "of", "register", "synthetic_families", "unregister"]
+           "for_gguf", "for_model_type", "get", "gguf_architectures", "of", "register", "synthetic_families", "unregister"]

@@ -67,6 +67,7 @@ class Architecture:
     # backends; None: no torch forward exists yet.
     torch_forward: str | None = None
     synthetic_families: tuple[str, ...] = ()    # make-model --family choices this module writes
+    gguf_architectures: tuple[str, ...] = ()    # llama.cpp's general.architecture values this module reads
 
     def parse_config(self, raw: dict, source: str, model_dir: Path | None):
         """config.json (a dict) -> a validated ModelConfig (or subclass) with arch = self.name."""
@@ -79,6 +80,16 @@ class Architecture:
     def to_canonical(self, raw: dict[str, np.ndarray], where: Path) -> dict[str, np.ndarray]:
         """A checkpoint's tensors (any published layout of this architecture) -> canonical names, fused
         where the layout splits them (mlx-lm's `sanitize`). Unknown names raise CheckpointError."""
+        raise NotImplementedError
+
+    def gguf_config(self, meta, shapes: dict[str, tuple[int, ...]]):
+        """A GGUF's metadata (glmcore.gguf.GGUFMetadata) and its tensors' shapes -> a validated ModelConfig."""
+        raise NotImplementedError
+
+    def gguf_to_canonical(self, cfg, parts: dict, where: Path) -> dict:
+        """A GGUF's stored tensors (name -> glmcore.gguf.GGUFPart) -> canonical name -> GGUFTensor, undoing what
+        llama.cpp's converter did (split or fused projections, stacked experts). Unknown names raise
+        CheckpointError."""
         raise NotImplementedError
 
     def optional_tensors(self, cfg) -> dict[str, TensorSpec]:

@@ -25,6 +25,8 @@ class GlmArchitecture(Architecture):
     title = "dense GLM: ChatGLM2/3, GLM-4, GLM-4-0414/Z1, GLM-Edge"
     torch_forward = "glm"
     synthetic_families = ("chatglm2", "chatglm3", "glm4", "glm4-0414", "glm-edge")
+    # llama.cpp: "chatglm" (ChatGLM2/3, GLM-4-9B-chat and its -hf/GLM-Edge forms), "glm4" (GLM-4-0414, Z1)
+    gguf_architectures = ("chatglm", "glm4")
 
     # ------------------------------------------------------------ config.json
 
@@ -120,6 +122,67 @@ class GlmArchitecture(Architecture):
                                       "the checkpoint is incomplete or mixes two exports")
             out[f"layers.{layer}.ffn_up.weight"] = _fuse(where, f"layer {layer}'s gate/up_proj",
                                                         [parts["gate"], parts["up"]])
+        return out
+
+    # ------------------------------------------------------------ GGUF (llama.cpp's converter)
+
+    def gguf_config(self, meta, shapes) -> ModelConfig:
+        """llama.cpp's chatglm/glm4 keys. Its converter stores the rotated dims (rope.dimension_count) and the
+        theta (10000 * rope_ratio); both rotate interleaved pairs (LLAMA_ROPE_TYPE_NORM), as glmcore does, so
+        no weight is permuted back."""
+        from ..gguf import gguf_family
+        if "token_embd.weight" not in shapes:
+            raise CheckpointError(f"{meta.source}: tensor token_embd.weight is missing; the file is incomplete")
+        heads = meta.get("{arch}.attention.head_count", int)
+        hidden = meta.get("{arch}.embedding_length", int)
+        head_dim = meta.get("{arch}.attention.key_length", int, hidden // max(heads, 1))
+        return ModelConfig(
+            family=gguf_family(meta),
+            hidden_size=hidden,
+            num_layers=meta.get("{arch}.block_count", int),
+            num_heads=heads,
+            num_kv_heads=meta.get("{arch}.attention.head_count_kv", int, heads),
+            head_dim=head_dim,
+            ffn_hidden_size=meta.get("{arch}.feed_forward_length", int),
+            vocab_size=shapes["token_embd.weight"][0],
+            max_seq_len=meta.get("{arch}.context_length", int),
+            rope_base=meta.get("{arch}.rope.freq_base", float, 10000.0),
+            norm_eps=meta.get("{arch}.attention.layer_norm_rms_epsilon", float),
+            qkv_bias="blk.0.attn_qkv.bias" in shapes or "blk.0.attn_q.bias" in shapes,
+            linear_bias=False,
+            name=meta.get("general.name", str, ""),
+            rotary_dim=meta.get("{arch}.rope.dimension_count", int, head_dim // 2),
+            post_norms=meta.arch == "glm4",
+            tie_embeddings="output.weight" not in shapes,
+            arch="glm", model_type="chatglm" if meta.arch == "chatglm" else "glm4",
+        ).validated(meta.source)
+
+    def gguf_to_canonical(self, cfg: ModelConfig, parts: dict, where: Path) -> dict:
+        from ..gguf import stack
+        out, qkv = {}, {}
+        for name, part in parts.items():
+            if name in _GGUF_TOP:
+                out[_GGUF_TOP[name]] = stack(where, name, [part])
+                continue
+            if name == "rope_freqs.weight":         # a buffer some converters write; the rotary is computed
+                continue
+            m = re.fullmatch(r"blk\.(\d+)\.(.+)", name)
+            if m and m.group(2) in _GGUF_LAYER:
+                out[f"layers.{int(m.group(1))}.{_GGUF_LAYER[m.group(2)]}"] = stack(where, name, [part])
+                continue
+            mq = re.fullmatch(r"attn_([qkv])\.(weight|bias)", m.group(2)) if m else None
+            if mq:
+                qkv.setdefault((int(m.group(1)), mq.group(2)), {})[mq.group(1)] = part
+                continue
+            raise CheckpointError(f"{where}: unknown tensor {name!r} for GGUF architecture chatglm/glm4; the file is "
+                                  "not a GLM model llama.cpp wrote")
+        for (layer, kind), q_k_v in qkv.items():      # llama.cpp keeps transformers' split q/k/v: fuse it back
+            if set(q_k_v) != {"q", "k", "v"} or f"layers.{layer}.qkv.{kind}" in out:
+                raise CheckpointError(f"{where}: layer {layer} has {sorted(q_k_v)} of attn_q/k/v.{kind}"
+                                      f"{' beside attn_qkv' if set(q_k_v) == {'q', 'k', 'v'} else ''}; the file is "
+                                      "incomplete or corrupt")
+            out[f"layers.{layer}.qkv.{kind}"] = stack(where, f"layer {layer}'s attn_q/k/v.{kind}",
+                                                      [q_k_v["q"], q_k_v["k"], q_k_v["v"]])
         return out
 
     def complete(self, cfg: ModelConfig, tensors: dict[str, np.ndarray], where: Path) -> None:
@@ -307,6 +370,20 @@ _HF_LAYER = {
 }
 _HF_TOP = {"model.embed_tokens.weight": "embed.weight", "model.norm.weight": "final_norm.weight",
            "lm_head.weight": "lm_head.weight"}
+# llama.cpp's names (gguf-py's TensorNameMap for chatglm/glm4) -> canonical; attn_q/k/v are fused in code.
+_GGUF_TOP = {"token_embd.weight": "embed.weight", "output_norm.weight": "final_norm.weight",
+             "output.weight": "lm_head.weight"}
+_GGUF_LAYER = {
+    "attn_norm.weight": "input_norm.weight",
+    "attn_qkv.weight": "qkv.weight",
+    "attn_qkv.bias": "qkv.bias",
+    "attn_output.weight": "attn_out.weight",
+    "ffn_norm.weight": "post_attn_norm.weight",
+    "ffn_up.weight": "ffn_up.weight",              # the fused gate|up (dense_h_to_4h, gate_up_proj), gate first
+    "ffn_down.weight": "ffn_down.weight",
+    "post_attention_norm.weight": "post_self_attn_norm.weight",    # glm4: post_self_attn_layernorm
+    "post_ffw_norm.weight": "post_mlp_norm.weight",                # glm4: post_mlp_layernorm
+}
 # Buffers some checkpoints carry that the math does not need.
 _IGNORED = re.compile(r"(rotary_pos_emb\.inv_freq|rotary_emb\.inv_freq)$")
 

@@ -123,6 +123,7 @@ class Glm4MoeArchitecture(Architecture):
     title = "MoE GLM: GLM-4.5, 4.5-Air, 4.6, 4.7"
     torch_forward = "glm4_moe"
     synthetic_families = ("glm4-moe",)
+    gguf_architectures = ("glm4moe",)
 
     # ------------------------------------------------------------ config.json
 
@@ -141,6 +142,26 @@ class Glm4MoeArchitecture(Architecture):
             rotary_dim=int(head_dim * factor), tie_embeddings=get("tie_word_embeddings"), rotary_interleaved=False,
             arch=self.name, model_type="glm4_moe", qk_norm=get("use_qk_norm"), **moe_fields(raw, layers, get))
         return cfg.validated(source)
+
+    # ------------------------------------------------------------ GGUF (llama.cpp's converter)
+
+    def gguf_config(self, meta, shapes) -> MoeConfig:
+        """llama.cpp's glm4moe keys: its block_count holds the NextN layers too; NeoX rotary, as glmcore's."""
+        heads, hidden = meta.get("{arch}.attention.head_count", int), meta.get("{arch}.embedding_length", int)
+        head_dim = meta.get("{arch}.attention.key_length", int, hidden // max(heads, 1))
+        cfg = MoeConfig(
+            family="glm4-moe", hidden_size=hidden, num_heads=heads,
+            num_kv_heads=meta.get("{arch}.attention.head_count_kv", int, heads), head_dim=head_dim,
+            ffn_hidden_size=meta.get("{arch}.feed_forward_length", int), max_seq_len=meta.get("{arch}.context_length", int),
+            rope_base=meta.get("{arch}.rope.freq_base", float, 10000.0),
+            norm_eps=meta.get("{arch}.attention.layer_norm_rms_epsilon", float), name=meta.get("general.name", str, ""),
+            rotary_dim=meta.get("{arch}.rope.dimension_count", int, head_dim // 2), rotary_interleaved=False,
+            arch=self.name, model_type="glm4_moe", qk_norm="blk.0.attn_q_norm.weight" in shapes,
+            **gguf_moe_fields(meta, shapes))
+        return cfg.validated(meta.source)
+
+    def gguf_to_canonical(self, cfg: MoeConfig, parts: dict, where: Path) -> dict:
+        return moe_gguf_to_canonical(parts, where, GGUF_LAYER, GGUF_FUSED)
 
     # ------------------------------------------------------------ layout
 
@@ -255,6 +276,105 @@ FUSED_PARTS = {
 _MTP = {"enorm.weight": "enorm.weight", "hnorm.weight": "hnorm.weight", "eh_proj.weight": "eh_proj.weight",
         "shared_head.norm.weight": "final_norm.weight", "shared_head.head.weight": "head.weight",
         "embed_tokens.weight": "embed.weight"}
+
+
+# llama.cpp's names (gguf-py's TensorNameMap for glm4moe/deepseek2) -> canonical, per layer; the NextN layers'
+# own tensors are blk.N.nextn.* (moved to mtp.J.* by place_mtp as for transformers' names)
+GGUF_LAYER = {
+    "attn_norm.weight": "input_norm.weight",
+    "post_attention_norm.weight": "post_attn_norm.weight",
+    "ffn_norm.weight": "post_attn_norm.weight",           # deepseek2's name for it
+    "attn_output.weight": "attn_out.weight",
+    "attn_q_norm.weight": "q_norm.weight",
+    "attn_k_norm.weight": "k_norm.weight",
+    "ffn_down.weight": "ffn_down.weight",
+    "ffn_gate_inp.weight": "router.weight",
+    "exp_probs_b.bias": "router.bias",
+    "ffn_down_shexp.weight": "shared.ffn_down.weight",
+    **{f"nextn.{k}": v for k, v in {"eh_proj.weight": "eh_proj.weight", "enorm.weight": "enorm.weight",
+                                    "hnorm.weight": "hnorm.weight", "shared_head_norm.weight": "final_norm.weight",
+                                    "shared_head_head.weight": "head.weight",
+                                    "embed_tokens.weight": "embed.weight"}.items()},
+}
+GGUF_FUSED = {
+    "qkv.weight": ["attn_q.weight", "attn_k.weight", "attn_v.weight"],
+    "qkv.bias": ["attn_q.bias", "attn_k.bias", "attn_v.bias"],
+    "ffn_up.weight": ["ffn_gate.weight", "ffn_up.weight"],
+    "shared.ffn_up.weight": ["ffn_gate_shexp.weight", "ffn_up_shexp.weight"],
+}
+# The routed experts, stacked [experts, out, in] by the converter: canonical per expert (gate rows, then up).
+GGUF_EXPERTS = {"ffn_gate_exps.weight": ("ffn_up", 0), "ffn_up_exps.weight": ("ffn_up", 1),
+                "ffn_down_exps.weight": ("ffn_down", 0)}
+
+
+def gguf_moe_fields(meta, shapes) -> dict:
+    """The expert fields of llama.cpp's glm4moe/deepseek2 keys, and the decoder layer count (block_count less
+    the NextN layers). Routing must be sigmoid (every GLM's); groups default to one."""
+    from gguf import ExpertGatingFuncType
+    gating = meta.get("{arch}.expert_gating_func", int, int(ExpertGatingFuncType.SIGMOID))
+    if gating != ExpertGatingFuncType.SIGMOID:
+        raise ConfigError(f"{meta.source}: expert_gating_func {gating} is not sigmoid, which every MoE GLM routes "
+                          "with; the file is not a GLM model")
+    nextn = meta.get("{arch}.nextn_predict_layers", int, 0)
+    layers = meta.get("{arch}.block_count", int) - nextn
+    dense = meta.get("{arch}.leading_dense_block_count", int, 0)
+    if "token_embd.weight" not in shapes:
+        raise CheckpointError(f"{meta.source}: tensor token_embd.weight is missing; the file is incomplete")
+    return dict(num_layers=layers, vocab_size=shapes["token_embd.weight"][0],
+                qkv_bias="blk.0.attn_q.bias" in shapes, tie_embeddings="output.weight" not in shapes,
+                moe_ffn_hidden_size=meta.get("{arch}.expert_feed_forward_length", int),
+                num_experts=meta.get("{arch}.expert_count", int),
+                experts_per_token=meta.get("{arch}.expert_used_count", int),
+                num_shared_experts=meta.get("{arch}.expert_shared_count", int, 0),
+                routed_scaling=meta.get("{arch}.expert_weights_scale", float, 1.0),
+                num_groups=meta.get("{arch}.expert_group_count", int, 1),
+                topk_groups=meta.get("{arch}.expert_group_used_count", int, 1),
+                norm_topk_prob=meta.get("{arch}.expert_weights_norm", bool, False),
+                sparse_layers=tuple(i >= dense for i in range(max(layers, 0))), num_mtp_layers=nextn)
+
+
+def moe_gguf_to_canonical(parts: dict, where: Path, layer: dict[str, str], fused: dict[str, list[str]]) -> dict:
+    """blk.N.* -> layers.N.* (place_mtp then moves the NextN layers), split projections and gate|up stacked by
+    rows, each expert of the stacked [experts, out, in] tensors its own canonical tensor."""
+    from ..gguf import GGUFPart, stack
+    top = {"token_embd.weight": "embed.weight", "output_norm.weight": "final_norm.weight",
+           "output.weight": "lm_head.weight"}
+    out, grouped = {}, {}
+    for name, part in parts.items():
+        if name in top:
+            out[top[name]] = stack(where, name, [part])
+            continue
+        if name == "rope_freqs.weight":         # a buffer some converters write; the rotary is computed
+            continue
+        m = re.fullmatch(r"blk\.(\d+)\.(.+)", name)
+        if m is None:
+            raise CheckpointError(f"{where}: unknown tensor {name!r} for a MoE GLM GGUF; the file is not a GLM model "
+                                  "llama.cpp wrote")
+        p, rest = f"layers.{int(m.group(1))}.", m.group(2)
+        if rest in layer:
+            out[p + layer[rest]] = stack(where, name, [part])
+        elif rest in GGUF_EXPERTS:
+            kind, at = GGUF_EXPERTS[rest]
+            if len(part.shape) != 3:
+                raise CheckpointError(f"{where}: {name} has shape {part.shape}, not [experts, out, in]; the file is "
+                                      "corrupt")
+            for e in range(part.shape[0]):
+                one = GGUFPart(f"{name}[{e}]", part.qtype, part.data[e], part.shape[1:])
+                grouped.setdefault(p + f"experts.{e}.{kind}.weight", {})[at] = one
+        else:
+            into = next((c for c, names in fused.items() if rest in names), None)
+            if into is None:
+                raise CheckpointError(f"{where}: unknown tensor {name!r} for a MoE GLM GGUF; the file is not a GLM "
+                                      "model llama.cpp wrote")
+            grouped.setdefault(p + into, {})[fused[into].index(rest)] = part
+    for canon, got in grouped.items():
+        need = 2 if ".experts." in canon and canon.endswith("ffn_up.weight") else \
+            1 if ".experts." in canon else len(fused[canon.split(".", 2)[2]])
+        if sorted(got) != list(range(need)) or canon in out:
+            raise CheckpointError(f"{where}: {canon} is stored in {len(got)} of its {need} parts (or also whole); "
+                                  "the file is incomplete or corrupt")
+        out[canon] = stack(where, canon, [got[i] for i in range(need)])
+    return out
 
 
 def _expert_name(rest: str) -> str | None:

@@ -9,15 +9,16 @@ values per token and layer. The MoE block and the NextN layers are glm4_moe's (g
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-from ..errors import ConfigError
+from ..errors import CheckpointError, ConfigError
 from .base import Axis, Role, Split, TensorSpec
-from .glm4_moe import (FUSED_PARTS, LAYER_NAMES, Glm4MoeArchitecture, MoeConfig, getter, hf_moe_names, moe_fields,
-                       moe_to_canonical, synthetic_moe_config)
+from .glm4_moe import (FUSED_PARTS, GGUF_FUSED, GGUF_LAYER, LAYER_NAMES, Glm4MoeArchitecture, MoeConfig, getter,
+                       gguf_moe_fields, hf_moe_names, moe_fields, moe_gguf_to_canonical, moe_to_canonical, synthetic_moe_config)
 from .glm import hf_rope
 
 # transformers' Glm4MoeLiteConfig defaults (GLM-4.7-Flash's shape), used where config.json leaves a key out.
@@ -93,6 +94,50 @@ class Glm4MoeLiteArchitecture(Glm4MoeArchitecture):
             raise ConfigError(f"{source}: rope_interleave {cfg.rotary_interleaved!r} is not true/false")
         return cfg.validated(source)
 
+    gguf_architectures = ("deepseek2",)
+
+    def gguf_config(self, meta, shapes) -> MlaConfig:
+        """llama.cpp's deepseek2 keys as its converter writes GLM-4.7-Flash: MLA stored as one KV head (head_count_kv
+        1), the query head in key_length_mla, the rope dims interleaved (LLAMA_ROPE_TYPE_NORM: rope_interleave)."""
+        if meta.get("{arch}.rope.scaling.type", str, "none") not in ("none", ""):
+            raise ConfigError(f"{meta.source}: rope scaling {meta.get('{arch}.rope.scaling.type', str)!r} is not "
+                              "supported (only the default rotary); use a GGUF without rope scaling")
+        rope = meta.get("{arch}.rope.dimension_count", int)
+        head = meta.get("{arch}.attention.key_length_mla", int)
+        heads = meta.get("{arch}.attention.head_count", int)
+        cfg = MlaConfig(
+            family="glm4-moe-lite", hidden_size=meta.get("{arch}.embedding_length", int), num_heads=heads,
+            num_kv_heads=heads, head_dim=head, ffn_hidden_size=meta.get("{arch}.feed_forward_length", int),
+            max_seq_len=meta.get("{arch}.context_length", int), rope_base=meta.get("{arch}.rope.freq_base", float, 10000.0),
+            norm_eps=meta.get("{arch}.attention.layer_norm_rms_epsilon", float), name=meta.get("general.name", str, ""),
+            rotary_dim=rope, rotary_interleaved=True, arch=self.name, model_type="glm4_moe_lite",
+            q_lora_rank=meta.get("{arch}.attention.q_lora_rank", int, 0),
+            kv_lora_rank=meta.get("{arch}.attention.kv_lora_rank", int), qk_nope_dim=head - rope,
+            v_head_dim=meta.get("{arch}.attention.value_length_mla", int), **gguf_moe_fields(meta, shapes))
+        return dataclasses.replace(cfg, qkv_bias="blk.0.attn_kv_a_mqa.bias" in shapes).validated(meta.source)
+
+    def gguf_to_canonical(self, cfg: MlaConfig, parts: dict, where: Path) -> dict:
+        """As glm4moe's, and kv_b put back together from the converter's k_b ([heads, kv_lora_rank, qk_nope]:
+        transposed) and v_b ([heads, v_head_dim, kv_lora_rank])."""
+        from ..gguf import GGUFTensor
+        k_b = {n: parts.pop(n) for n in [n for n in parts if n.endswith(".attn_k_b.weight")]}
+        v_b = {n: parts.pop(n) for n in [n for n in parts if n.endswith(".attn_v_b.weight")]}
+        out = moe_gguf_to_canonical(parts, where, _GGUF_MLA_LAYER, _GGUF_MLA_FUSED)
+        H, nope, v, r = cfg.num_heads, cfg.qk_nope_dim, cfg.v_head_dim, cfg.kv_lora_rank
+        for name, k in k_b.items():
+            layer = name.split(".")[1]
+            vb = v_b.pop(name.replace("attn_k_b", "attn_v_b"), None)
+            if vb is None or k.shape != (H, r, nope) or vb.shape != (H, v, r):
+                raise CheckpointError(f"{where}: layer {layer}'s attn_k_b {k.shape} / attn_v_b "
+                                      f"{None if vb is None else vb.shape} are not [{H}, {r}, {nope}] / [{H}, {v}, {r}]; "
+                                      "the file is incomplete or of another model")
+            out[f"layers.{layer}.kv_b.weight"] = GGUFTensor(
+                (k, vb), (H * (nope + v), r),
+                lambda kb, vb_: np.concatenate([kb.transpose(0, 2, 1), vb_], axis=1))
+        if v_b:
+            raise CheckpointError(f"{where}: {next(iter(v_b))} has no attn_k_b beside it; the file is incomplete")
+        return out
+
     def attention_tensors(self, cfg: MlaConfig, p: str) -> dict[str, TensorSpec]:
         h, H = cfg.hidden_size, cfg.num_heads
         # Latent attention under tensor parallelism is not split yet: the per-head projections are stated as
@@ -146,6 +191,16 @@ _MLA_LAYER.update({
     "self_attn.o_proj.weight": "attn_out.weight", "self_attn.o_proj.bias": "attn_out.bias",
 })
 _INV_MLA_LAYER = {v: k for k, v in _MLA_LAYER.items() if "gate_up" not in k}
+# llama.cpp's deepseek2 names of the attention tensors (the rest as glm4moe's)
+_GGUF_MLA_LAYER = {k: v for k, v in GGUF_LAYER.items() if not k.startswith(("attn_q_norm", "attn_k_norm"))}
+_GGUF_MLA_LAYER.update({
+    "attn_q_a.weight": "q_a.weight", "attn_q_a.bias": "q_a.bias", "attn_q_a_norm.weight": "q_a_norm.weight",
+    "attn_q_b.weight": "q_b.weight", "attn_q.weight": "q.weight", "attn_kv_a_mqa.weight": "kv_a.weight",
+    "attn_kv_a_mqa.bias": "kv_a.bias", "attn_kv_a_norm.weight": "kv_a_norm.weight",
+    "attn_kv_b.weight": "kv_b.weight",            # older conversions keep kv_b whole
+    "attn_output.bias": "attn_out.bias",
+})
+_GGUF_MLA_FUSED = {k: v for k, v in GGUF_FUSED.items() if not k.startswith("qkv")}
 _MLA_FUSED = {k: v for k, v in FUSED_PARTS.items() if not k.startswith("qkv")}
 
 # make-model sizes. flash: GLM-4.7-Flash's shape (47 layers: --layers N for fewer); tiny/small for tests.

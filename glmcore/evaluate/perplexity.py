@@ -165,18 +165,19 @@ def measure(model, spec: Spec, text: str, ctx: int, stride: int | None = None, c
     """Perplexity of `text` on one backend. `reference`: compare with those log-probs (KL, top-1).
     `keep`: keep this run's log-probs as the reference (returned) and compare with them as well."""
     from ..chat import chat_format_for
-    from ..config import ModelConfig
-    from ..model import demo_model_dir, load_model
+    from ..gguf import is_gguf
+    from ..model import demo_model_dir, load_model, open_checkpoint
     from ..tokenizer import load_tokenizer
     fmt = spec.format(ctx)
     model = Path(model) if model else demo_model_dir()
-    if not (model / "config.json").is_file():
-        raise GlmcoreError(f"--model {str(model)!r} is not a checkpoint directory (no config.json)")
-    config = ModelConfig.from_dir(model)
+    if not (model / "config.json").is_file() and not is_gguf(model):
+        raise GlmcoreError(f"--model {str(model)!r} is not a checkpoint directory (no config.json) or a .gguf file")
+    ckpt = open_checkpoint(model)
+    config = ckpt.config
     if ctx > config.max_seq_len:
         raise GlmcoreError(f"--ctx {ctx} is longer than the model's context of {config.max_seq_len} tokens; use "
                            f"--ctx {config.max_seq_len} or less")
-    tok = load_tokenizer(model, config.family)
+    tok = load_tokenizer(ckpt.tokenizer_dir, config.family)
     prefix = list(chat_format_for(tok).prefix)     # [gMASK]sop: what the GLM models expect first
     tokens = tok.encode(text)
     wins = windows(len(tokens), ctx, stride, chunks, n_prefix=len(prefix))    # checked before the load

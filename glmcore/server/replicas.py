@@ -79,8 +79,7 @@ def _require_ray():
 def serve_replicas(model_dir, backend, options, so) -> int:
     """Deploy `so.replicas` copies of the model's server on Ray Serve and serve until SIGTERM/SIGINT."""
     from . import require_stack
-    from ..config import ModelConfig
-    from ..model import demo_model_dir, resolve_backend
+    from ..model import demo_model_dir, open_checkpoint, resolve_backend
     from .app import MAX_BODY
     require_stack()
     replicas, port, log_level, ray_address = so.replicas, so.port, so.log_level, so.ray_address
@@ -90,7 +89,7 @@ def serve_replicas(model_dir, backend, options, so) -> int:
         raise GlmcoreError(f"invalid --port {port}: Ray Serve's proxy needs a fixed port, 1..65535")
     # Refuse what would fail in every replica (after Ray's retries, with a traceback) here, at once.
     model_dir = os.path.abspath(model_dir) if model_dir else str(demo_model_dir())
-    resolve_backend(backend, ModelConfig.from_dir(model_dir))
+    resolve_backend(backend, open_checkpoint(model_dir).config)
     local = ray_address is None
     # Ray reads these when it is imported; its processes inherit them.
     os.environ.update(LOCAL_RAY_ENV if local else {"RAY_USAGE_STATS_ENABLED": "0"})

@@ -10,10 +10,11 @@ the cached keys in place. `load_batch` holds many sequences (a ring each) and ru
 them: each weight matrix is multiplied once with every token of the step (the prefill GEMM path).
 
 Options (LoadOptions.extra, `--opt key=value`): group_size 32|64|128 (32), sym true|false (true),
-scale_dtype f16|bf16 (f16), embed_bits 4|8 (4), head_bits 4|8 (8), kv_dtype f16|f32 (f16),
+scale_dtype f16|bf16 (f16), embed_bits 4|8 (4), head_bits 4|8 (8), linear_bits 4|8 (4), kv_dtype f16|f32 (f16),
 isa auto|plain|avx2|avxvnni|avx512vnni (auto), packed DIR (a `glmcore convert` output to load),
 quant rtn|gptq (rtn: round to nearest; gptq: calibrated, glmcore/gptq.py, the same packed format), calib
 FILE (gptq's calibration text; default glmcore/data/calibration.txt).
+A GGUF's Q4_0 or Q8_0 blocks are packed as they are (gguf_import.py): no option given, its layers keep their bits.
 Only numpy and a C compiler (or the library built at install) are needed: no torch.
 """
 from __future__ import annotations
@@ -27,7 +28,7 @@ from glmcore.backend import Backend, Capabilities, LoadOptions, Probe, hookimpl,
 from glmcore import arch
 from glmcore.errors import BackendError
 
-QUANT_OPTIONS = ("group_size", "sym", "scale_dtype", "embed_bits", "head_bits")
+QUANT_OPTIONS = ("group_size", "sym", "scale_dtype", "embed_bits", "head_bits", "linear_bits")
 OPTIONS = QUANT_OPTIONS + ("kv_dtype", "isa", "packed", "quant", "calib")
 
 
@@ -141,20 +142,29 @@ class CpuInt4Backend(Backend):
         if options.extra.get("packed"):
             return check_converted(Path(str(options.extra["packed"])), weights, "cpu_int4 packed model")
         from .quant import QuantOptions, ensure_packed
-        q = QuantOptions.from_extra(options.extra)
+        q, weights, codes = _gguf_packing(weights, options.extra, QuantOptions.from_extra(options.extra))
         cache = Path(options.cache_dir) if options.cache_dir else cache_root() / "converted"
         return ensure_packed(config, _calibrated(config, weights, q, options.extra, _stderr), q, cache,
-                             progress=_stderr)
+                             progress=_stderr, codes=codes)
 
     def convert(self, config, weights, options: LoadOptions, out: Path, progress) -> None:
         from .quant import QuantOptions, write_packed
         extra = {k: v for k, v in options.extra.items() if v is not None}
         self.check_options(extra)
-        q = QuantOptions.from_extra(extra)
+        q, weights, codes = _gguf_packing(weights, extra, QuantOptions.from_extra(extra))
         weights = _calibrated(config, weights, q, extra, progress)
         fp = weights.fingerprint() if hasattr(weights, "fingerprint") else ""
-        write_packed(config, weights, q, Path(out), progress, fingerprint=fp)
+        write_packed(config, weights, q, Path(out), progress, fingerprint=fp, codes=codes)
         progress(f"load it with: --backend cpu_int4 --opt packed={out}")
+
+
+def _gguf_packing(weights, extra: dict, q):
+    """A GGUF's weights: streamed in their stored form, and Q4_0/Q8_0 blocks kept as they are unless a quantization
+    option asks otherwise (plugins/cpu_int4/gguf_import.py); other weights unchanged. quant=gptq needs floats."""
+    if str(extra.get("quant", "rtn")).lower() != "rtn":
+        return q, weights, None
+    from .gguf_import import packing
+    return packing(weights, extra, q, QUANT_OPTIONS)
 
 
 def _calibrated(config, weights, q, extra: dict, progress):

@@ -43,6 +43,7 @@ class QuantOptions:
     scale_dtype: str = "f16"
     embed_bits: int = 4
     head_bits: int = 8
+    linear_bits: int = 4        # the layers' matrices: int4, or int8 (what a GGUF's Q8_0 blocks are)
 
     @classmethod
     def from_extra(cls, extra: dict) -> "QuantOptions":
@@ -51,18 +52,19 @@ class QuantOptions:
                 sym=_as_bool(extra.get("sym", d.sym)),
                 scale_dtype=str(extra.get("scale_dtype", d.scale_dtype)),
                 embed_bits=_as_int(extra.get("embed_bits", d.embed_bits), "embed_bits"),
-                head_bits=_as_int(extra.get("head_bits", d.head_bits), "head_bits"))
+                head_bits=_as_int(extra.get("head_bits", d.head_bits), "head_bits"),
+                linear_bits=_as_int(extra.get("linear_bits", d.linear_bits), "linear_bits"))
         if o.group_size not in (32, 64, 128):
             raise BackendError(f"cpu_int4: group_size {o.group_size} is not supported; use 32, 64 or 128")
         if o.scale_dtype not in SCALE_DTYPES:
             raise BackendError(f"cpu_int4: scale_dtype {o.scale_dtype!r} is not supported; use f16 or bf16")
-        for key in ("embed_bits", "head_bits"):
+        for key in ("embed_bits", "head_bits", "linear_bits"):
             if getattr(o, key) not in (4, 8):
                 raise BackendError(f"cpu_int4: {key}={getattr(o, key)} is not supported; use 4 or 8")
         return o
 
     def label(self) -> str:
-        return (f"int4 {'sym' if self.sym else 'asym'} g{self.group_size} {self.scale_dtype} scales, "
+        return (f"int{self.linear_bits} {'sym' if self.sym else 'asym'} g{self.group_size} {self.scale_dtype} scales, "
                 f"embeddings int{self.embed_bits}, output layer int{self.head_bits}")
 
 
@@ -232,7 +234,7 @@ def packed_layout(cfg: ModelConfig, o: QuantOptions) -> dict[str, dict]:
         if len(shape) == 1:
             add(name, kind="f32", shape=list(shape), nbytes=4 * shape[0])
             continue
-        bits = o.head_bits if name == "lm_head.weight" else 4
+        bits = o.head_bits if name == "lm_head.weight" else o.linear_bits
         a = asym and bits == 4
         add(name, kind="tiles", n=shape[0], k=shape[1], bits=bits, group=g, asym=a,
             nbytes=tile_nbytes(shape[0], shape[1], bits, g, a))
@@ -244,7 +246,8 @@ def packed_layout(cfg: ModelConfig, o: QuantOptions) -> dict[str, dict]:
 
 
 def cache_key(fingerprint: str, o: QuantOptions) -> str:
-    blob = json.dumps({"fp": fingerprint, "v": VERSION, **asdict(o)}, sort_keys=True)
+    opts = {k: v for k, v in asdict(o).items() if not (k == "linear_bits" and v == 4)}   # keys of older packs stay
+    blob = json.dumps({"fp": fingerprint, "v": VERSION, **opts}, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
@@ -253,14 +256,23 @@ def _bar(done: int, total: int, width: int = 30) -> str:
     return "[" + "#" * n + "." * (width - n) + f"] {100 * done // max(total, 1):3d}%"
 
 
-def write_packed(cfg: ModelConfig, weights, o: QuantOptions, out: Path, progress=None, fingerprint: str = "") -> dict:
+def write_packed(cfg: ModelConfig, weights, o: QuantOptions, out: Path, progress=None, fingerprint: str = "",
+                 codes=None) -> dict:
     """Quantize `weights` into out/{weights.bin, meta.json}. Streams tensor by tensor, in row chunks,
-    so memory stays bounded, and drops the source pages it has read (they are memory-mapped)."""
+    so memory stays bounded, and drops the source pages it has read (they are memory-mapped).
+    codes(name, r0, r1, bits) -> (q, scales, mins) of rows r0:r1 as quantize4/quantize8 give them, where the
+    source holds them already (a GGUF's Q4_0/Q8_0 blocks: plugins/cpu_int4/gguf_import.py), or None."""
+    def quantized(name, r0, rows, bits, group):
+        got = codes(name, r0, r0 + len(rows), bits) if codes else None
+        if got is not None:
+            return got
+        w = np.asarray(rows, np.float32)
+        return quantize4(w, group, o.sym, o.scale_dtype) if bits == 4 else (*quantize8(w, group, o.scale_dtype), None)
+
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     lay = packed_layout(cfg, o)
     total = max(i["offset"] + i["nbytes"] for i in lay.values())
-    sd = o.scale_dtype
     names = [n for n in lay if lay[n]["kind"] != "raw"]
     t0 = time.perf_counter()
     tmp = out / "weights.bin.part"
@@ -275,14 +287,12 @@ def write_packed(cfg: ModelConfig, weights, o: QuantOptions, out: Path, progress
         emb = weights["embed.weight"]
         kp = -(-cfg.hidden_size // o.group_size) * o.group_size
         for r0 in range(0, emb.shape[0], 8192):
-            w = np.asarray(emb[r0:r0 + 8192], np.float32)
+            q, d, m = quantized("embed.weight", r0, emb[r0:r0 + 8192], o.embed_bits, o.group_size)
             if o.embed_bits == 4:
-                q, d, m = quantize4(w, o.group_size, o.sym, sd)
                 put("embed.q", q[:, 0::2] | (q[:, 1::2] << 4), r0 * kp // 2)
                 if m is not None:
                     put("embed.mins", m.view(np.uint16), r0 * (kp // o.group_size) * 2)
             else:
-                q, d = quantize8(w, o.group_size, sd)
                 put("embed.q", q, r0 * kp)
             put("embed.scales", d.view(np.uint16), r0 * (kp // o.group_size) * 2)
             _release(emb[r0:r0 + 8192])
@@ -296,13 +306,8 @@ def write_packed(cfg: ModelConfig, weights, o: QuantOptions, out: Path, progress
                 step = max(ROWS, (1 << 22) // max(k, 1) // ROWS * ROWS)     # ~16 MB of f32 per chunk
                 written = 0
                 for r0 in range(0, n, step):
-                    w = np.asarray(src[r0:r0 + step], np.float32)
-                    if info["bits"] == 4:
-                        q, d, m = quantize4(w, g, o.sym, sd)
-                        buf = tile4(q, d, m, g)
-                    else:
-                        q, d = quantize8(w, g, sd)
-                        buf = tile8(q, d, g)
+                    q, d, m = quantized(name, r0, src[r0:r0 + step], info["bits"], g)
+                    buf = tile4(q, d, m, g) if info["bits"] == 4 else tile8(q, d, g)
                     put(name, buf, written)
                     written += buf.nbytes
                     _release(src[r0:r0 + step])
@@ -376,6 +381,8 @@ def read_packed(path: Path, cfg: ModelConfig | None = None) -> tuple[dict, np.me
         raise BackendError(f"{path}: packed with another version of cpu_int4 (or not a packed model); "
                            "convert the model again")
     try:
+        if isinstance(meta["options"], dict):
+            meta["options"].setdefault("linear_bits", 4)    # packed before linear_bits existed: int4 layers
         o = QuantOptions.from_extra(meta["options"])
         packed_cfg = ModelConfig(**meta["config"]).validated(f"{path / 'meta.json'} config")
         ok = asdict(o) == meta["options"] and packed_cfg.to_dict() == meta["config"]
@@ -398,11 +405,11 @@ def read_packed(path: Path, cfg: ModelConfig | None = None) -> tuple[dict, np.me
     return meta, np.memmap(path / "weights.bin", dtype=np.uint8, mode="r")
 
 
-def ensure_packed(cfg: ModelConfig, weights, o: QuantOptions, cache_dir: Path, progress=None) -> Path:
+def ensure_packed(cfg: ModelConfig, weights, o: QuantOptions, cache_dir: Path, progress=None, codes=None) -> Path:
     """The packed model for these weights and options, converted once and then reused from the cache."""
     fp = weights.fingerprint() if hasattr(weights, "fingerprint") else _content_fingerprint(weights)
     final = Path(cache_dir) / f"cpu_int4-{cache_key(fp, o)}"
-    return build_once(final, lambda tmp: write_packed(cfg, weights, o, tmp, progress, fingerprint=fp),
+    return build_once(final, lambda tmp: write_packed(cfg, weights, o, tmp, progress, fingerprint=fp, codes=codes),
                       complete=lambda p: (p / "meta.json").is_file())
 
 

@@ -1,0 +1,304 @@
+"""--model FILE.gguf (issue 40): GGUFs in llama.cpp's layout of the synthetic checkpoints run as their safetensors
+source does; quantized tensors dequantize exactly as gguf-py's own dequantizer; hostile files are refused in one
+line. Files are written by gguf-py's GGUFWriter (tests/gguf_kit.py), never by a llama.cpp build."""
+from __future__ import annotations
+
+import dataclasses
+import struct
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+
+from glmcore.config import ModelConfig
+from glmcore.errors import CheckpointError
+from glmcore.gguf import open_gguf
+from glmcore.pipeline import Pipeline
+from glmcore.sampling import SamplingParams
+from glmcore.weights import load_weights
+from gguf_kit import write_gguf
+
+FAMILIES = ["glm4", "glm4-0414", "chatglm3", "glm4-moe", "glm4-moe-lite"]
+# 50 texts for tokenizer checks (here against the checkpoint's own tokenizer; in test_gguf_llamacpp.py
+# against llama-tokenize)
+STRINGS = ["Hello world", " leading space", "trailing space ", "  two  spaces", "\n\nnewlines\n", "\ttabs\tand more",
+           "你好，世界", "写一首关于春天的诗", "日本語のテキスト", "한국어 텍스트", "Ünïcödé àccents", "emoji 🙂🚀",
+           "numbers 1234567890", "3.14159 and 2,718", "x=y+z*2", "def f(a):\n    return a", "{\"json\": [1, 2]}",
+           "<|user|> stays text", "[gMASK]<sop> too", "it's they're we've I'm you'll he'd", "IT'S LOUD",
+           "a" * 50, "ab" * 30, "混合 mixed 文本 text", "URL https://example.com/a?b=c", "email@example.com",
+           "tabs\t\tdouble", "\r\nwindows line", "¿Qué tal?", "Привет, мир", "مرحبا بالعالم", "שלום עולם",
+           "नमस्ते दुनिया", "Γειά σου Κόσμε", "snake_case_name", "CamelCaseName", "kebab-case-name", "100%",
+           "$5.00 & €3,50", "a\u200bzero width", "   ", "!!!???...", "— em dash – en dash", "«quotes» “curly”",
+           "line1\nline2\nline3", "1+1=2", "tokenizer test 🙂 你好 123", "end.", "x", "GLM-4.5 and GLM-4.7-Flash"]
+TEXTS = STRINGS[:6] + [""]
+
+
+@pytest.fixture(autouse=True)
+def _cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("GLMCORE_CACHE", str(tmp_path / "cache"))
+
+
+@pytest.fixture(scope="module")
+def files(make_tiny, tmp_path_factory):
+    """family -> (checkpoint dir, {type: gguf path})."""
+    out = {}
+    for family in FAMILIES:
+        d = make_tiny(family)
+        tmp = tmp_path_factory.mktemp(f"gguf-{family}")
+        out[family] = d, {q: write_gguf(d, tmp / f"{q}.gguf", q) for q in ("F32", "Q8_0", "Q4_0")}
+    return out
+
+
+def _greedy(model, prompt="你好 hello") -> tuple[list[int], str]:
+    p = Pipeline(model, backend="torch")
+    try:
+        ids = [p.tokenizer.encode(t) for t in TEXTS]
+        reply = p.chat([{"role": "user", "content": prompt}], params=SamplingParams(temperature=0), max_new_tokens=10)
+        rendered = p.model.chat_format.encode_messages([_msg("system", "be brief"), _msg("user", prompt)])
+        return ids, reply.content, rendered
+    finally:
+        p.model.close()
+
+
+def _msg(role, content):
+    from glmcore.chat import as_message
+    return as_message({"role": role, "content": content})
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_f32_gguf_is_the_checkpoint(files, family):
+    """Config, every canonical tensor (bit for bit), tokenizer ids, the rendered chat and greedy text."""
+    d, ggufs = files[family]
+    cfg = ModelConfig.from_dir(d)
+    c = open_gguf(ggufs["F32"])
+    w = load_weights(d, cfg)
+    if family == "glm4-moe-lite" and not any(n.startswith("mtp.") for n in c.weights):
+        # gguf-py releases before GLM-4.7-Flash name no NextN tensors for deepseek2 (its converter skipped them)
+        cfg = dataclasses.replace(cfg, num_mtp_layers=0)
+        w = {n: t for n, t in w.items() if not n.startswith("mtp.")}
+    assert dataclasses.replace(c.config, name=cfg.name) == cfg
+    assert sorted(c.weights) == sorted(w)
+    for name in w:
+        assert np.array_equal(c.weights[name], np.asarray(w[name], np.float32)), name
+    assert _greedy(ggufs["F32"]) == _greedy(d)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_tokenizer_from_the_metadata_encodes_as_the_checkpoints(files, family):
+    """The tokenizer rebuilt from tokenizer.ggml.* gives the checkpoint's own tokenizer's ids and text."""
+    from glmcore.tokenizer import load_tokenizer
+    d, ggufs = files[family]
+    c = open_gguf(ggufs["Q8_0"])
+    ours, theirs = load_tokenizer(c.tokenizer_dir, c.config.family), load_tokenizer(d, c.config.family)
+    assert (ours.n_vocab, ours.eos_id, ours.special_ids) == (theirs.n_vocab, theirs.eos_id, theirs.special_ids)
+    for text in STRINGS:
+        ids = theirs.encode(text)
+        assert ours.encode(text) == ids, text
+        assert ours.decode(ids) == theirs.decode(ids)
+
+
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0"])
+def test_quantized_gguf_runs_and_dequantizes_as_gguf_py(files, qtype):
+    d, ggufs = files["glm4-0414"]
+    c = open_gguf(ggufs[qtype])
+    reader = gguf.GGUFReader(ggufs[qtype])
+    raw = {t.name: t for t in reader.tensors}
+    # split q/k/v stored tensors are the rows of the canonical fused qkv, each as gguf-py dequantizes it
+    parts = [gguf.quants.dequantize(raw[f"blk.1.attn_{x}.weight"].data, raw[f"blk.1.attn_{x}.weight"].tensor_type)
+             for x in "qkv"]
+    assert np.array_equal(c.weights["layers.1.qkv.weight"], np.concatenate(parts))
+    assert c.weights.stored("layers.1.ffn_down.weight").qtype == qtype
+    src = load_weights(d, ModelConfig.from_dir(d))
+    w, q = np.asarray(src["layers.1.ffn_down.weight"], np.float32), c.weights["layers.1.ffn_down.weight"]
+    step = np.abs(w.reshape(w.shape[0], -1, 32)).max(-1, keepdims=True) / (127 if qtype == "Q8_0" else 8)
+    assert np.all(np.abs(q.reshape(step.shape[0], -1, 32) - w.reshape(step.shape[0], -1, 32)) <= step * 1.01)
+    ids, text, rendered = _greedy(ggufs[qtype])
+    ref_ids, _, ref_rendered = _greedy(d)
+    assert (ids, rendered) == (ref_ids, ref_rendered) and text
+
+
+def test_q8_0_logits_within_the_int8_tolerance(files):
+    """Teacher-forced logits of the Q8_0 file against the f32 source, held to conformance's int8 row."""
+    from glmcore_conformance.metrics import compare, out_of_bounds
+    from glmcore_conformance.tolerances import TOLERANCES
+    d, ggufs = files["glm4"]
+    assert not out_of_bounds(compare(_logits(d, "torch"), _logits(ggufs["Q8_0"], "torch")),
+                             TOLERANCES["int8"].bounds())
+
+
+def _logits(model, backend: str) -> np.ndarray:
+    """Teacher-forced logits of a fixed id sequence, one decode step per id."""
+    from glmcore.model import load_model
+    lm = load_model(model, backend)
+    try:
+        return np.stack([lm.scheduler.batch.step([(0, [i])])[0] for i in [5, 99, 7, 300, 12, 1000, 42, 3]])
+    finally:
+        lm.close()
+
+
+def test_split_set_loads_as_one_file(files, tmp_path):
+    d, _ = files["glm4"]
+    first = write_gguf(d, tmp_path / "m.gguf", "F32", split_tensors=6)
+    assert first.name == "m-00001-of-00003.gguf", sorted(p.name for p in tmp_path.iterdir())
+    whole = open_gguf(files["glm4"][1]["F32"])
+    split = open_gguf(first)
+    assert all(np.array_equal(split.weights[n], whole.weights[n]) for n in whole.weights)
+    (tmp_path / "m-00002-of-00003.gguf").unlink()
+    with pytest.raises(CheckpointError, match="m-00002-of-00003.gguf is missing"):
+        open_gguf(first)
+
+
+def test_cli_run_takes_a_gguf(files, capsys):
+    from glmcore.cli import main
+    assert main(["run", "--model", str(files["glm4-0414"][1]["Q8_0"]), "--backend", "torch", "--prompt", "hi",
+                 "--max-new-tokens", "4", "--temperature", "0"]) == 0
+
+
+# ------------------------------------------------------------------ hostile files
+
+def _s(text: str) -> bytes:
+    b = text.encode()
+    return struct.pack("<Q", len(b)) + b
+
+
+def _kv(key: str, kind: int, payload: bytes) -> bytes:
+    return _s(key) + struct.pack("<I", kind) + payload
+
+
+STR, U32, F32_, ARR = 8, 4, 6, 9
+
+
+def _file(kvs: list[bytes], infos: list[tuple[str, list[int], int, int]], data: bytes = b"", n_kv=None,
+          n_tensors=None) -> bytes:
+    """A GGUF v3 file: header, the kv bytes, tensor infos (name, dims, type, offset), padding, data."""
+    head = b"GGUF" + struct.pack("<IQQ", 3, len(infos) if n_tensors is None else n_tensors,
+                                 len(kvs) if n_kv is None else n_kv)
+    body = b"".join(kvs) + b"".join(_s(n) + struct.pack("<I", len(dims)) + struct.pack(f"<{len(dims)}Q", *dims)
+                                    + struct.pack("<IQ", t, off) for n, dims, t, off in infos)
+    blob = head + body
+    return blob + bytes(-len(blob) % 32) + data
+
+
+ARCH = _kv("general.architecture", STR, _s("chatglm"))
+
+
+@pytest.mark.parametrize("blob, match", [
+    (b"GGUF", "truncated"),
+    (b"GGML" + bytes(20), "magic"),
+    (_file([ARCH], [], n_kv=1 << 40), "metadata keys"),
+    (_file([ARCH], [], n_tensors=1 << 40), "tensors"),
+    (_file([ARCH, _kv("tokenizer.ggml.tokens", ARR, struct.pack("<IQ", STR, 1 << 60))], []), "array of"),
+    (_file([ARCH, _kv("x", ARR, struct.pack("<IQ", ARR, 1))], []), "nested"),
+    (_file([ARCH, _kv("x", STR, struct.pack("<Q", 1 << 50))], []), "string of"),
+    (_file([ARCH, _kv("x", 99, b"")], []), "unknown metadata value type"),
+    (_file([ARCH], [("t", [1 << 50, 1 << 20], 0, 0)]), "absurd dimensions"),
+    (_file([ARCH], [("t", [4, 0], 0, 0)], bytes(64)), "absurd dimensions"),
+    (_file([ARCH], [("t", [4] * 5, 0, 0)]), "5 dimensions"),
+    (_file([ARCH], [("t", [32], 0, 0)], bytes(64)), "truncated"),
+    (_file([ARCH], [("t", [8], 250, 0)], bytes(64)), "unknown type"),
+    (_file([ARCH], [("t", [256], int(gguf.GGMLQuantizationType.IQ4_XS), 0)], bytes(256)), "IQ4_XS.*Q4_K"),
+    (_file([ARCH], [("a", [8], 0, 0), ("b", [8], 0, 0)], bytes(64)), "overlap"),
+    (_file([ARCH], [("a", [8], 0, 4)], bytes(64)), "alignment"),
+    (_file([ARCH], [("a", [8], 0, 0), ("a", [8], 0, 32)], bytes(64)), "duplicated"),
+    (_file([_kv("general.architecture", U32, struct.pack("<I", 7))], []), "not str"),
+    (_file([_kv("general.architecture", STR, _s("llama"))], []), "'llama' is not a GLM model"),
+    (_file([ARCH], []), "token_embd.weight is missing"),
+    (_file([ARCH], [("token_embd.weight", [8, 4], 0, 0)], bytes(128)), "chatglm.attention.head_count is missing"),
+], ids=lambda x: x if isinstance(x, str) else None)
+def test_hostile_gguf_is_one_line(tmp_path, blob, match):
+    path = tmp_path / "bad.gguf"
+    path.write_bytes(blob)
+    with pytest.raises(CheckpointError, match=match) as e:
+        open_gguf(path)
+    assert "\n" not in str(e.value) and str(path) in str(e.value)
+
+
+def test_tensor_of_the_wrong_shape_is_refused(files, tmp_path):
+    """A file whose metadata disagrees with a tensor's shape (here: one layer too many) names the tensor."""
+    d, _ = files["glm4"]
+    path = write_gguf(d, tmp_path / "m.gguf", "F32")
+    data = bytearray(path.read_bytes())
+    key = b"chatglm.block_count"
+    at = data.index(key) + len(key) + 4
+    data[at:at + 4] = struct.pack("<I", 3)
+    path.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match="layers.2.* is missing"):
+        open_gguf(path)
+
+
+# ------------------------------------------------------------------ cpu_int4 keeps Q4_0 / Q8_0 blocks
+
+@pytest.mark.parametrize("qtype, bits", [("Q4_0", 4), ("Q8_0", 8)])
+def test_cpu_int4_holds_the_blocks_without_requantizing(files, qtype, bits, tmp_path):
+    """Every weight cpu_int4 packs from a Q4_0/Q8_0 file dequantizes exactly to gguf-py's dequantization of the
+    file; its logits agree with the reference run of the same file within the int8-activation row."""
+    from glmcore.backend import LoadOptions, registry
+    from glmcore_conformance.metrics import compare, out_of_bounds
+    from glmcore_conformance.tolerances import TOLERANCES
+    from glmcore_plugins.cpu_int4.quant import dequantized_weights, read_packed
+    backend = registry().get("cpu_int4")
+    if not registry().probe("cpu_int4").ready:
+        pytest.skip("cpu_int4's C library cannot be built here")
+    path = files["glm4"][1][qtype]
+    c = open_gguf(path)
+    opts = backend.resolve(LoadOptions())
+    opts.cache_dir = tmp_path
+    meta, blob = read_packed(backend._packed_dir(c.config, c.weights, opts), c.config)
+    assert (meta["options"]["linear_bits"], meta["options"]["embed_bits"], meta["options"]["head_bits"]) == (bits,) * 3
+    held = dequantized_weights(meta, np.asarray(blob))
+    reader = {t.name: t for t in gguf.GGUFReader(path).tensors}
+    assert np.array_equal(held["embed.weight"], gguf.quants.dequantize(reader["token_embd.weight"].data,
+                                                                        reader["token_embd.weight"].tensor_type))
+    for name in held:
+        assert np.array_equal(held[name], c.weights[name]), name
+    assert not out_of_bounds(compare(_logits(path, "torch"), _logits(path, "cpu_int4")), TOLERANCES["int8"].bounds())
+
+
+def test_cpu_int4_quantization_options_still_apply_to_a_gguf(files, tmp_path):
+    from glmcore.backend import LoadOptions, registry
+    from glmcore_plugins.cpu_int4.quant import read_packed
+    backend = registry().get("cpu_int4")
+    if not registry().probe("cpu_int4").ready:
+        pytest.skip("cpu_int4's C library cannot be built here")
+    c = open_gguf(files["glm4"][1]["Q8_0"])
+    opts = backend.resolve(LoadOptions(extra={"group_size": 64}))
+    opts.cache_dir = tmp_path
+    meta, _ = read_packed(backend._packed_dir(c.config, c.weights, opts), c.config)
+    assert meta["options"]["group_size"] == 64 and meta["options"]["linear_bits"] == 4
+
+
+def test_identity_is_the_content_not_only_the_header(files, tmp_path):
+    """Two files alike but for a weight get different fingerprints (conversion caches key on them)."""
+    path = files["glm4"][1]["F32"]
+    data = bytearray(path.read_bytes())
+    at = gguf.GGUFReader(path).tensors[-1].data_offset
+    data[at:at + 4] = struct.pack("<f", 123.0)      # the first value of the last tensor
+    other = tmp_path / "other.gguf"
+    other.write_bytes(bytes(data))
+    assert open_gguf(other).weights.fingerprint() != open_gguf(path).weights.fingerprint()
+
+
+def test_eval_perplexity_of_a_gguf_is_its_sources(files, tmp_path, capsys):
+    import re
+    from glmcore.cli import main
+    d, ggufs = files["glm4-0414"]
+    text = tmp_path / "text.txt"
+    text.write_text(" ".join(STRINGS) * 3, encoding="utf-8")
+    found = []
+    for model in (d, ggufs["F32"]):
+        assert main(["eval", "--model", str(model), "--perplexity", str(text), "--ctx", "32", "--chunks", "3",
+                     "--backend", "torch", "--threads", "1"]) == 0
+        found.append(re.search(r"Final estimate: PPL = ([\d.]+)", capsys.readouterr().out).group(1))
+    assert found[0] == found[1]
+
+
+def test_two_ranks_open_the_gguf_too(files, capsys):
+    """--tp 2: every rank opens the GGUF itself (the weights are never sent) and the text is one rank's."""
+    from glmcore.cli import main
+    args = ["run", "--backend", "torch", "--model", str(files["glm4-0414"][1]["Q8_0"]), "--prompt", "hi",
+            "--max-new-tokens", "6", "--temperature", "0", "--threads", "1"]
+    assert main(args) == 0
+    alone = capsys.readouterr().out
+    assert main(args + ["--tp", "2"]) == 0
+    assert capsys.readouterr().out == alone

@@ -1,0 +1,145 @@
+"""GGUFs made by llama.cpp's own tools (issue 40): its convert_hf_to_gguf.py and llama-quantize on the synthetic
+checkpoints, read by glmcore as their safetensors source is; the tokenizer's ids equal to llama-tokenize's.
+
+Runs only where $GLMCORE_LLAMACPP names a built llama.cpp tree (conformance/llamacpp.py says how to build one,
+with the targets llama-quantize and llama-tokenize); CI has none, and tests/test_gguf.py covers the same reader
+on files gguf-py's writer lays out as the converter does.
+"""
+from __future__ import annotations
+
+import ast
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+
+from glmcore.gguf import open_gguf
+from glmcore.tokenizer import load_tokenizer
+from test_gguf import STRINGS
+
+pytestmark = pytest.mark.slow
+
+LLAMACPP = os.environ.get("GLMCORE_LLAMACPP")
+FAMILIES = ["glm4", "glm4-0414", "chatglm3", "glm4-moe", "glm4-moe-lite"]
+
+
+@pytest.fixture(scope="module")
+def llamacpp():
+    from glmcore_conformance.llamacpp import LlamaCpp
+    if not LLAMACPP:
+        pytest.skip("$GLMCORE_LLAMACPP is unset: no llama.cpp build to compare with")
+    return LlamaCpp(Path(LLAMACPP))
+
+
+def _tool(lc, name: str) -> str:
+    assert lc.tool(name).exists(), f"$GLMCORE_LLAMACPP={LLAMACPP} lacks {name}; build it (conformance/llamacpp.py)"
+    return str(lc.tool(name))
+
+
+@pytest.fixture(scope="module")
+def converted(llamacpp, make_tiny, tmp_path_factory):
+    """family -> (checkpoint dir, f32 GGUF by llama.cpp's converter)."""
+    out = {}
+    for family in FAMILIES:
+        d = make_tiny(family)
+        f32 = tmp_path_factory.mktemp(f"lc-{family}") / "f32.gguf"
+        r = subprocess.run([sys.executable, "-m", "glmcore_conformance.llamacpp", "convert", str(llamacpp.root), str(d),
+                            str(f32), "--outtype", "f32"], capture_output=True, text=True, timeout=1800)
+        assert r.returncode == 0, r.stderr[-3000:]
+        out[family] = d, f32
+    return out
+
+
+def _quantize(lc, src: Path, qtype: str) -> Path:
+    dst = src.with_name(f"{qtype}.gguf")
+    r = subprocess.run([_tool(lc, "llama-quantize"), str(src), str(dst), qtype], capture_output=True, text=True,
+                       timeout=1800)
+    assert r.returncode == 0, r.stderr[-2000:]
+    return dst
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_llamacpp_f32_gguf_runs_as_the_checkpoint(converted, family):
+    from test_gguf import _greedy
+    d, f32 = converted[family]
+    c = open_gguf(f32)
+    from glmcore.config import ModelConfig
+    from glmcore.weights import load_weights
+    w = load_weights(d, ModelConfig.from_dir(d))
+    for name in c.weights:
+        assert np.array_equal(c.weights[name], np.asarray(w[name], np.float32)), name
+    assert _greedy(f32) == _greedy(d)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_tokenizer_ids_equal_llama_tokenize(llamacpp, converted, family, tmp_path):
+    """Plain text (special tokens not parsed, no BOS). One known divergence: llama.cpp's SentencePiece merges may
+    spell a control token from plain text (ChatGLM3's "sop" in "<sop>"), which the checkpoint's own tokenizer
+    never does; there glmcore follows the checkpoint."""
+    d, f32 = converted[family]
+    c = open_gguf(f32)
+    tok, own = load_tokenizer(c.tokenizer_dir, c.config.family), load_tokenizer(d, c.config.family)
+    wrong = []
+    for i, text in enumerate(STRINGS):
+        (tmp_path / f"{i}.txt").write_text(text, encoding="utf-8")
+        r = subprocess.run([_tool(llamacpp, "llama-tokenize"), "-m", str(f32), "-f", str(tmp_path / f"{i}.txt"),
+                            "--ids", "--no-bos", "--no-parse-special", "--log-disable"], capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0, r.stderr[-1000:]
+        theirs = ast.literal_eval(r.stdout.strip().splitlines()[-1])
+        ours = tok.encode(text)
+        spelled_control = any(i in tok.special_names for i in theirs) and ours == own.encode(text)
+        if ours != theirs and not (c.config.family in ("chatglm2", "chatglm3") and spelled_control):
+            wrong.append((text, ours, theirs))
+    assert not wrong, (len(wrong), wrong[:3])
+
+
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q8_0"])
+def test_llama_quantize_files_load_into_cpu_int4_exactly(llamacpp, converted, qtype, tmp_path):
+    """llama-quantize's Q4_0/Q8_0: every layer weight cpu_int4 holds dequantizes to what gguf-py gives for the file."""
+    from glmcore.backend import LoadOptions, registry
+    from glmcore_plugins.cpu_int4.quant import dequantized_weights, read_packed
+    q = _quantize(llamacpp, converted["glm4"][1], qtype)
+    c = open_gguf(q)
+    backend = registry().get("cpu_int4")
+    opts = backend.resolve(LoadOptions())
+    opts.cache_dir = tmp_path
+    meta, blob = read_packed(backend._packed_dir(c.config, c.weights, opts), c.config)
+    held = dequantized_weights(meta, np.asarray(blob))
+    same_type = [n for n in held if c.weights.stored(n).qtype == qtype]
+    assert any(n.endswith("ffn_up.weight") for n in same_type)
+    for name in same_type:
+        assert np.array_equal(held[name], c.weights[name]), name
+    reader = {t.name: t for t in gguf.GGUFReader(q).tensors}
+    t = reader["blk.0.ffn_down.weight"]
+    assert np.array_equal(held["layers.0.ffn_down.weight"], gguf.quants.dequantize(t.data, t.tensor_type))
+
+
+@pytest.fixture(scope="module")
+def small(llamacpp, tmp_path_factory):
+    """A glm4 checkpoint wide enough for K-quants (rows of 256 inputs) and its f32 GGUF by llama.cpp's converter."""
+    from glmcore.synth import make_model
+    d = tmp_path_factory.mktemp("glm4-small")
+    make_model("glm4", "small", d, layers=2)
+    f32 = d / "f32.gguf"
+    r = subprocess.run([sys.executable, "-m", "glmcore_conformance.llamacpp", "convert", str(llamacpp.root), str(d),
+                        str(f32), "--outtype", "f32"], capture_output=True, text=True, timeout=1800)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return d, f32
+
+
+@pytest.mark.parametrize("qtype, kinds", [("Q4_K_M", {"Q4_K", "Q6_K"}), ("Q5_K_M", {"Q5_K", "Q6_K"}),
+                                          ("Q6_K", {"Q6_K"})])
+def test_k_quant_files_run_within_the_int4_row(llamacpp, small, qtype, kinds):
+    """K-quant files (dequantized by gguf-py for the reference backend) give logits within the int4 row of the
+    f32 source's."""
+    from glmcore_conformance.metrics import compare, out_of_bounds
+    from glmcore_conformance.tolerances import TOLERANCES
+    from test_gguf import _logits
+    d, f32 = small
+    q = _quantize(llamacpp, f32, qtype)
+    assert kinds <= {t.tensor_type.name for t in gguf.GGUFReader(q).tensors}
+    assert not out_of_bounds(compare(_logits(d, "torch"), _logits(q, "torch")), TOLERANCES["int4"].bounds())
