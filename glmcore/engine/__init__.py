@@ -1,8 +1,8 @@
 """The engine: request state (request.py), the slot table and KV policy (slots.py), schedule / update
 (step.py), the step loop (scheduler.py) and speculative drafters (speculative.py)."""
-from .request import OVERFLOW_POLICIES, Handle, Request, RequestState, Status, Timings, WindowPolicy
+from .request import OVERFLOW_POLICIES, Handle, Request, RequestState, Slot, Status, Timings, WindowPolicy
 from .scheduler import QueueFull, Scheduler
-from .slots import Room, Slot, SlotTable, common_prefix, make_room
+from .slots import Room, SlotTable, common_prefix, make_room
 from .speculative import Method, NgramDrafter, Speculation
 
 __all__ = ["OVERFLOW_POLICIES", "Handle", "Method", "NgramDrafter", "QueueFull", "Request", "RequestState", "Room",

@@ -9,7 +9,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from ..errors import ContextOverflow, GlmcoreError
 from ..events import FinishReason
@@ -17,8 +17,6 @@ from ..sampling import Sampler, SamplingParams
 
 if TYPE_CHECKING:
     from ..structured import Constraint, Matcher
-    from .scheduler import Scheduler
-    from .slots import Slot
 
 OVERFLOW_POLICIES = ("error", "window")
 
@@ -166,12 +164,34 @@ class RequestState:
         return True
 
 
+class Slot:
+    """What one slot of the BatchSession holds: its ids in cache order, and the window bookkeeping."""
+
+    def __init__(self, index: int):
+        self.index = index
+        self.tokens: list[int] = []
+        self.turn_starts: list[int] = []
+        self.n_pinned: int | None = None
+        self.shifts = 0
+        self.state: "RequestState | None" = None      # the running request, None when free
+        self.last_used = 0.0
+
+
+class Engine(Protocol):
+    """What a Handle asks of the scheduler that made it (glmcore.engine.scheduler.Scheduler)."""
+    threaded: bool
+
+    def wake(self) -> None: ...
+
+    def step(self) -> bool: ...
+
+
 class Handle:
     """A submitted request as its consumer sees it. Iterate it for the generated token ids as they come
     (stop ids are never yielded); `finish_reason` is then a FinishReason. Safe to consume from another
     thread; iterating it steps the scheduler when no background thread does (the CLI, the Pipeline)."""
 
-    def __init__(self, state: RequestState, scheduler: "Scheduler",
+    def __init__(self, state: RequestState, scheduler: Engine,
                  on_token: Callable[["Handle", int | None], None] | None):
         self.state, self.scheduler, self.on_token = state, scheduler, on_token
         state.handle = self

@@ -16,8 +16,8 @@ from ..backend import BatchSession, Capabilities
 from ..errors import GlmcoreError
 from ..events import FinishReason
 from .driver import BackgroundDriver
-from .request import Handle, Request, RequestState, WindowPolicy, check_request
-from .slots import Slot, SlotTable
+from .request import Handle, Request, RequestState, Slot, WindowPolicy, check_request
+from .slots import SlotTable
 from .speculative import Speculation
 from .step import Event, PlanEntry, StepPlan, constrain, end, row_of, sample, schedule, update
 

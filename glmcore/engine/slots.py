@@ -4,29 +4,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
-from ..backend import BatchSession, Capabilities
 import numpy as np
 
+from ..backend import BatchSession, Capabilities
 from ..errors import ContextOverflow, GlmcoreError
-from .request import WindowPolicy
-
-if TYPE_CHECKING:
-    from .request import RequestState
-
-
-class Slot:
-    """What one slot of the BatchSession holds: its ids in cache order, and the window bookkeeping."""
-
-    def __init__(self, index: int):
-        self.index = index
-        self.tokens: list[int] = []
-        self.turn_starts: list[int] = []
-        self.n_pinned: int | None = None
-        self.shifts = 0
-        self.state: RequestState | None = None      # the running request, None when free
-        self.last_used = 0.0
+from .request import RequestState, Slot, WindowPolicy
 
 
 @dataclass(frozen=True)
