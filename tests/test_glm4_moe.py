@@ -231,7 +231,7 @@ def test_transformers_own_checkpoint_with_group_limited_routing(tmp_path):
 # ---------------------------------------------------------------- backends and commands
 
 @pytest.mark.parametrize("family", MOE_FAMILIES)
-@pytest.mark.parametrize("backend", ["cpu_int4", "openvino_amx", "tpu_bm1684x"])
+@pytest.mark.parametrize("backend", ["openvino_amx", "tpu_bm1684x"])
 def test_backends_without_moe_kernels_refuse_naming_those_that_run_it(make_tiny, family, backend):
     from glmcore.model import load_model
     with pytest.raises(BackendError, match=r"cannot run this checkpoint: .* implement glm, not glm4_moe.*backends "

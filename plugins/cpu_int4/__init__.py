@@ -27,6 +27,8 @@ from glmcore.backend import Backend, Capabilities, LoadOptions, Probe, hookimpl,
 from glmcore import arch
 from glmcore.errors import BackendError
 
+# the dense GLMs; glm4_moe (experts in the kernels, fp32 router); glm4_moe_lite (latent attention, latent cache)
+ARCHITECTURES = ("glm", "glm4_moe", "glm4_moe_lite")
 QUANT_OPTIONS = ("group_size", "sym", "scale_dtype", "embed_bits", "head_bits")
 OPTIONS = QUANT_OPTIONS + ("kv_dtype", "isa", "packed", "quant", "calib")
 
@@ -84,10 +86,10 @@ class CpuInt4Backend(Backend):
                             native_batch=True, max_slots=None)
 
     def supports(self, config) -> str | None:
-        return kernels_run(self, config, ("glm",))
+        return kernels_run(self, config, ARCHITECTURES)
 
     def architectures(self) -> list[str]:
-        return [arch.get("glm").describe()]
+        return [arch.get(a).describe() for a in ARCHITECTURES]
 
     def _settings(self, options: LoadOptions):
         from . import native
@@ -134,7 +136,8 @@ class CpuInt4Backend(Backend):
         q = QuantOptions.from_extra({k: v for k, v in options.extra.items() if k in QUANT_OPTIONS})
         weights = packed_stats(config, packed_layout(config, q), 0)["bytes_per_token"]
         kv_elt = 4 if options.extra.get("kv_dtype") == "f32" else 2
-        return int(weights + config.num_layers * 2 * config.kv_size * kv_elt * kv_len)
+        per_layer = getattr(config, "latent_size", 0) or 2 * config.kv_size     # a latent row, or K and V
+        return int(weights + config.num_layers * per_layer * kv_elt * kv_len)
 
     def _packed_dir(self, config, weights, options: LoadOptions) -> Path:
         from glmcore.cache import cache_root, check_converted
