@@ -207,9 +207,9 @@ def test_logits_match_transformers(make_tiny, family, backend, extra):
     close(np.concatenate([got[0][1]] + [g[1] for g in got[1:7]]), hf_logits(model, b[:18]))
 
 
-def test_transformers_own_checkpoint_with_group_limited_routing(tmp_path):
+def group_limited_checkpoint(path: Path):
     """A checkpoint transformers writes itself (its names, its init), with n_group 4 / topk_group 2 so the
-    group limit decides, q/k norms on and a correction bias that changes choices."""
+    group limit decides, q/k norms on and a correction bias that changes choices. Returns transformers' model."""
     cfg = transformers.Glm4MoeConfig(
         vocab_size=300, hidden_size=48, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, head_dim=12, first_k_dense_replace=1, n_routed_experts=8, num_experts_per_tok=3,
@@ -222,7 +222,12 @@ def test_transformers_own_checkpoint_with_group_limited_routing(tmp_path):
             p.normal_(0, 0.3 if "norm" not in name else 0.1).add_(1.0 if "norm" in name else 0.0)
         for layer in model.model.layers[1:]:
             layer.mlp.gate.e_score_correction_bias.normal_(0, 0.1)
-    model.save_pretrained(tmp_path, safe_serialization=True)
+    model.save_pretrained(path, safe_serialization=True)
+    return model
+
+
+def test_transformers_own_checkpoint_with_group_limited_routing(tmp_path):
+    model = group_limited_checkpoint(tmp_path)
     ids = [int(t) for t in np.random.default_rng(4).integers(0, 300, 50)]
     got = ours("torch", tmp_path, [[(0, ids)]])[0][0]
     close(got, hf_logits(model, ids))

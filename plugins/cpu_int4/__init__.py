@@ -9,6 +9,13 @@ run time) that runs every layer with its own thread pool. The KV cache is a fixe
 the cached keys in place. `load_batch` holds many sequences (a ring each) and runs one step for all of
 them: each weight matrix is multiplied once with every token of the step (the prefill GEMM path).
 
+The MoE GLMs run in the same kernels: glm4_moe (GLM-4.5/4.6/4.7) with INT4 routed and shared experts, the
+router in fp32 as transformers' route(), and per step the tokens grouped by expert so each chosen expert is
+read once (all experts of a projection in one parallel region); glm4_moe_lite (GLM-4.7-Flash) with latent
+attention, kv_b absorbed into the query and the output (packed as its two per-head halves), and a latent KV
+cache of kv_lora_rank + qk_rope_head_dim values per token and layer, shifted in place on its rope part.
+The NextN (MTP) layer of a checkpoint is not packed: the decoder never runs it.
+
 Options (LoadOptions.extra, `--opt key=value`): group_size 32|64|128 (32), sym true|false (true),
 scale_dtype f16|bf16 (f16), embed_bits 4|8 (4), head_bits 4|8 (8), kv_dtype f16|f32 (f16),
 isa auto|plain|avx2|avxvnni|avx512vnni (auto), packed DIR (a `glmcore convert` output to load),
