@@ -182,6 +182,14 @@ def test_packed_file_keeps_the_nextn_layer_out_and_counts_active_bytes(make_tiny
         assert stats["bytes_per_token"] == int(others + share * experts + routers)
 
 
+@pytest.mark.parametrize("family", MOE_FAMILIES)
+def test_gptq_is_refused_in_one_line(make_tiny, cache, family):
+    from glmcore.errors import BackendError
+    _, cfg, w = checkpoint(make_tiny, family)
+    with pytest.raises(BackendError, match=rf"quant=gptq calibrates the dense GLMs, not {cfg.arch}; use quant=rtn"):
+        load_batch(cfg, w, cache, quant="gptq")
+
+
 @pytest.mark.slow
 def test_conformance_suite_on_both_moe_families(cache, tmp_path, monkeypatch):
     """The project's conformance suite, every variant cpu_int4 declares, on both tiny MoE families: the fp32

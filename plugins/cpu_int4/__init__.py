@@ -179,6 +179,8 @@ def _calibrated(config, weights, q, extra: dict, progress):
     if method != "gptq":
         raise BackendError(f"cpu_int4: quant={method!r} is not supported; use rtn (round to nearest) or gptq "
                            "(calibrated)")
+    if config.arch != "glm":       # glmcore/gptq.py runs the dense block's forward to calibrate
+        raise BackendError(f"cpu_int4: quant=gptq calibrates the dense GLMs, not {config.arch}; use quant=rtn")
     from glmcore.gptq import calibrated
     from .quant import SCALE_DTYPES, VERSION
     sd, g = SCALE_DTYPES[q.scale_dtype], q.group_size
