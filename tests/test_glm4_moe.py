@@ -143,6 +143,21 @@ def test_layout_per_expert_and_the_nextn_layer_kept_apart(make_tiny, family):
     assert "mtp.0.layer.experts.0.ffn_down.weight" in w and "mtp.0.final_norm.weight" in w
 
 
+def test_experts_gate_and_up_fused_without_reading_them(make_tiny):
+    """An expert's gate and up projections, stored back to back, become one view of the mapped file (no copy: a
+    large checkpoint's experts stay on disk until a backend reads them) with the rows of both, gate first."""
+    path = make_tiny("glm4-moe")
+    cfg = ModelConfig.from_dir(path)
+    w = load_weights(path, cfg)
+    raw = {}
+    for shard in path.glob("*.safetensors"):
+        raw.update(read_safetensors(shard))
+    fused = w["layers.1.experts.5.ffn_up.weight"]
+    assert isinstance(fused.base, np.memmap)
+    assert np.array_equal(fused, np.concatenate([raw["model.layers.1.mlp.experts.5.gate_proj.weight"],
+                                                 raw["model.layers.1.mlp.experts.5.up_proj.weight"]]))
+
+
 def _copy_without(src: Path, dst: Path, drop=(), reshape: dict | None = None) -> Path:
     shutil.copytree(src, dst)
     for shard in dst.glob("*.safetensors"):
