@@ -4,6 +4,14 @@ bytes per token, fraction of the measured memory bandwidth, peak RSS against the
     python benchmarks/bench_cpu_int4.py --size tiny                  # CI smoke, seconds
     python benchmarks/bench_cpu_int4.py --size 1b --model /tmp/glm-1b --threads 2
     python benchmarks/bench_cpu_int4.py --size 1b --batch 1,4,16 --group-size 32   # native batch steps
+    glmcore make-model --family glm4-moe-lite --size flash --layers 12 --out /tmp/flash12     # GLM-4.7-Flash shape
+    python benchmarks/bench_cpu_int4.py --model /tmp/flash12 --group-size 32 --no-torch
+
+Where $GLMCORE_LLAMACPP names a built llama.cpp (conformance/llamacpp.py), llama.cpp Q4_0 of the same checkpoint
+(its own converter and llama-quantize) runs right after cpu_int4 in the same run (llama-bench, the same prompt
+length, decode steps and threads), and the ratios are taken from that run. Bytes per token count what a decode
+step reads: the layers' matrices (of an MoE layer the top_k chosen experts' share, the shared expert and the fp32
+router), the output layer, and the KV cache at mid-run (the latent cache for latent attention).
 
 Each backend runs in its own process, so one's threads, memory and page cache state do not leak into
 another's numbers (torch's OpenMP pool keeps spinning after its ops, for one). The int4 model is
@@ -184,13 +192,34 @@ def convert(args, extra: dict) -> None:
                    cwd=ROOT)
 
 
+def llamacpp_row(args) -> dict | None:
+    """llama.cpp Q4_0 on the same checkpoint (one llama-bench repetition per --repeat, the best prefill and the
+    median decode), or None where $GLMCORE_LLAMACPP is unset or the conversion fails (it is optional)."""
+    from glmcore.errors import GlmcoreError
+    from glmcore_conformance.llamacpp import find
+    lc = find()
+    if lc is None:
+        return None
+    try:
+        gguf = lc.gguf(Path(args.model), "int4", progress=lambda m: print(f"  {m}", flush=True))
+        runs = [lc.bench(gguf, args.prefill, args.decode, args.threads) for _ in range(args.repeat)]
+    except GlmcoreError as e:
+        print(f"  llama.cpp: skipped ({e})")
+        return None
+    return {"label": "llama.cpp Q4_0", "prefill_tps": max(r["prefill_tps"] for r in runs),
+            "decode_tps": statistics.median(r["decode_tps"] for r in runs),
+            "peak_rss": max(r["peak_rss_mib"] for r in runs) * 2**20}
+
+
 # ---------------------------------------------------------------- the report
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
                                  allow_abbrev=False)
-    ap.add_argument("--size", default="tiny", choices=["tiny", "small", "1b", "6b", "9b"])
-    ap.add_argument("--family", choices=["chatglm2", "chatglm3", "glm4"], help="default chatglm3, glm4 at --size 9b")
+    ap.add_argument("--size", default="tiny", choices=["tiny", "small", "1b", "6b", "9b", "air", "355b", "flash"])
+    ap.add_argument("--family", choices=["chatglm2", "chatglm3", "glm4", "glm4-moe", "glm4-moe-lite"],
+                    help="default chatglm3, glm4 at --size 9b")
+    ap.add_argument("--no-llamacpp", action="store_true", help="leave out llama.cpp even where $GLMCORE_LLAMACPP is set")
     ap.add_argument("--model", help="checkpoint dir (default: the synthetic --size, made once in the cache)")
     ap.add_argument("--cache", help="packed-model cache (default: the glmcore cache)")
     ap.add_argument("--prefill", type=int, default=128)
@@ -267,6 +296,9 @@ def main(argv=None) -> int:
         if r:
             r["label"] = f"cpu_int4 g{g} {'asym' if args.asym else 'sym'}"
             rows.append(r)
+    lc = None if args.no_llamacpp else llamacpp_row(args)
+    if lc:
+        rows.append(lc)
     torch_row = None
     if not args.no_torch:
         torch_row = run_worker(args, "torch")
@@ -296,7 +328,8 @@ def main(argv=None) -> int:
         if info:
             ctx = args.prefill + args.decode / 2
             kv_elt = 2 if info["kv_dtype"] == "f16" else 4
-            kv = cfg.num_layers * 2 * cfg.kv_size * kv_elt * ctx        # KV cache read per step, mid-run
+            per_layer = getattr(cfg, "latent_size", 0) or 2 * cfg.kv_size     # a latent row, or K and V
+            kv = cfg.num_layers * per_layer * kv_elt * ctx        # KV cache read per step, mid-run
             per_tok = info["bytes_per_token"] + kv
             # per round: achieved GB/s against the bandwidth probed right before it; report the median
             fr = sorted(per_tok * x["decode_tps"] / 1e9 / x["bw_GBps"] for x in r["rounds"])
@@ -323,6 +356,9 @@ def main(argv=None) -> int:
         print("  decode rounds, fraction of the bandwidth probed beside each: "
               + ", ".join(f"{f:.0%}" for f in rl["fractions"]) + " (probes: "
               + ", ".join(f"{x['bw_GBps']:.1f}" for x in r["rounds"]) + " GB/s)")
+        if lc:
+            print(f"  vs llama.cpp Q4_0 (same run): prefill {r['prefill_tps'] / lc['prefill_tps']:.2f}x, "
+                  f"decode {r['decode_tps'] / lc['decode_tps']:.2f}x")
         if torch_row:
             print(f"  vs torch fp32: prefill {r['prefill_tps'] / torch_row['prefill_tps']:.2f}x, "
                   f"decode {r['decode_tps'] / torch_row['decode_tps']:.2f}x")

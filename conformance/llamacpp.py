@@ -34,6 +34,9 @@ from pathlib import Path
 from glmcore.errors import GlmcoreError
 
 ENV = "GLMCORE_LLAMACPP"
+# the families whose checkpoints convert_hf_to_gguf.py reads: the ChatGLM layout, and the MoE GLMs (llama.cpp's
+# glm4moe, and deepseek2 for GLM-4.7-Flash's latent attention)
+LAYOUTS = ("chatglm2", "chatglm3", "glm4", "glm4-moe", "glm4-moe-lite")
 GGUF_TYPES = {"int8": "Q8_0", "int4": "Q4_0", "f16": "F16", "bf16": "BF16", "f32": "F32"}
 TARGETS = ("llama-bench", "llama-quantize")
 
@@ -60,9 +63,8 @@ class LlamaCpp:
         if qtype is None:
             raise GlmcoreError(f"llama.cpp has no counterpart of weight format {weights!r}")
         cfg = ModelConfig.from_dir(model_dir)
-        if cfg.family not in ("chatglm2", "chatglm3", "glm4"):
-            raise GlmcoreError(f"llama.cpp comparison: only the ChatGLM-layout families (chatglm2/3, glm4), not "
-                               f"{cfg.family}")
+        if cfg.family not in LAYOUTS:
+            raise GlmcoreError(f"llama.cpp comparison: only {', '.join(LAYOUTS)}, not {cfg.family}")
         key = load_weights(model_dir, cfg).fingerprint()
         root = cache_root() / "converted" / "llamacpp" / f"{Path(model_dir).name}-{key}"
         done = lambda p: (p / "model.gguf").is_file()
@@ -168,13 +170,14 @@ def build(sdist: Path, dest: Path, jobs: int = 2) -> Path:
 # ---------------------------------------------------------------- the converter, with our vocabulary
 
 def convert(root: Path, model_dir: Path, out: Path, outtype: str = "f16") -> None:
-    """Run llama.cpp's convert_hf_to_gguf.py on a ChatGLM2/3 or GLM-4 (chatglm layout) checkpoint, its vocabulary
-    read by our own tokenizer code instead of the checkpoint's remote code: ChatGLM2/3's SentencePiece pieces with
-    the special tokens numbered after them, GLM-4's byte-level BPE ranks (tiktoken file) as llama.cpp writes a
-    tiktoken vocabulary (token strings and merges as for Qwen), then its 14 special tokens. The tokenizer.json
-    checkpoints (GLM-4-0414, the MoE GLMs) keep the converter's own vocabulary code, told the pre-tokenizer it
-    names GLM-4-0414's, GLM-4.5's and GLM-4.7-Flash's ("glm4": it recognises a vocabulary by the hash of its
-    output, and a synthetic vocabulary is none it knows)."""
+    """Run llama.cpp's convert_hf_to_gguf.py on a checkpoint. A ChatGLM2/3 or GLM-4 (chatglm layout) one has its
+    vocabulary read by our own tokenizer code instead of the checkpoint's remote code: ChatGLM2/3's SentencePiece
+    pieces with the special tokens numbered after them, GLM-4's byte-level BPE ranks (tiktoken file) as llama.cpp
+    writes a tiktoken vocabulary (token strings and merges as for Qwen), then its 14 special tokens. The
+    tokenizer.json checkpoints (GLM-4-0414, the MoE GLMs) keep the converter's own vocabulary code, told the
+    pre-tokenizer it names GLM-4-0414's, GLM-4.5's and GLM-4.7-Flash's ("glm4": it recognises a vocabulary by the
+    hash of its output, and a synthetic vocabulary is none it knows). An MoE GLM's NextN layer is left out
+    (llama.cpp's decode does not run it; the comparison is of the decoder)."""
     sys.path[:0] = [str(root), str(root / "gguf-py")]
     import convert_hf_to_gguf
     from conversion.base import TextModel
@@ -185,7 +188,8 @@ def convert(root: Path, model_dir: Path, out: Path, outtype: str = "f16") -> Non
     family = ModelConfig.from_dir(model_dir).family
     ChatGLMModel.set_vocab = _glm4_vocab if family == "glm4" else _sentencepiece_vocab
     TextModel.get_vocab_base_pre = lambda self, tokenizer: "glm4"
-    sys.argv = ["convert_hf_to_gguf.py", str(model_dir), "--outtype", outtype, "--outfile", str(out)]
+    extra = ["--no-mtp"] if family in ("glm4-moe", "glm4-moe-lite") else []
+    sys.argv = ["convert_hf_to_gguf.py", str(model_dir), "--outtype", outtype, "--outfile", str(out), *extra]
     convert_hf_to_gguf.main()
 
 

@@ -125,6 +125,7 @@ def own_weights_reference(backend: Backend, model: Model, options: LoadOptions, 
     own, key = found
     if key not in TOLERANCES:
         raise GlmcoreError(f"conformance_weights() names tolerance {key!r}; choose one of {', '.join(TOLERANCES)}")
+    key = tolerance_key(key, "f32", experts=_has_experts(model))     # routing flips under rounding
     weights = dict(model.weights)
     unknown = sorted(set(own) - set(weights))
     if unknown:

@@ -143,6 +143,24 @@ def test_converter_gives_our_sentencepiece_vocabulary(tmp_path):
     assert strings("general.architecture") == ["chatglm"]
 
 
+@pytest.mark.skipif(not os.environ.get(llamacpp.ENV), reason="no llama.cpp tree named by $GLMCORE_LLAMACPP")
+@pytest.mark.parametrize("family,arch", [("glm4-moe", "glm4moe"), ("glm4-moe-lite", "deepseek2")])
+def test_converter_reads_the_moe_checkpoints(tmp_path, family, arch):
+    """The MoE GLMs through llama.cpp's own converter (their tokenizer.json as it reads it): glm4moe, and deepseek2
+    for latent attention; the NextN layer left out; and llama.cpp runs the file."""
+    from glmcore.config import ModelConfig
+    from glmcore.tokenizer import load_tokenizer
+    import gguf
+    lc, model, out, strings = _converted(tmp_path, family)
+    cfg = ModelConfig.from_dir(model)
+    assert strings("general.architecture") == [arch]
+    assert not any(t.name.startswith(f"blk.{cfg.num_layers}.") for t in gguf.GGUFReader(out).tensors)
+    tokens = strings("tokenizer.ggml.tokens")
+    tok = load_tokenizer(model, cfg.family)
+    assert all(tokens[i] == name for name, i in tok.special_ids.items())
+    assert lc.bench(out, 8, 4, 1)["decode_tps"] > 0
+
+
 def _run_all():
     """benchmarks/run_all as a module (it is a script without a .py suffix)."""
     import importlib.machinery

@@ -66,6 +66,7 @@ class Architecture:
     # The torch forward that runs it (plugins/torch_ref/forward.py FORWARDS), shared by the torch-based
     # backends; None: no torch forward exists yet.
     torch_forward: str | None = None
+    config_class: type | None = None         # its ModelConfig (sub)class; None: ModelConfig itself
     synthetic_families: tuple[str, ...] = ()    # make-model --family choices this module writes
     gguf_architectures: tuple[str, ...] = ()    # llama.cpp's general.architecture values this module reads
 

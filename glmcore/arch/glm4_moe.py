@@ -122,6 +122,7 @@ class Glm4MoeArchitecture(Architecture):
     model_types = ("glm4_moe",)
     title = "MoE GLM: GLM-4.5, 4.5-Air, 4.6, 4.7"
     torch_forward = "glm4_moe"
+    config_class = MoeConfig
     synthetic_families = ("glm4-moe",)
     gguf_architectures = ("glm4moe",)
 
@@ -438,11 +439,26 @@ def moe_to_canonical(raw: dict[str, np.ndarray], where: Path, layer: dict[str, s
             raise CheckpointError(f"{where}: {p}{canon} lacks {missing[0]} (has {sorted(got)}); the checkpoint is "
                                   "incomplete, download all of its shards")
         try:
-            out[p + canon] = np.concatenate([got[o] for o in order], axis=0)
+            out[p + canon] = _join_rows([got[o] for o in order])
         except ValueError:
             raise CheckpointError(f"{where}: the parts of {p}{canon} have mismatched shapes "
                                   f"{[tuple(got[o].shape) for o in order]}; the checkpoint is corrupt") from None
     return out
+
+
+def _join_rows(parts: list[np.ndarray]) -> np.ndarray:
+    """The parts' rows concatenated: a view, not a copy, where they lie back to back in one mapped file (an
+    expert's gate and up projections usually do), so a large checkpoint stays on disk until something reads it."""
+    first, root = parts[0], parts[0]
+    while isinstance(root.base, np.ndarray):
+        root = root.base
+    addr = [q.__array_interface__["data"][0] for q in parts]
+    if isinstance(root, np.memmap) and root.ndim == 1 and \
+            all(q.flags.c_contiguous and q.dtype == first.dtype and q.shape[1:] == first.shape[1:] for q in parts) and \
+            all(a + q.nbytes == b for a, q, b in zip(addr, parts, addr[1:])):
+        return np.ndarray((sum(q.shape[0] for q in parts),) + first.shape[1:], first.dtype, buffer=root,
+                          offset=addr[0] - root.__array_interface__["data"][0])
+    return np.concatenate(parts, axis=0)
 
 
 def place_mtp(cfg: MoeConfig, tensors: dict[str, np.ndarray], where: Path) -> None:

@@ -68,6 +68,7 @@ class Glm4MoeLiteArchitecture(Glm4MoeArchitecture):
     model_types = ("glm4_moe_lite",)
     title = "MoE GLM with latent attention: GLM-4.7-Flash"
     torch_forward = "glm4_moe_lite"
+    config_class = MlaConfig
     synthetic_families = ("glm4-moe-lite",)
 
     def parse_config(self, raw: dict, source: str, model_dir: Path | None) -> MlaConfig:

@@ -9,6 +9,13 @@ run time) that runs every layer with its own thread pool. The KV cache is a fixe
 the cached keys in place. `load_batch` holds many sequences (a ring each) and runs one step for all of
 them: each weight matrix is multiplied once with every token of the step (the prefill GEMM path).
 
+The MoE GLMs run in the same kernels: glm4_moe (GLM-4.5/4.6/4.7) with INT4 routed and shared experts, the
+router in fp32 as transformers' route(), and per step the tokens grouped by expert so each chosen expert is
+read once (all experts of a projection in one parallel region); glm4_moe_lite (GLM-4.7-Flash) with latent
+attention, kv_b absorbed into the query and the output (packed as its two per-head halves), and a latent KV
+cache of kv_lora_rank + qk_rope_head_dim values per token and layer, shifted in place on its rope part.
+The NextN (MTP) layer of a checkpoint is not packed: the decoder never runs it.
+
 Options (LoadOptions.extra, `--opt key=value`): group_size 32|64|128 (32), sym true|false (true),
 scale_dtype f16|bf16 (f16), embed_bits 4|8 (4), head_bits 4|8 (8), linear_bits 4|8 (4), kv_dtype f16|f32 (f16),
 isa auto|plain|avx2|avxvnni|avx512vnni (auto), packed DIR (a `glmcore convert` output to load),
@@ -28,6 +35,8 @@ from glmcore.backend import Backend, Capabilities, LoadOptions, Probe, hookimpl,
 from glmcore import arch
 from glmcore.errors import BackendError
 
+# the dense GLMs; glm4_moe (experts in the kernels, fp32 router); glm4_moe_lite (latent attention, latent cache)
+ARCHITECTURES = ("glm", "glm4_moe", "glm4_moe_lite")
 QUANT_OPTIONS = ("group_size", "sym", "scale_dtype", "embed_bits", "head_bits", "linear_bits")
 OPTIONS = QUANT_OPTIONS + ("kv_dtype", "isa", "packed", "quant", "calib")
 
@@ -85,10 +94,10 @@ class CpuInt4Backend(Backend):
                             native_batch=True, max_slots=None)
 
     def supports(self, config) -> str | None:
-        return kernels_run(self, config, ("glm",))
+        return kernels_run(self, config, ARCHITECTURES)
 
     def architectures(self) -> list[str]:
-        return [arch.get("glm").describe()]
+        return [arch.get(a).describe() for a in ARCHITECTURES]
 
     def _settings(self, options: LoadOptions):
         from . import native
@@ -135,7 +144,8 @@ class CpuInt4Backend(Backend):
         q = QuantOptions.from_extra({k: v for k, v in options.extra.items() if k in QUANT_OPTIONS})
         weights = packed_stats(config, packed_layout(config, q), 0)["bytes_per_token"]
         kv_elt = 4 if options.extra.get("kv_dtype") == "f32" else 2
-        return int(weights + config.num_layers * 2 * config.kv_size * kv_elt * kv_len)
+        per_layer = getattr(config, "latent_size", 0) or 2 * config.kv_size     # a latent row, or K and V
+        return int(weights + config.num_layers * per_layer * kv_elt * kv_len)
 
     def _packed_dir(self, config, weights, options: LoadOptions) -> Path:
         from glmcore.cache import cache_root, check_converted
@@ -179,6 +189,8 @@ def _calibrated(config, weights, q, extra: dict, progress):
     if method != "gptq":
         raise BackendError(f"cpu_int4: quant={method!r} is not supported; use rtn (round to nearest) or gptq "
                            "(calibrated)")
+    if config.arch != "glm":       # glmcore/gptq.py runs the dense block's forward to calibrate
+        raise BackendError(f"cpu_int4: quant=gptq calibrates the dense GLMs, not {config.arch}; use quant=rtn")
     from glmcore.gptq import calibrated
     from .quant import SCALE_DTYPES, VERSION
     sd, g = SCALE_DTYPES[q.scale_dtype], q.group_size

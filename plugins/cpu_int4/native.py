@@ -28,7 +28,7 @@ from glmcore.errors import BackendError
 
 HERE = Path(__file__).resolve().parent
 SOURCE = HERE / "csrc" / "glmi4.c"
-ABI = 7
+ABI = 8
 ISAS = ("plain", "avx2", "avxvnni", "avx512vnni")    # in order of preference (glmi4.c ISA_NAMES)
 CFLAGS = ["-O3", "-std=c11", "-fPIC", "-shared", "-pthread"]
 
@@ -51,7 +51,13 @@ class Emb(C.Structure):
 
 class Layer(C.Structure):
     _fields_ = [("input_norm", C.c_void_p), ("qkv_bias", C.c_void_p), ("post_norm", C.c_void_p),
-                ("post_self_attn_norm", C.c_void_p), ("post_mlp_norm", C.c_void_p), ("qkv", Mat), ("attn_out", Mat), ("ffn_up", Mat), ("ffn_down", Mat)]
+                ("post_self_attn_norm", C.c_void_p), ("post_mlp_norm", C.c_void_p), ("qkv", Mat), ("attn_out", Mat),
+                ("ffn_up", Mat), ("ffn_down", Mat), ("q_norm", C.c_void_p), ("k_norm", C.c_void_p),
+                ("sparse", C.c_int32), ("router", C.c_void_p), ("router_bias", C.c_void_p),
+                ("exp_up", C.POINTER(Mat)), ("exp_down", C.POINTER(Mat)), ("shared_up", Mat), ("shared_down", Mat),
+                ("q_a_bias", C.c_void_p), ("q_a_norm", C.c_void_p), ("kv_a_bias", C.c_void_p),
+                ("kv_a_norm", C.c_void_p), ("attn_out_bias", C.c_void_p), ("q_a", Mat), ("q_b", Mat), ("kv_a", Mat),
+                ("kv_uk", Mat), ("kv_uv", Mat)]
 
 
 class Spec(C.Structure):
@@ -60,7 +66,11 @@ class Spec(C.Structure):
                 ("kv_f16", C.c_int32), ("max_batch", C.c_int32), ("nthreads", C.c_int32), ("isa", C.c_int32),
                 ("n_slots", C.c_int32), ("rot_dim", C.c_int32), ("norm_eps", C.c_float), ("rope_cos", C.c_void_p), ("rope_sin", C.c_void_p),
                 ("inv_freq", C.c_void_p), ("embed", Emb), ("final_norm", C.c_void_p), ("head", Mat),
-                ("layers", C.POINTER(Layer))]
+                ("layers", C.POINTER(Layer)), ("rope_neox", C.c_int32), ("n_experts", C.c_int32),
+                ("top_k", C.c_int32), ("n_groups", C.c_int32), ("topk_groups", C.c_int32), ("norm_topk", C.c_int32),
+                ("moe_ffn", C.c_int32), ("shared_ffn", C.c_int32), ("routed_scaling", C.c_float),
+                ("mla", C.c_int32), ("q_lora", C.c_int32), ("kv_lora", C.c_int32), ("nope", C.c_int32),
+                ("v_dim", C.c_int32)]
 
 
 def _declare(lib) -> None:

@@ -209,13 +209,50 @@ def untile(buf: np.ndarray, n: int, k: int, bits: int, group: int, asym: bool, s
 
 # ---------------------------------------------------------------- the packed file
 
-LINEAR = ("qkv.weight", "attn_out.weight", "ffn_up.weight", "ffn_down.weight")
+# Latent attention's kv_b [heads * (nope + v), kv_lora] is packed as the two matrices the absorption multiplies
+# by: per head, its key rows transposed ([kv_lora, nope], W_UK^T: the query into the latent space) and its value
+# rows ([v, kv_lora], W_UV: the latent output back out), each stacked over the heads.
+KV_B_PARTS = ("kv_b_uk.weight", "kv_b_uv.weight")
+
+
+def _kv_b_shapes(cfg) -> tuple[tuple[int, int], tuple[int, int]]:
+    H, R = cfg.num_heads, cfg.kv_lora_rank
+    return (H * R, cfg.qk_nope_dim), (H * cfg.v_head_dim, R)
+
+
+def kv_b_parts(cfg, kv_b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """kv_b [heads * (nope + v), kv_lora] -> (W_UK^T stacked [heads * kv_lora, nope], W_UV stacked [heads * v, kv_lora])."""
+    H, R, nope, v = cfg.num_heads, cfg.kv_lora_rank, cfg.qk_nope_dim, cfg.v_head_dim
+    w = np.asarray(kv_b, np.float32).reshape(H, nope + v, R)
+    return np.ascontiguousarray(w[:, :nope].transpose(0, 2, 1)).reshape(H * R, nope), w[:, nope:].reshape(H * v, R)
+
+
+def kv_b_join(cfg, uk: np.ndarray, uv: np.ndarray) -> np.ndarray:
+    """The inverse of kv_b_parts: the kv_b the two packed matrices mean."""
+    H, R, nope, v = cfg["num_heads"], cfg["kv_lora_rank"], cfg["qk_nope_dim"], cfg["v_head_dim"]
+    k = uk.reshape(H, R, nope).transpose(0, 2, 1)
+    return np.concatenate([k, uv.reshape(H, v, R)], axis=1).reshape(H * (nope + v), R)
+
+
+def _packed_source(cfg, weights, name: str):
+    """The array a packed tensor is made from: the canonical tensor, or a part of kv_b."""
+    if name.endswith(KV_B_PARTS):
+        p = name[: -len("kv_b_uk.weight")]
+        return kv_b_parts(cfg, weights[p + "kv_b.weight"])[name.endswith(KV_B_PARTS[1])]
+    return weights[name]
 
 
 def packed_layout(cfg: ModelConfig, o: QuantOptions) -> dict[str, dict]:
-    """Every tensor of the packed file: kind, shape, offset (64-byte aligned), size."""
+    """Every tensor of the packed file: kind, shape, offset (64-byte aligned), size. 1-D tensors and MoE routers
+    stay fp32 (the router chooses the experts: transformers runs it in fp32); the other matrices are tiles."""
     from glmcore.weights import canonical_shapes
-    shapes = canonical_shapes(cfg)
+    shapes = {}
+    for name, shape in canonical_shapes(cfg).items():
+        if name.endswith("kv_b.weight"):
+            p = name[: -len("kv_b.weight")]
+            shapes.update(zip((p + k for k in KV_B_PARTS), _kv_b_shapes(cfg)))
+        else:
+            shapes[name] = shape
     g, asym = o.group_size, not o.sym
     ent: dict[str, dict] = {}
 
@@ -231,8 +268,8 @@ def packed_layout(cfg: ModelConfig, o: QuantOptions) -> dict[str, dict]:
     for name, shape in shapes.items():
         if name == "embed.weight":
             continue
-        if len(shape) == 1:
-            add(name, kind="f32", shape=list(shape), nbytes=4 * shape[0])
+        if len(shape) == 1 or name.endswith("router.weight"):
+            add(name, kind="f32", shape=list(shape), nbytes=4 * int(np.prod(shape)))
             continue
         bits = o.head_bits if name == "lm_head.weight" else o.linear_bits
         a = asym and bits == 4
@@ -298,7 +335,7 @@ def write_packed(cfg: ModelConfig, weights, o: QuantOptions, out: Path, progress
             _release(emb[r0:r0 + 8192])
         for i, name in enumerate(names):
             info = lay[name]
-            src = weights[name]
+            src = _packed_source(cfg, weights, name)
             if info["kind"] == "f32":
                 put(name, np.asarray(src, np.float32))
             else:
@@ -311,7 +348,7 @@ def write_packed(cfg: ModelConfig, weights, o: QuantOptions, out: Path, progress
                     put(name, buf, written)
                     written += buf.nbytes
                     _release(src[r0:r0 + step])
-            if progress and (i + 1 == len(names) or name.endswith("ffn_down.weight")):
+            if progress and (i + 1 == len(names) or name.endswith("ffn_down.weight") and ".experts." not in name):
                 progress(f"quantizing {_bar(i + 1, len(names))} {name}")
     stats = packed_stats(cfg, lay, total)
     meta = {"format": FORMAT, "version": VERSION, "fingerprint": fingerprint, "options": asdict(o),
@@ -326,8 +363,14 @@ def write_packed(cfg: ModelConfig, weights, o: QuantOptions, out: Path, progress
 
 
 def packed_stats(cfg: ModelConfig, lay: dict, total: int) -> dict:
-    lin_bytes = sum(v["nbytes"] for k, v in lay.items() if k.endswith(LINEAR))
-    lin_params = sum(v["n"] * v["k"] for k, v in lay.items() if k.endswith(LINEAR))
+    tiles = {k: v for k, v in lay.items() if v["kind"] == "tiles" and k != "lm_head.weight"}
+    lin_bytes = sum(v["nbytes"] for v in tiles.values())
+    lin_params = sum(v["n"] * v["k"] for v in tiles.values())
+    # what one decode step reads: the layers' matrices (of the routed experts, the top_k chosen of each layer's
+    # experts: on average that share of them), the MoE routers (fp32), and the output layer (one embedding row)
+    routed = sum(v["nbytes"] for k, v in tiles.items() if ".experts." in k)
+    active = getattr(cfg, "experts_per_token", 0) / max(getattr(cfg, "num_experts", 0), 1)
+    routers = sum(v["nbytes"] for k, v in lay.items() if k.endswith("router.weight"))
     head = lay["lm_head.weight"]
     emb_bytes = sum(v["nbytes"] for k, v in lay.items() if k.startswith("embed."))
     return {
@@ -337,8 +380,7 @@ def packed_stats(cfg: ModelConfig, lay: dict, total: int) -> dict:
         "linear_bits_per_weight": 8 * lin_bytes / lin_params,
         "head_bits_per_weight": 8 * head["nbytes"] / (head["n"] * head["k"]),
         "embed_bits_per_weight": 8 * emb_bytes / (cfg.vocab_size * cfg.hidden_size),
-        # what one decode step reads: every layer's matrices and the output layer (one embedding row)
-        "bytes_per_token": lin_bytes + head["nbytes"],
+        "bytes_per_token": int(lin_bytes - routed + active * routed + routers + head["nbytes"]),
     }
 
 
@@ -384,8 +426,8 @@ def read_packed(path: Path, cfg: ModelConfig | None = None) -> tuple[dict, np.me
         if isinstance(meta["options"], dict):
             meta["options"].setdefault("linear_bits", 4)    # packed before linear_bits existed: int4 layers
         o = QuantOptions.from_extra(meta["options"])
-        packed_cfg = ModelConfig(**meta["config"]).validated(f"{path / 'meta.json'} config")
-        ok = asdict(o) == meta["options"] and packed_cfg.to_dict() == meta["config"]
+        packed_cfg = _config_of(meta["config"]).validated(f"{path / 'meta.json'} config")
+        ok = asdict(o) == meta["options"] and json.loads(json.dumps(packed_cfg.to_dict())) == meta["config"]
     except (KeyError, TypeError, AttributeError, GlmcoreError):
         ok = False
     if not ok:
@@ -403,6 +445,13 @@ def read_packed(path: Path, cfg: ModelConfig | None = None) -> tuple[dict, np.me
         raise BackendError(f"{path}: weights.bin is missing or truncated; delete the directory and convert again")
     meta["stats"] = packed_stats(packed_cfg, layout, total)
     return meta, np.memmap(path / "weights.bin", dtype=np.uint8, mode="r")
+
+
+def _config_of(d: dict) -> ModelConfig:
+    """The config a meta.json holds, as its architecture's config class (the MoE GLMs' carry more fields)."""
+    from glmcore import arch
+    cls = arch.get(d["arch"]).config_class or ModelConfig
+    return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in d.items()})
 
 
 def ensure_packed(cfg: ModelConfig, weights, o: QuantOptions, cache_dir: Path, progress=None, codes=None) -> Path:
@@ -435,6 +484,9 @@ def dequantized_weights(meta: dict, blob: np.ndarray) -> dict[str, np.ndarray]:
             out[name] = view.view(np.float32).reshape(info["shape"]).copy()
         elif info["kind"] == "tiles":
             out[name] = untile(view, info["n"], info["k"], info["bits"], info["group"], info["asym"], o.scale_dtype)
+    for uk in [n for n in out if n.endswith(KV_B_PARTS[0])]:
+        p = uk[: -len(KV_B_PARTS[0])]
+        out[p + "kv_b.weight"] = kv_b_join(cfg, out.pop(uk), out.pop(p + KV_B_PARTS[1]))
     g = o.group_size
     kp = -(-H // g) * g
     t = meta["tensors"]

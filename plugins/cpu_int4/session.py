@@ -56,37 +56,64 @@ class Int4BatchSession(BatchSession):
         cfg, t, base = self.cfg, self.meta["tensors"], self._blob.ctypes.data
         o = self.quant
         bf16 = int(o.scale_dtype == "bf16")
+        sparse_layers = getattr(cfg, "sparse_layers", ())
+        mla = hasattr(cfg, "kv_lora_rank")
 
         def ptr(name):
-            return base + t[name]["offset"]
+            return base + t[name]["offset"] if name in t else None
 
         def mat(name):
+            if name not in t:
+                return native.Mat()          # data NULL: absent
             i = t[name]
             return native.make_mat(None, i["n"], i["k"], i["bits"], i["group"], i["asym"], o.scale_dtype,
                                    base=ptr(name))
 
         layers = (native.Layer * cfg.num_layers)()
+        self._expert_tables = []            # the per-layer expert arrays the C structs point into
         for i in range(cfg.num_layers):
             p = f"layers.{i}."
             L = layers[i]
             L.input_norm, L.post_norm = ptr(p + "input_norm.weight"), ptr(p + "post_attn_norm.weight")
-            L.qkv_bias = ptr(p + "qkv.bias") if cfg.qkv_bias else None
-            if cfg.post_norms:
-                L.post_self_attn_norm = ptr(p + "post_self_attn_norm.weight")
-                L.post_mlp_norm = ptr(p + "post_mlp_norm.weight")
+            L.qkv_bias = ptr(p + "qkv.bias")
+            L.post_self_attn_norm, L.post_mlp_norm = ptr(p + "post_self_attn_norm.weight"), ptr(p + "post_mlp_norm.weight")
+            L.q_norm, L.k_norm = ptr(p + "q_norm.weight"), ptr(p + "k_norm.weight")
             L.qkv, L.attn_out = mat(p + "qkv.weight"), mat(p + "attn_out.weight")
-            L.ffn_up, L.ffn_down = mat(p + "ffn_up.weight"), mat(p + "ffn_down.weight")
+            if mla:
+                L.q_a, L.q_b = mat(p + "q_a.weight"), mat(p + ("q_b.weight" if cfg.q_lora_rank else "q.weight"))
+                L.q_a_bias, L.q_a_norm = ptr(p + "q_a.bias"), ptr(p + "q_a_norm.weight")
+                L.kv_a, L.kv_a_bias, L.kv_a_norm = mat(p + "kv_a.weight"), ptr(p + "kv_a.bias"), ptr(p + "kv_a_norm.weight")
+                L.kv_uk, L.kv_uv = mat(p + "kv_b_uk.weight"), mat(p + "kv_b_uv.weight")
+                L.attn_out_bias = ptr(p + "attn_out.bias")
+            if sparse_layers and sparse_layers[i]:
+                L.sparse = 1
+                L.router, L.router_bias = ptr(p + "router.weight"), ptr(p + "router.bias")
+                up = (native.Mat * cfg.num_experts)(*[mat(p + f"experts.{e}.ffn_up.weight") for e in range(cfg.num_experts)])
+                down = (native.Mat * cfg.num_experts)(*[mat(p + f"experts.{e}.ffn_down.weight")
+                                                        for e in range(cfg.num_experts)])
+                self._expert_tables += [up, down]
+                L.exp_up, L.exp_down = up, down
+                L.shared_up, L.shared_down = mat(p + "shared.ffn_up.weight"), mat(p + "shared.ffn_down.weight")
+            else:
+                L.ffn_up, L.ffn_down = mat(p + "ffn_up.weight"), mat(p + "ffn_down.weight")
         kp = -(-cfg.hidden_size // o.group_size) * o.group_size
-        emb = native.Emb(ptr("embed.scales"), ptr("embed.mins") if "embed.mins" in t else None, ptr("embed.q"),
+        emb = native.Emb(ptr("embed.scales"), ptr("embed.mins"), ptr("embed.q"),
                          cfg.vocab_size, cfg.hidden_size, kp, o.embed_bits, o.group_size,
                          int(not o.sym and o.embed_bits == 4), bf16)
+        moe = dict(n_experts=cfg.num_experts, top_k=cfg.experts_per_token, n_groups=cfg.num_groups,
+                   topk_groups=cfg.topk_groups, norm_topk=int(cfg.norm_topk_prob), moe_ffn=cfg.moe_ffn_hidden_size,
+                   shared_ffn=cfg.moe_ffn_hidden_size * cfg.num_shared_experts,
+                   routed_scaling=cfg.routed_scaling) if sparse_layers else {}
+        latent = dict(mla=1, q_lora=cfg.q_lora_rank, kv_lora=cfg.kv_lora_rank, nope=cfg.qk_nope_dim,
+                      v_dim=cfg.v_head_dim) if mla else {}
         spec = native.Spec(
             hidden=cfg.hidden_size, n_layers=cfg.num_layers, n_heads=cfg.num_heads, n_kv=cfg.num_kv_heads,
             head_dim=cfg.head_dim, ffn=cfg.ffn_hidden_size, vocab=cfg.vocab_size, capacity=self.capacity,
             kv_f16=int(self.kv_dtype == "f16"), max_batch=MAX_BATCH, nthreads=self.threads, isa=self.isa,
             n_slots=self.n_slots, rot_dim=cfg.rotary_dim, norm_eps=cfg.norm_eps, rope_cos=self._cos.ctypes.data,
             rope_sin=self._sin.ctypes.data, inv_freq=self._inv.ctypes.data, embed=emb,
-            final_norm=ptr("final_norm.weight"), head=mat("lm_head.weight"), layers=layers)
+            final_norm=ptr("final_norm.weight"), head=mat("lm_head.weight"), layers=layers,
+            rope_neox=int(not cfg.rotary_interleaved), **moe, **latent)
         return spec, layers
 
     # ------------------------------------------------------------ the BatchSession contract

@@ -48,7 +48,7 @@
 #define GLMI4_X86 0
 #endif
 
-#define GLMI4_ABI 7
+#define GLMI4_ABI 8
 #define QK 32          /* activation block: one int8 scale per 32 inputs */
 #define TILE 16        /* output rows per packed tile */
 #define PREFETCH 4096   /* decode streams weights: prefetch this far ahead into L1 (measured: +40% on one core) */
@@ -89,6 +89,21 @@ typedef struct {
      * NULL for the other GLMs, whose sublayer outputs are added as they are */
     const float *post_self_attn_norm, *post_mlp_norm;
     glmi4_mat qkv, attn_out, ffn_up, ffn_down;
+    /* glm4_moe: per-head RMSNorm of q and k before the rotary (use_qk_norm); NULL when off */
+    const float *q_norm, *k_norm;
+    /* An MoE layer (sparse): the router [experts][hidden] and its correction bias [experts] in fp32, each routed
+     * expert's gate|up [2F][hidden] and down [hidden][F] (arrays of n_experts), the shared expert (data NULL:
+     * none). ffn_up/ffn_down are unused there. */
+    int32_t sparse;
+    const float *router, *router_bias;
+    const glmi4_mat *exp_up, *exp_down;
+    glmi4_mat shared_up, shared_down;
+    /* Latent attention (glm4_moe_lite; qkv unused): q_a [q_lora][hidden] and its norm, q_b [heads*(nope+rope)]
+     * [q_lora] (or, without q LoRA, q_a.data NULL and q_b [heads*(nope+rope)][hidden]); kv_a [kv_lora+rope]
+     * [hidden] and the norm of its first kv_lora outputs; kv_b split for the absorption: kv_uk, per head the
+     * key part transposed [kv_lora][nope] (stacked over heads), kv_uv, per head the value part [v_dim][kv_lora]. */
+    const float *q_a_bias, *q_a_norm, *kv_a_bias, *kv_a_norm, *attn_out_bias;
+    glmi4_mat q_a, q_b, kv_a, kv_uk, kv_uv;
 } glmi4_layer;
 
 typedef struct {
@@ -103,6 +118,14 @@ typedef struct {
     const float *final_norm;
     glmi4_mat head;
     const glmi4_layer *layers;
+    int32_t rope_neox;                  /* rotate pairs (i, i + rot/2) (NeoX order) instead of (2i, 2i+1) */
+    /* MoE (any layer sparse): routing as transformers' route(): sigmoid scores, the correction bias only for
+     * choosing among the topk_groups best of n_groups groups, top_k experts, renormalised when norm_topk, times
+     * routed_scaling; moe_ffn each expert's width, shared_ffn the shared expert's (0: none) */
+    int32_t n_experts, top_k, n_groups, topk_groups, norm_topk, moe_ffn, shared_ffn;
+    float routed_scaling;
+    /* latent attention (mla != 0): head_dim = nope + rot_dim, the cache holds kv_lora + rot_dim per token */
+    int32_t mla, q_lora, kv_lora, nope, v_dim;
 } glmi4_spec;
 
 /* ------------------------------------------------------------------ small helpers */
@@ -414,8 +437,7 @@ typedef struct gemm_job {
     int ldo;
     const float *bias;        /* [W->n] or NULL */
     int accum;                /* out += result */
-    int ntiles, chunk;
-    _Atomic int next;
+    int ntiles, first;        /* this product's tiles, and where they start in its run_gemms batch */
     void (*fn)(const struct gemm_job *, int, int);
     act16 *a16;               /* the first 16 * n16 tokens laid out for the 16-token kernels, or NULL */
     int n16;
@@ -1333,37 +1355,69 @@ static quant_fn pick_quant(int isa) {
     return quant_act_ref;
 }
 
+/* Several independent products (the experts of a step, the heads of latent attention) in one parallel
+ * region: their tiles are numbered one after the other and handed out together. */
+typedef struct {
+    gemm_job *jobs;
+    int n, total, chunk;
+    _Atomic int next;
+} gemm_batch;
+
 static void gemm_task(void *arg, int tid, int nth) {
     (void)tid;
-    gemm_job *j = arg;
+    gemm_batch *b = arg;
+    int k = 0;                /* the job of the last piece: pieces only move forward */
     for (;;) {
         /* guided: big pieces first (long streams), ever smaller towards the end, so the threads finish
          * together; a thread slowed by another process simply takes fewer pieces */
-        int t0 = atomic_load(&j->next), n;
+        int t0 = atomic_load(&b->next), n;
         do {
-            if (t0 >= j->ntiles) return;
-            n = (j->ntiles - t0) / (2 * nth);
-            if (n < j->chunk) n = j->chunk;
-        } while (!atomic_compare_exchange_weak(&j->next, &t0, t0 + n));
-        j->fn(j, t0, imin(t0 + n, j->ntiles));
+            if (t0 >= b->total) return;
+            n = (b->total - t0) / (2 * nth);
+            if (n < b->chunk) n = b->chunk;
+        } while (!atomic_compare_exchange_weak(&b->next, &t0, t0 + n));
+        for (int t = t0, end = imin(t0 + n, b->total); t < end;) {
+            while (t >= b->jobs[k].first + b->jobs[k].ntiles) k++;
+            const gemm_job *j = &b->jobs[k];
+            const int e = imin(end, j->first + j->ntiles);
+            j->fn(j, t - j->first, e - j->first);
+            t = e;
+        }
     }
+}
+
+/* Run n products (W, M, xq, dx, xs, ldq, out, ldo, bias, accum set by the caller) together. */
+static void run_gemms(pool *p, int isa, gemm_job *jobs, int n) {
+    gemm_batch b = {.jobs = jobs, .n = n};
+    size_t work = 0;
+    for (int i = 0; i < n; i++) {
+        gemm_job *j = &jobs[i];
+        j->ntiles = j->W->n_pad / TILE;
+        j->first = b.total;
+        j->fn = pick_gemm(isa, j->W->bits);
+        j->a16 = NULL;
+        j->n16 = 0;
+        if (uses_act16(isa, j->W, j->M)) act16_build(j);
+        b.total += j->ntiles;
+        work += (size_t)j->W->n_pad * j->W->k_pad * j->M;
+    }
+    if (!b.total) return;
+    const int nth = p ? p->nth : 1;
+    b.chunk = b.total / (nth * 32);   /* the smallest piece */
+    if (b.chunk < 1) b.chunk = 1;
+    atomic_store(&b.next, 0);
+    atomic_fetch_add(&g_calls[isa], (uint64_t)n);
+    if (work < SMALL_WORK) gemm_task(&b, 0, 1);   /* waking threads costs more */
+    else pool_run(p, gemm_task, &b);
+    for (int i = 0; i < n; i++) act16_free(&jobs[i]);
 }
 
 /* out[M][n] (+)= x[M][k] @ W.T (+ bias); activations already quantized. */
 static void run_gemm(pool *p, int isa, const glmi4_mat *W, int M, const int8_t *xq, const float *dx,
                      const float *xs, int ldq, float *out, int ldo, const float *bias, int accum) {
     gemm_job j = {.W = W, .M = M, .xq = xq, .dx = dx, .xs = xs, .ldq = ldq, .out = out, .ldo = ldo,
-                  .bias = bias, .accum = accum, .ntiles = W->n_pad / TILE};
-    int nth = p ? p->nth : 1;
-    j.chunk = j.ntiles / (nth * 32);   /* the smallest piece */
-    if (j.chunk < 1) j.chunk = 1;
-    j.fn = pick_gemm(isa, W->bits);
-    atomic_store(&j.next, 0);
-    atomic_fetch_add(&g_calls[isa], 1);
-    if (uses_act16(isa, W, M)) act16_build(&j);
-    if ((size_t)W->n_pad * W->k_pad * M < SMALL_WORK) gemm_task(&j, 0, 1);   /* waking threads costs more */
-    else pool_run(p, gemm_task, &j);
-    act16_free(&j);
+                  .bias = bias, .accum = accum};
+    run_gemms(p, isa, &j, 1);
 }
 
 /* ------------------------------------------------------------------ attention and element-wise ops */
@@ -1415,12 +1469,27 @@ struct model {
     int ldq;                   /* activation row stride: the largest k_pad */
     float *scores;             /* per thread: [group heads][capacity] */
     float *rowbuf;             /* per thread: ROWBUF(head_dim, group) floats: K/V rows, outputs, a block of rows */
+    int kvh, kvw;              /* cache rows per position and layer, and their width: n_kv x head_dim, or one
+                                  latent row of kv_lora + rot_dim (latent attention; no V cache) */
+    float *tmp;                /* per thread: [ldq] floats, a row on its way to quantization */
+    /* MoE (sized for max_batch tokens x top_k assignments) */
+    int *eid, *apos, *cnt, *start;    /* per token: chosen experts [T][k], their assignment rows; per expert */
+    float *ew, *rscore;        /* per token: the chosen experts' weights [T][k]; per thread: scores [2][experts] */
+    int8_t *eq;                /* assignment rows' quantized activations [A][ldq] */
+    float *edx, *exs, *eup, *eout, *sup, *sout;
+    gemm_job *jobs;            /* one per expert (+ the shared one) or per head */
+    /* latent attention (sized for max_batch tokens) */
+    float *qa, *kva, *qf, *qlat, *olat, *vout;
+    int8_t *hq;                /* per (token, head) quantized rows [T][heads][hkp] */
+    float *hdx, *hxs;
+    int hkp;                   /* the per-head rows' stride: the larger of nope and kv_lora, padded */
+    glmi4_mat *uk, *uv;        /* [layers][heads]: each head's rows of kv_uk and kv_uv */
 };
 
-/* element offset of position p (physical) of a kv head in a slot's region */
+/* element offset of position p (physical) of a cache row in a slot's region */
 static inline size_t kv_off(const model *m, int slot, int layer, int kvh, int p) {
     const glmi4_spec *s = &m->s;
-    return ((((size_t)slot * s->n_layers + layer) * s->n_kv + kvh) * s->capacity + p) * s->head_dim;
+    return ((((size_t)slot * s->n_layers + layer) * m->kvh + kvh) * s->capacity + p) * m->kvw;
 }
 
 static inline int phys(const model *m, int slot, int i) {
@@ -1801,16 +1870,66 @@ static void rmsnorm(const float *x, const float *w, int n, float eps, float *out
     for (int i = 0; i < n; i++) out[i] = x[i] * r * w[i];
 }
 
-/* rotate the first rot dims of each head in interleaved pairs (2i, 2i+1); the rest pass through */
-static void rope(float *v, int nheads, int hd, int rot, const float *c, const float *sn) {
+/* rotate the first rot dims of each of nheads vectors (stride apart): in interleaved pairs (2i, 2i+1), or in
+ * NeoX order, pairs (i, i + rot/2) (glm4_moe); the rest pass through */
+static void rope(float *v, int nheads, int stride, int rot, const float *c, const float *sn, int neox) {
+    const int half = rot / 2;
     for (int h = 0; h < nheads; h++) {
-        float *x = v + (size_t)h * hd;
-        for (int i = 0; i < rot / 2; i++) {
-            const float x0 = x[2 * i], x1 = x[2 * i + 1];
-            x[2 * i] = x0 * c[i] - x1 * sn[i];
-            x[2 * i + 1] = x1 * c[i] + x0 * sn[i];
+        float *x = v + (size_t)h * stride;
+        for (int i = 0; i < half; i++) {
+            const int a = neox ? i : 2 * i, b = neox ? i + half : 2 * i + 1;
+            const float x0 = x[a], x1 = x[b];
+            x[a] = x0 * c[i] - x1 * sn[i];
+            x[b] = x1 * c[i] + x0 * sn[i];
         }
     }
+}
+
+static float dot_ref(const float *a, const float *b, int n) {
+    float s = 0.f;
+    for (int i = 0; i < n; i++) s += a[i] * b[i];
+    return s;
+}
+
+static void axpy_ref(float *y, float a, const float *x, int n) {
+    for (int i = 0; i < n; i++) y[i] += a * x[i];
+}
+
+#if GLMI4_X86
+T_AVX2 static float dot_avx2(const float *a, const float *b, int n) {
+    __m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps();
+    int i = 0;
+    for (; i + 16 <= n; i += 16) {
+        s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), s0);
+        s1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), s1);
+    }
+    for (; i + 8 <= n; i += 8) s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), s0);
+    float s = hsum8(_mm256_add_ps(s0, s1));
+    for (; i < n; i++) s += a[i] * b[i];
+    return s;
+}
+
+T_AVX2 static void axpy_avx2(float *y, float a, const float *x, int n) {
+    const __m256 va = _mm256_set1_ps(a);
+    int i = 0;
+    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(y + i, _mm256_fmadd_ps(va, _mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i)));
+    for (; i < n; i++) y[i] += a * x[i];
+}
+#endif
+
+/* fp32 dot product and y += a*x: the same bits for a given vector whatever the batch, per kernel variant */
+static inline float dotf(const model *m, const float *a, const float *b, int n) {
+#if GLMI4_X86
+    if (m->isa != ISA_REF) return dot_avx2(a, b, n);
+#endif
+    return dot_ref(a, b, n);
+}
+
+static inline void axpyf(const model *m, float *y, float a, const float *x, int n) {
+#if GLMI4_X86
+    if (m->isa != ISA_REF) { axpy_avx2(y, a, x, n); return; }
+#endif
+    axpy_ref(y, a, x, n);
 }
 
 static void silu_mul_ref(const float *gu, int F, float *out) {
@@ -1836,12 +1955,20 @@ T_AVX2 static void silu_mul_avx2(const float *gu, int F, float *out) {
 }
 #endif
 
-/* Row-parallel element-wise stages of a layer (norm + quantize, SiLU + quantize). */
+/* Row-parallel element-wise stages before a matrix product: each row made, then quantized for it. */
+enum { ROW_NORM, ROW_SILU, ROW_COPY };
+
 typedef struct {
     model *m;
-    int kind, T;                 /* kind 0: rmsnorm(x) -> quantize;  1: silu(gate)*up -> quantize;  2: att -> quantize */
-    const float *w;              /* norm weight */
-    int K, Kp, G;
+    int kind, T;                 /* ROW_NORM: rmsnorm(src row, w) over K; ROW_SILU: silu(gate) * up of a src row of
+                                    2F; ROW_COPY: the src row as it is */
+    const float *w, *src;
+    int lds, F;                  /* src row stride */
+    float *dst;                  /* ROW_NORM: keep the normed rows here (stride ldd); NULL: a scratch row */
+    int ldd;
+    int8_t *q;                   /* the quantized rows (stride ldo; dx, xs: ldo / 32); NULL: m->aq and its stride */
+    float *dx, *xs;
+    int ldo, K, Kp, G;
     _Atomic int next;
 } rows_job;
 
@@ -1849,34 +1976,39 @@ static void rows_task(void *arg, int tid, int nth) {
     (void)nth;
     rows_job *r = arg;
     model *m = r->m;
-    const glmi4_spec *s = &m->s;
     quant_fn qf = pick_quant(m->isa);
     for (;;) {
         const int t = atomic_fetch_add(&r->next, 1);
         if (t >= r->T) break;
-        float *tmp = m->h + (size_t)t * m->ldq;
-        if (r->kind == 2) {
-            tmp = m->att + (size_t)t * s->n_heads * s->head_dim;   /* attention output: quantize only */
-        } else if (r->kind == 0) {
-            rmsnorm(m->x + (size_t)t * s->hidden, r->w, s->hidden, s->norm_eps, tmp);
-        } else {
+        const float *src = r->src + (size_t)t * r->lds, *row = src;
+        float *tmp = m->tmp + (size_t)tid * m->ldq;
+        if (r->kind == ROW_NORM) {
+            if (r->dst) tmp = r->dst + (size_t)t * r->ldd;
+            rmsnorm(src, r->w, r->K, m->s.norm_eps, tmp);
+            row = tmp;
+        } else if (r->kind == ROW_SILU) {
 #if GLMI4_X86
-            if (m->isa != ISA_REF) silu_mul_avx2(m->ff + (size_t)t * 2 * s->ffn, s->ffn, tmp);
+            if (m->isa != ISA_REF) silu_mul_avx2(src, r->F, tmp);
             else
 #endif
-                silu_mul_ref(m->ff + (size_t)t * 2 * s->ffn, s->ffn, tmp);
+                silu_mul_ref(src, r->F, tmp);
+            row = tmp;
         }
-        const int nbx = m->ldq / QK;
-        qf(tmp, r->K, r->Kp, r->G, m->aq + (size_t)t * m->ldq, m->adx + (size_t)t * nbx, m->axs + (size_t)t * nbx);
+        const int nbx = r->ldo / QK;
+        qf(row, r->K, r->Kp, r->G, r->q + (size_t)t * r->ldo, r->dx + (size_t)t * nbx, r->xs + (size_t)t * nbx);
     }
-    (void)tid;
 }
 
-static void run_rows(model *m, int kind, int T, const float *w, const glmi4_mat *W) {
-    rows_job r = {.m = m, .kind = kind, .T = T, .w = w, .K = W->k, .Kp = W->k_pad, .G = W->group};
-    atomic_store(&r.next, 0);
-    if (T < 4) rows_task(&r, 0, 1);      /* decode: not worth waking the pool */
-    else pool_run(m->pool, rows_task, &r);
+/* r's rows made and quantized for W (its k, k_pad and group); the fields left 0 take the defaults above */
+static void run_rows(model *m, rows_job *r, const glmi4_mat *W) {
+    r->m = m;
+    r->K = W->k;
+    r->Kp = W->k_pad;
+    r->G = W->group;
+    if (!r->q) { r->q = m->aq; r->dx = m->adx; r->xs = m->axs; r->ldo = m->ldq; }
+    atomic_store(&r->next, 0);
+    if (r->T < 4) rows_task(r, 0, 1);      /* decode: not worth waking the pool */
+    else pool_run(m->pool, rows_task, r);
 }
 
 static void embed_row(const glmi4_emb *E, int id, float *out) {
@@ -1893,6 +2025,20 @@ static void embed_row(const glmi4_emb *E, int id, float *out) {
             out[i] = E->asym ? d * (float)qv + scale_at(mn, g, E->scale_bf16) : d * (float)(qv - 8);
         }
     }
+}
+
+static void cache_put(const model *m, void *c, size_t off, const float *src, int n) {
+#if GLMI4_X86
+    if (m->isa != ISA_REF && m->s.kv_f16 && n % 8 == 0) { kv_put_f16c(c, off, src, n); return; }
+#endif
+    kv_put(m, c, off, src, n);
+}
+
+static void cache_get(const model *m, const void *c, size_t off, float *dst, int n) {
+#if GLMI4_X86
+    if (m->isa != ISA_REF && n % 8 == 0) { kv_get_avx2(m, c, off, dst, n); return; }
+#endif
+    kv_get(m, c, off, dst, n);
 }
 
 /* ------------------------------------------------------------------ the forward step */
@@ -1914,60 +2060,290 @@ static void sublayer_out(model *m, const glmi4_mat *W, int T, const float *post_
     }
 }
 
+/* Grouped-query attention (the dense GLMs, glm4_moe): x += attn_out(attention(rotary(norms(qkv(norm(x)))))). */
+static void attn_gqa(model *m, const glmi4_layer *L, int l, int T) {
+    const glmi4_spec *s = &m->s;
+    const int H = s->hidden, hd = s->head_dim, qs = s->n_heads * hd, kvs = s->n_kv * hd, ldqkv = qs + 2 * kvs;
+    size_t attn_work = 0;
+    run_rows(m, &(rows_job){.kind = ROW_NORM, .T = T, .w = L->input_norm, .src = m->x, .lds = H}, &L->qkv);
+    run_gemm(m->pool, m->isa, &L->qkv, T, m->aq, m->adx, m->axs, m->ldq, m->qkv, ldqkv, L->qkv_bias, 0);
+    for (int t = 0; t < T; t++) {       /* q/k norms, rotary at the token's position, then cache K and V */
+        const int pos = m->tpos[t], slot = m->tslot[t];
+        float *q = m->qkv + (size_t)t * ldqkv;
+        const int half = s->rot_dim / 2;
+        const float *c = s->rope_cos + (size_t)pos * half, *sn = s->rope_sin + (size_t)pos * half;
+        attn_work += (size_t)(pos + 1) * s->n_heads * hd;
+        if (L->q_norm) {
+            for (int h = 0; h < s->n_heads; h++) rmsnorm(q + h * hd, L->q_norm, hd, s->norm_eps, q + h * hd);
+            for (int h = 0; h < s->n_kv; h++) rmsnorm(q + qs + h * hd, L->k_norm, hd, s->norm_eps, q + qs + h * hd);
+        }
+        rope(q, s->n_heads, hd, s->rot_dim, c, sn, s->rope_neox);
+        rope(q + qs, s->n_kv, hd, s->rot_dim, c, sn, s->rope_neox);
+        for (int kh = 0; kh < s->n_kv; kh++) {
+            const size_t off = kv_off(m, slot, l, kh, phys(m, slot, pos));
+            cache_put(m, m->kc, off, q + qs + kh * hd, hd);
+            cache_put(m, m->vc, off, q + qs + kvs + kh * hd, hd);
+        }
+    }
+    {   /* split a kv head's query heads when there are fewer items than threads */
+        const int grp = s->n_heads / s->n_kv, nth = m->pool ? m->pool->nth : 1;
+        int hsplit = 1;
+        while (hsplit < grp && T * s->n_kv * hsplit < nth) {
+            hsplit++;
+            while (grp % hsplit) hsplit++;
+        }
+        attn_job a = {.m = m, .layer = l, .T = T, .hsplit = hsplit, .nitems = T * s->n_kv * hsplit};
+        atomic_store(&a.next, 0);
+        if (a.nitems == 1 || attn_work < SMALL_WORK) attn_task(&a, 0, 1);
+        else pool_run(m->pool, attn_task, &a);
+    }
+    run_rows(m, &(rows_job){.kind = ROW_COPY, .T = T, .src = m->att, .lds = qs}, &L->attn_out);
+    sublayer_out(m, &L->attn_out, T, L->post_self_attn_norm);
+}
+
+/* One (token, part of the heads) item of latent attention: scores against the cached latents (the absorbed
+ * query against the compressed KV, plus the rope parts), softmax, and the weighted sum of the compressed KV
+ * (the value projection follows, per head, outside). */
+static void mla_item(model *m, attn_job *a, int item, int tid) {
+    const glmi4_spec *s = &m->s;
+    const int NH = s->n_heads, R = s->kv_lora, rp = s->rot_dim, lw = R + rp, qw = s->nope + rp;
+    const int t = item / a->hsplit, part = item % a->hsplit, per = (NH + a->hsplit - 1) / a->hsplit;
+    const int h0 = part * per, h1 = imin(NH, h0 + per), slot = m->tslot[t], n = m->tpos[t] + 1;
+    const float scale = 1.f / sqrtf((float)s->head_dim);
+    float *sc = m->scores + (size_t)tid * NH * s->capacity, *blk = m->rowbuf + (size_t)tid * ATT_BLK * lw;
+    const float *ql = m->qlat + (size_t)t * NH * R, *qr = m->qf + (size_t)t * NH * qw + s->nope;
+    float *o = m->olat + (size_t)t * NH * R;
+    for (int i0 = 0; i0 < n; i0 += ATT_BLK) {
+        const int nb = imin(ATT_BLK, n - i0);
+        for (int r = 0; r < nb; r++) cache_get(m, m->kc, kv_off(m, slot, a->layer, 0, phys(m, slot, i0 + r)), blk + r * lw, lw);
+        for (int h = h0; h < h1; h++)
+            for (int r = 0; r < nb; r++)
+                sc[(size_t)(h - h0) * n + i0 + r] =
+                    (dotf(m, ql + (size_t)h * R, blk + r * lw, R) + dotf(m, qr + (size_t)h * qw, blk + r * lw + R, rp)) * scale;
+    }
+    for (int h = h0; h < h1; h++) {
+        float *p = sc + (size_t)(h - h0) * n, mx = p[0], sum = 0.f;
+        for (int i = 1; i < n; i++) mx = fmaxf(mx, p[i]);
+        for (int i = 0; i < n; i++) { p[i] = expf(p[i] - mx); sum += p[i]; }
+        for (int i = 0; i < n; i++) p[i] /= sum;
+        memset(o + (size_t)h * R, 0, sizeof(float) * (size_t)R);
+    }
+    for (int i0 = 0; i0 < n; i0 += ATT_BLK) {
+        const int nb = imin(ATT_BLK, n - i0);
+        for (int r = 0; r < nb; r++) cache_get(m, m->kc, kv_off(m, slot, a->layer, 0, phys(m, slot, i0 + r)), blk + r * lw, lw);
+        for (int h = h0; h < h1; h++)
+            for (int r = 0; r < nb; r++) axpyf(m, o + (size_t)h * R, sc[(size_t)(h - h0) * n + i0 + r], blk + r * lw, R);
+    }
+}
+
+static void mla_task(void *arg, int tid, int nth) {
+    (void)nth;
+    attn_job *a = arg;
+    for (int it; (it = atomic_fetch_add(&a->next, 1)) < a->nitems;) mla_item(a->m, a, it, tid);
+}
+
+/* The heads of one layer's per-head products (absorbed keys or values), x: per (token, head) rows of hkp. */
+static void per_head_gemms(model *m, const glmi4_mat *heads, int T, float *out, int rows_per_head) {
+    const int NH = m->s.n_heads, ld = NH * m->hkp;
+    for (int h = 0; h < NH; h++)
+        m->jobs[h] = (gemm_job){.W = &heads[h], .M = T, .xq = m->hq + (size_t)h * m->hkp,
+                                .dx = m->hdx + (size_t)h * m->hkp / QK, .xs = m->hxs + (size_t)h * m->hkp / QK,
+                                .ldq = ld, .out = out + (size_t)h * rows_per_head, .ldo = NH * rows_per_head};
+    run_gemms(m->pool, m->isa, m->jobs, NH);
+}
+
+/* Latent attention (glm4_moe_lite) with kv_b absorbed: the cache holds, per token and layer, the normed
+ * compressed KV and the rotated rope key (kv_lora + rot_dim values); each head's query is taken into the
+ * latent space through its key part of kv_b (W_UK^T q_nope), attends there, and its latent output goes out
+ * through its value part (W_UV o). The same arithmetic as expanding kv_b over the cache, without doing so. */
+static void attn_mla(model *m, const glmi4_layer *L, int l, int T) {
+    const glmi4_spec *s = &m->s;
+    const int H = s->hidden, NH = s->n_heads, R = s->kv_lora, rp = s->rot_dim, lw = R + rp, qw = s->nope + rp;
+    const glmi4_mat *uk = m->uk + (size_t)l * NH, *uv = m->uv + (size_t)l * NH;
+    const int lora = L->q_a.data != NULL;
+    run_rows(m, &(rows_job){.kind = ROW_NORM, .T = T, .w = L->input_norm, .src = m->x, .lds = H}, &L->kv_a);
+    gemm_job first[2] = {
+        {.W = lora ? &L->q_a : &L->q_b, .M = T, .xq = m->aq, .dx = m->adx, .xs = m->axs, .ldq = m->ldq,
+         .out = lora ? m->qa : m->qf, .ldo = lora ? s->q_lora : NH * qw, .bias = lora ? L->q_a_bias : NULL},
+        {.W = &L->kv_a, .M = T, .xq = m->aq, .dx = m->adx, .xs = m->axs, .ldq = m->ldq, .out = m->kva, .ldo = lw,
+         .bias = L->kv_a_bias}};
+    run_gemms(m->pool, m->isa, first, 2);
+    if (lora) {
+        run_rows(m, &(rows_job){.kind = ROW_NORM, .T = T, .w = L->q_a_norm, .src = m->qa, .lds = s->q_lora}, &L->q_b);
+        run_gemm(m->pool, m->isa, &L->q_b, T, m->aq, m->adx, m->axs, m->ldq, m->qf, NH * qw, NULL, 0);
+    }
+    size_t work = 0;
+    for (int t = 0; t < T; t++) {       /* the latent row into the cache; the rotary of the queries' rope parts */
+        const int pos = m->tpos[t], slot = m->tslot[t], half = rp / 2;
+        const float *c = s->rope_cos + (size_t)pos * half, *sn = s->rope_sin + (size_t)pos * half;
+        float *kv = m->kva + (size_t)t * lw;
+        rmsnorm(kv, L->kv_a_norm, R, s->norm_eps, kv);
+        rope(kv + R, 1, rp, rp, c, sn, s->rope_neox);
+        rope(m->qf + (size_t)t * NH * qw + s->nope, NH, qw, rp, c, sn, s->rope_neox);
+        cache_put(m, m->kc, kv_off(m, slot, l, 0, phys(m, slot, pos)), kv, lw);
+        work += (size_t)(pos + 1) * NH * lw;
+    }
+    run_rows(m, &(rows_job){.kind = ROW_COPY, .T = T * NH, .src = m->qf, .lds = qw, .q = m->hq, .dx = m->hdx,
+                            .xs = m->hxs, .ldo = m->hkp}, &uk[0]);
+    per_head_gemms(m, uk, T, m->qlat, R);
+    {
+        const int nth = m->pool ? m->pool->nth : 1;
+        int hsplit = 1;
+        while (hsplit < NH && T * hsplit < nth) hsplit++;
+        attn_job a = {.m = m, .layer = l, .T = T, .hsplit = hsplit, .nitems = T * hsplit};
+        atomic_store(&a.next, 0);
+        if (a.nitems == 1 || work < SMALL_WORK) mla_task(&a, 0, 1);
+        else pool_run(m->pool, mla_task, &a);
+    }
+    run_rows(m, &(rows_job){.kind = ROW_COPY, .T = T * NH, .src = m->olat, .lds = R, .q = m->hq, .dx = m->hdx,
+                            .xs = m->hxs, .ldo = m->hkp}, &uv[0]);
+    per_head_gemms(m, uv, T, m->vout, s->v_dim);
+    run_rows(m, &(rows_job){.kind = ROW_COPY, .T = T, .src = m->vout, .lds = NH * s->v_dim}, &L->attn_out);
+    run_gemm(m->pool, m->isa, &L->attn_out, T, m->aq, m->adx, m->axs, m->ldq, m->x, H, L->attn_out_bias, 1);
+}
+
+/* The router of one token, as transformers' route() (fp32): sigmoid scores; the correction bias added only to
+ * choose, among the experts of the topk_groups best groups (a group scored by its best two); the chosen
+ * experts' unbiased scores renormalised (norm_topk) and scaled. sc: 3 x n_experts floats of scratch. */
+static void route_token(model *m, const glmi4_layer *L, int t, float *sc) {
+    const glmi4_spec *s = &m->s;
+    const int E = s->n_experts, K = s->top_k, H = s->hidden, G = s->n_groups;
+    const float *x = m->h + (size_t)t * m->ldq;
+    float *choice = sc + E, *gscore = sc + 2 * E;
+    int *eid = m->eid + (size_t)t * K;
+    float *w = m->ew + (size_t)t * K;
+    for (int e = 0; e < E; e++) {
+        sc[e] = 1.f / (1.f + expf(-dotf(m, x, L->router + (size_t)e * H, H)));
+        choice[e] = sc[e] + L->router_bias[e];
+    }
+    if (G > 1) {
+        const int per = E / G;
+        for (int g = 0; g < G; g++) {
+            float b1 = -INFINITY, b2 = -INFINITY;
+            for (int e = g * per; e < (g + 1) * per; e++) {
+                const float v = choice[e];
+                if (v > b1) { b2 = b1; b1 = v; } else if (v > b2) { b2 = v; }
+            }
+            gscore[g] = b1 + b2;
+        }
+        for (int k = 0; k < s->topk_groups; k++) {      /* keep the best groups: mark them +inf */
+            int best = -1;
+            for (int g = 0; g < G; g++)
+                if (gscore[g] != INFINITY && (best < 0 || gscore[g] > gscore[best])) best = g;
+            gscore[best] = INFINITY;
+        }
+        for (int e = 0; e < E; e++)
+            if (gscore[e / per] != INFINITY) choice[e] = -INFINITY;
+    }
+    float sum = 0.f;
+    for (int k = 0; k < K; k++) {
+        int best = -1;
+        for (int e = 0; e < E; e++) {
+            int taken = 0;
+            for (int i = 0; i < k; i++) taken |= eid[i] == e;
+            if (!taken && (best < 0 || choice[e] > choice[best])) best = e;
+        }
+        eid[k] = best;
+        w[k] = sc[best];
+        sum += w[k];
+    }
+    for (int k = 0; k < K; k++) w[k] = (s->norm_topk ? w[k] / (sum + 1e-20f) : w[k]) * s->routed_scaling;
+}
+
+typedef struct {
+    model *m;
+    const glmi4_layer *L;
+    int T;
+    _Atomic int next;
+} route_job;
+
+static void route_task(void *arg, int tid, int nth) {
+    (void)nth;
+    route_job *r = arg;
+    float *sc = r->m->rscore + (size_t)tid * 3 * r->m->s.n_experts;
+    for (int t; (t = atomic_fetch_add(&r->next, 1)) < r->T;) route_token(r->m, r->L, t, sc);
+}
+
+/* The MoE block of T tokens (their normed rows in m->h, quantized in m->aq): route each token, group the
+ * (token, expert) assignments by expert, run every chosen expert once over its tokens (and the shared expert
+ * over all), all experts in one parallel region per projection; x += the weighted sum + the shared output. */
+static void moe_block(model *m, const glmi4_layer *L, int T) {
+    const glmi4_spec *s = &m->s;
+    const int E = s->n_experts, K = s->top_k, H = s->hidden, F = s->moe_ffn, Fs = s->shared_ffn;
+    const int nbx = m->ldq / QK, A = T * K, Hkp = L->exp_up[0].k_pad;
+    route_job rj = {.m = m, .L = L, .T = T};
+    atomic_store(&rj.next, 0);
+    if (T < 4) route_task(&rj, 0, 1);
+    else pool_run(m->pool, route_task, &rj);
+    int *cnt = m->cnt, *fill = m->start + E, *start = m->start;
+    memset(cnt, 0, sizeof(int) * (size_t)E);
+    for (int a = 0; a < A; a++) cnt[m->eid[a]]++;
+    for (int e = 0, at = 0; e < E; e++) { start[e] = fill[e] = at; at += cnt[e]; }
+    for (int i = 0; i < A; i++) {           /* assignment rows in expert order, tokens in order within one */
+        const int a = fill[m->eid[i]]++, t = i / K;
+        m->apos[i] = a;
+        memcpy(m->eq + (size_t)a * m->ldq, m->aq + (size_t)t * m->ldq, (size_t)Hkp);
+        memcpy(m->edx + (size_t)a * nbx, m->adx + (size_t)t * nbx, sizeof(float) * (size_t)(Hkp / QK));
+        memcpy(m->exs + (size_t)a * nbx, m->axs + (size_t)t * nbx, sizeof(float) * (size_t)(Hkp / QK));
+    }
+    for (int pass = 0; pass < 2; pass++) {      /* gate|up, then down */
+        int n = 0;
+        for (int e = 0; e < E; e++) {
+            if (!cnt[e]) continue;
+            const size_t r0 = (size_t)start[e];
+            m->jobs[n++] = (gemm_job){.W = pass ? &L->exp_down[e] : &L->exp_up[e], .M = cnt[e],
+                                      .xq = m->eq + r0 * m->ldq, .dx = m->edx + r0 * nbx, .xs = m->exs + r0 * nbx,
+                                      .ldq = m->ldq, .out = pass ? m->eout + r0 * H : m->eup + r0 * 2 * F,
+                                      .ldo = pass ? H : 2 * F};
+        }
+        if (Fs)
+            m->jobs[n++] = (gemm_job){.W = pass ? &L->shared_down : &L->shared_up, .M = T, .xq = m->aq, .dx = m->adx,
+                                      .xs = m->axs, .ldq = m->ldq, .out = pass ? m->sout : m->sup,
+                                      .ldo = pass ? H : 2 * Fs};
+        run_gemms(m->pool, m->isa, m->jobs, n);
+        if (pass) break;
+        run_rows(m, &(rows_job){.kind = ROW_SILU, .T = A, .src = m->eup, .lds = 2 * F, .F = F, .q = m->eq,
+                                .dx = m->edx, .xs = m->exs, .ldo = m->ldq}, &L->exp_down[0]);
+        if (Fs) run_rows(m, &(rows_job){.kind = ROW_SILU, .T = T, .src = m->sup, .lds = 2 * Fs, .F = Fs}, &L->shared_down);
+    }
+    float *acc = m->tmp;
+    for (int t = 0; t < T; t++) {   /* the experts' weighted outputs in expert order (as transformers adds them) */
+        const int *eid = m->eid + (size_t)t * K;
+        memset(acc, 0, sizeof(float) * (size_t)H);
+        for (int k = 0, last = -1; k < K; k++) {
+            int j = -1;
+            for (int i = 0; i < K; i++)
+                if (eid[i] > last && (j < 0 || eid[i] < eid[j])) j = i;
+            last = eid[j];
+            axpyf(m, acc, m->ew[(size_t)t * K + j], m->eout + (size_t)m->apos[(size_t)t * K + j] * H, H);
+        }
+        float *x = m->x + (size_t)t * H;
+        const float *sh = m->sout + (size_t)t * H;
+        for (int i = 0; i < H; i++) x[i] += Fs ? acc[i] + sh[i] : acc[i];
+    }
+}
+
 /* T tokens (of any slots; m->tslot/tpos say where each goes) through every layer; then the logits of the
  * R tokens listed in rows, into R consecutive rows of logits. Each token writes its K/V before attention
  * reads the cache, so a token sees its own slot's positions 0..pos: earlier chunks, earlier tokens of
- * this one, itself. Every weight matrix is read once for all T tokens. */
+ * this one, itself. Every weight matrix (every chosen expert) is read once for all T tokens. */
 static void forward_chunk(model *m, const int32_t *ids, int T, const int *rows, int R, float *logits) {
     const glmi4_spec *s = &m->s;
-    const int H = s->hidden, hd = s->head_dim, qs = s->n_heads * hd, kvs = s->n_kv * hd, ldqkv = qs + 2 * kvs;
+    const int H = s->hidden;
     const int nbx = m->ldq / QK;
-    size_t attn_work = 0;
-    for (int t = 0; t < T; t++) {
-        embed_row(&s->embed, ids[t], m->x + (size_t)t * H);
-        attn_work += (size_t)(m->tpos[t] + 1) * s->n_heads * hd;
-    }
+    for (int t = 0; t < T; t++) embed_row(&s->embed, ids[t], m->x + (size_t)t * H);
     for (int l = 0; l < s->n_layers; l++) {
         const glmi4_layer *L = &m->layers[l];
-        run_rows(m, 0, T, L->input_norm, &L->qkv);
-        run_gemm(m->pool, m->isa, &L->qkv, T, m->aq, m->adx, m->axs, m->ldq, m->qkv, ldqkv, L->qkv_bias, 0);
-        for (int t = 0; t < T; t++) {       /* rotary at the token's position, then cache K and V */
-            const int pos = m->tpos[t], slot = m->tslot[t];
-            float *q = m->qkv + (size_t)t * ldqkv;
-            const int half = s->rot_dim / 2;
-            const float *c = s->rope_cos + (size_t)pos * half, *sn = s->rope_sin + (size_t)pos * half;
-            rope(q, s->n_heads, hd, s->rot_dim, c, sn);
-            rope(q + qs, s->n_kv, hd, s->rot_dim, c, sn);
-            for (int kh = 0; kh < s->n_kv; kh++) {
-                const size_t off = kv_off(m, slot, l, kh, phys(m, slot, pos));
-#if GLMI4_X86
-                if (m->isa != ISA_REF && s->kv_f16 && hd % 8 == 0) {
-                    kv_put_f16c(m->kc, off, q + qs + kh * hd, hd);
-                    kv_put_f16c(m->vc, off, q + qs + kvs + kh * hd, hd);
-                    continue;
-                }
-#endif
-                kv_put(m, m->kc, off, q + qs + kh * hd, hd);
-                kv_put(m, m->vc, off, q + qs + kvs + kh * hd, hd);
-            }
+        if (s->mla) attn_mla(m, L, l, T);
+        else attn_gqa(m, L, l, T);
+        run_rows(m, &(rows_job){.kind = ROW_NORM, .T = T, .w = L->post_norm, .src = m->x, .lds = H, .dst = m->h,
+                                .ldd = m->ldq}, L->sparse ? &L->exp_up[0] : &L->ffn_up);
+        if (L->sparse) {
+            moe_block(m, L, T);
+            continue;
         }
-        {   /* split a kv head's query heads when there are fewer items than threads */
-            const int grp = s->n_heads / s->n_kv, nth = m->pool ? m->pool->nth : 1;
-            int hsplit = 1;
-            while (hsplit < grp && T * s->n_kv * hsplit < nth) {
-                hsplit++;
-                while (grp % hsplit) hsplit++;
-            }
-            attn_job a = {.m = m, .layer = l, .T = T, .hsplit = hsplit, .nitems = T * s->n_kv * hsplit};
-            atomic_store(&a.next, 0);
-            if (a.nitems == 1 || attn_work < SMALL_WORK) attn_task(&a, 0, 1);
-            else pool_run(m->pool, attn_task, &a);
-        }
-        run_rows(m, 2, T, NULL, &L->attn_out);
-        sublayer_out(m, &L->attn_out, T, L->post_self_attn_norm);
-        run_rows(m, 0, T, L->post_norm, &L->ffn_up);
         run_gemm(m->pool, m->isa, &L->ffn_up, T, m->aq, m->adx, m->axs, m->ldq, m->ff, 2 * s->ffn, NULL, 0);
-        run_rows(m, 1, T, NULL, &L->ffn_down);
+        run_rows(m, &(rows_job){.kind = ROW_SILU, .T = T, .src = m->ff, .lds = 2 * s->ffn, .F = s->ffn}, &L->ffn_down);
         sublayer_out(m, &L->ffn_down, T, L->post_mlp_norm);
     }
     if (R == 0) return;
@@ -2001,33 +2377,79 @@ void *glmi4_create(const glmi4_spec *spec, char *err, int errlen) {
         s->n_slots < 1 || s->head_dim > 1024 || s->rot_dim < 2 || s->rot_dim % 2 || s->rot_dim > s->head_dim)
         FAIL("unsupported shape: heads %d, kv heads %d, head_dim %d, rotary dims %d", s->n_heads, s->n_kv,
              s->head_dim, s->rot_dim);
+    if (s->mla && (s->kv_lora < 1 || s->kv_lora % TILE || s->v_dim < 1 || s->v_dim % TILE || s->nope < 1 ||
+                   s->nope + s->rot_dim != s->head_dim || s->q_lora < 0))
+        FAIL("unsupported latent attention shape: kv_lora_rank %d, v_head_dim %d (both multiples of %d), nope %d, "
+             "rope %d", s->kv_lora, s->v_dim, TILE, s->nope, s->rot_dim);
     if (s->isa < 0 || s->isa >= ISA_COUNT || !isa_supported(s->isa))
         FAIL("this CPU cannot run the %s kernels", glmi4_isa_name(s->isa));
     m->isa = s->isa;
-    const int qkvn = s->n_heads * s->head_dim + 2 * s->n_kv * s->head_dim;
+    const int NH = s->n_heads, qkvn = NH * s->head_dim + 2 * s->n_kv * s->head_dim, qw = s->nope + s->rot_dim;
+    int any_sparse = 0;
     m->layers = calloc((size_t)s->n_layers, sizeof(glmi4_layer));
     if (!m->layers) FAIL("out of memory");
-    int kmax = s->head.k_pad;
+    int kmax = s->head.k_pad, hkp = 0;
+#define KMAX(W) do { kmax = (W).k_pad > kmax ? (W).k_pad : kmax; } while (0)
     for (int l = 0; l < s->n_layers; l++) {
         const glmi4_layer *L = &s->layers[l];
         m->layers[l] = *L;
-        if (!mat_ok(&L->qkv, qkvn, s->hidden) || !mat_ok(&L->attn_out, s->hidden, s->n_heads * s->head_dim) ||
-            !mat_ok(&L->ffn_up, 2 * s->ffn, s->hidden) || !mat_ok(&L->ffn_down, s->hidden, s->ffn) ||
-            !L->input_norm || !L->post_norm)
-            FAIL("layer %d: packed weights do not match the model shape", l);
-        const glmi4_mat *ms[4] = {&L->qkv, &L->attn_out, &L->ffn_up, &L->ffn_down};
-        for (int i = 0; i < 4; i++) kmax = ms[i]->k_pad > kmax ? ms[i]->k_pad : kmax;
+        int ok = L->input_norm && L->post_norm;
+        if (s->mla) {
+            const int lora = L->q_a.data != NULL;
+            ok = ok && mat_ok(&L->kv_a, s->kv_lora + s->rot_dim, s->hidden) && L->kv_a_norm &&
+                 mat_ok(&L->kv_uk, NH * s->kv_lora, s->nope) && mat_ok(&L->kv_uv, NH * s->v_dim, s->kv_lora) &&
+                 mat_ok(&L->attn_out, s->hidden, NH * s->v_dim) &&
+                 (lora ? mat_ok(&L->q_a, s->q_lora, s->hidden) && L->q_a_norm && mat_ok(&L->q_b, NH * qw, s->q_lora)
+                       : mat_ok(&L->q_b, NH * qw, s->hidden));
+            if (ok) {
+                KMAX(L->kv_a); KMAX(L->attn_out); KMAX(L->q_b);
+                if (lora) KMAX(L->q_a);
+                hkp = L->kv_uk.k_pad > hkp ? L->kv_uk.k_pad : hkp;
+                hkp = L->kv_uv.k_pad > hkp ? L->kv_uv.k_pad : hkp;
+            }
+        } else {
+            ok = ok && mat_ok(&L->qkv, qkvn, s->hidden) && mat_ok(&L->attn_out, s->hidden, NH * s->head_dim) &&
+                 (!L->q_norm) == (!L->k_norm);
+            if (ok) { KMAX(L->qkv); KMAX(L->attn_out); }
+        }
+        if (L->sparse) {
+            const int E = s->n_experts, G = s->n_groups;
+            if (E < 1 || s->top_k < 1 || s->top_k > E || G < 1 || E % G || s->topk_groups < 1 ||
+                s->topk_groups > G || (G > 1 && E / G < 2) || s->top_k > s->topk_groups * (E / G))
+                FAIL("unsupported routing: %d experts, top-%d, %d groups, top-%d groups", E, s->top_k, G,
+                     s->topk_groups);
+            ok = ok && L->router && L->router_bias && L->exp_up && L->exp_down;
+            for (int e = 0; ok && e < E; e++) {
+                ok = mat_ok(&L->exp_up[e], 2 * s->moe_ffn, s->hidden) && mat_ok(&L->exp_down[e], s->hidden, s->moe_ffn) &&
+                     L->exp_up[e].k_pad == L->exp_up[0].k_pad;
+                if (ok) { KMAX(L->exp_up[e]); KMAX(L->exp_down[e]); }
+            }
+            if (ok && s->shared_ffn) {
+                ok = mat_ok(&L->shared_up, 2 * s->shared_ffn, s->hidden) &&
+                     mat_ok(&L->shared_down, s->hidden, s->shared_ffn);
+                if (ok) { KMAX(L->shared_up); KMAX(L->shared_down); }
+            }
+            any_sparse = 1;
+        } else {
+            ok = ok && mat_ok(&L->ffn_up, 2 * s->ffn, s->hidden) && mat_ok(&L->ffn_down, s->hidden, s->ffn);
+            if (ok) { KMAX(L->ffn_up); KMAX(L->ffn_down); }
+        }
+        if (!ok) FAIL("layer %d: packed weights do not match the model shape", l);
     }
+#undef KMAX
     m->s.layers = m->layers;
     if (!mat_ok(&s->head, s->vocab, s->hidden) || !s->final_norm || s->embed.n != s->vocab || s->embed.k != s->hidden)
         FAIL("output layer or embedding does not match the model shape");
     kmax = kmax > s->ffn ? kmax : s->ffn;
     kmax = (kmax + 127) / 128 * 128;
     m->ldq = kmax;
+    m->hkp = hkp;
     const size_t T = (size_t)s->max_batch, nth = (size_t)(s->nthreads < 1 ? 1 : s->nthreads);
     const int grp = s->n_heads / s->n_kv;
     m->kv_elt = s->kv_f16 ? 2 : 4;
-    const size_t kvn = (size_t)s->n_slots * s->n_layers * s->n_kv * s->capacity * s->head_dim;
+    m->kvh = s->mla ? 1 : s->n_kv;
+    m->kvw = s->mla ? s->kv_lora + s->rot_dim : s->head_dim;
+    const size_t kvn = (size_t)s->n_slots * s->n_layers * m->kvh * s->capacity * m->kvw;
     m->base = calloc((size_t)s->n_slots, sizeof(int));
     m->len = calloc((size_t)s->n_slots, sizeof(int));
     m->tslot = calloc(T, sizeof(int));
@@ -2035,21 +2457,72 @@ void *glmi4_create(const glmi4_spec *spec, char *err, int errlen) {
     m->trow = calloc(T, sizeof(int));
     if (!m->base || !m->len || !m->tslot || !m->tpos || !m->trow) FAIL("out of memory");
     m->kc = xalloc(kvn * m->kv_elt);
-    m->vc = xalloc(kvn * m->kv_elt);
     m->x = xalloc(T * s->hidden * 4);
     m->h = xalloc(T * kmax * 4);
-    m->qkv = xalloc(T * qkvn * 4);
-    m->att = xalloc(T * s->n_heads * s->head_dim * 4);
     m->ff = xalloc(T * 2 * s->ffn * 4);
     m->aq = xalloc(T * kmax);
     m->adx = xalloc(T * (kmax / QK) * 4);
     m->axs = xalloc(T * (kmax / QK) * 4);
-    m->scores = xalloc(nth * SC_HEADS(grp) * s->capacity * 4);
-    m->rowbuf = xalloc(nth * ROWBUF(s->head_dim, grp) * 4);
-    if (!m->kc || !m->vc || !m->x || !m->h || !m->qkv || !m->att || !m->ff || !m->aq || !m->adx || !m->axs ||
-        !m->scores || !m->rowbuf)
+    m->tmp = xalloc(nth * kmax * 4);
+    int fail = !m->kc || !m->x || !m->h || !m->ff || !m->aq || !m->adx || !m->axs || !m->tmp;
+    if (s->mla) {
+        const size_t lw = (size_t)m->kvw, per_head = (size_t)NH * T;
+        m->scores = xalloc(nth * NH * s->capacity * 4);
+        m->rowbuf = xalloc(nth * ATT_BLK * lw * 4);
+        m->qa = xalloc(T * (s->q_lora ? s->q_lora : 1) * 4);
+        m->kva = xalloc(T * lw * 4);
+        m->qf = xalloc(T * NH * qw * 4);
+        m->qlat = xalloc(per_head * s->kv_lora * 4);
+        m->olat = xalloc(per_head * s->kv_lora * 4);
+        m->vout = xalloc(per_head * s->v_dim * 4);
+        m->hq = xalloc(per_head * hkp);
+        m->hdx = xalloc(per_head * (hkp / QK) * 4);
+        m->hxs = xalloc(per_head * (hkp / QK) * 4);
+        m->uk = calloc((size_t)s->n_layers * NH, sizeof(glmi4_mat));
+        m->uv = calloc((size_t)s->n_layers * NH, sizeof(glmi4_mat));
+        fail = fail || !m->scores || !m->rowbuf || !m->qa || !m->kva || !m->qf || !m->qlat || !m->olat || !m->vout ||
+               !m->hq || !m->hdx || !m->hxs || !m->uk || !m->uv;
+        for (int l = 0; !fail && l < s->n_layers; l++)
+            for (int h = 0; h < NH; h++) {     /* each head's rows of the stacked per-head matrices */
+                const glmi4_layer *L = &m->layers[l];
+                glmi4_mat *k = &m->uk[(size_t)l * NH + h], *v = &m->uv[(size_t)l * NH + h];
+                *k = L->kv_uk;
+                k->n = k->n_pad = s->kv_lora;
+                k->data += (size_t)h * (s->kv_lora / TILE) * tile_bytes(&L->kv_uk);
+                *v = L->kv_uv;
+                v->n = v->n_pad = s->v_dim;
+                v->data += (size_t)h * (s->v_dim / TILE) * tile_bytes(&L->kv_uv);
+            }
+    } else {
+        m->vc = xalloc(kvn * m->kv_elt);
+        m->qkv = xalloc(T * qkvn * 4);
+        m->att = xalloc(T * s->n_heads * s->head_dim * 4);
+        m->scores = xalloc(nth * SC_HEADS(grp) * s->capacity * 4);
+        m->rowbuf = xalloc(nth * ROWBUF(s->head_dim, grp) * 4);
+        fail = fail || !m->vc || !m->qkv || !m->att || !m->scores || !m->rowbuf;
+    }
+    if (any_sparse) {
+        const size_t A = T * (size_t)s->top_k, E = (size_t)s->n_experts, F = (size_t)s->moe_ffn;
+        m->eid = calloc(A, sizeof(int));
+        m->apos = calloc(A, sizeof(int));
+        m->ew = calloc(A, sizeof(float));
+        m->cnt = calloc(E, sizeof(int));
+        m->start = calloc(2 * E, sizeof(int));
+        m->rscore = xalloc(nth * 3 * E * 4);
+        m->eq = xalloc(A * kmax);
+        m->edx = xalloc(A * (kmax / QK) * 4);
+        m->exs = xalloc(A * (kmax / QK) * 4);
+        m->eup = xalloc(A * 2 * F * 4);
+        m->eout = xalloc(A * s->hidden * 4);
+        m->sup = xalloc(T * 2 * (size_t)(s->shared_ffn ? s->shared_ffn : 1) * 4);
+        m->sout = xalloc(T * s->hidden * 4);
+        fail = fail || !m->eid || !m->apos || !m->ew || !m->cnt || !m->start || !m->rscore || !m->eq || !m->edx ||
+               !m->exs || !m->eup || !m->eout || !m->sup || !m->sout;
+    }
+    m->jobs = calloc((size_t)(s->n_experts > NH ? s->n_experts : NH) + 1, sizeof(gemm_job));
+    if (fail || !m->jobs)
         FAIL("out of memory for the KV cache (%zu MiB) and work buffers; lower the context or the number of "
-             "sequences", 2 * kvn * m->kv_elt >> 20);
+             "sequences", (s->mla ? 1 : 2) * kvn * m->kv_elt >> 20);
     m->pool = pool_new((int)nth);
     if (!m->pool) FAIL("could not start %d threads", (int)nth);
     return m;
@@ -2062,8 +2535,12 @@ void glmi4_destroy(void *handle) {
     pool_free(m->pool);
     free(m->layers);
     free(m->kc); free(m->vc); free(m->x); free(m->h); free(m->qkv); free(m->att); free(m->ff);
-    free(m->aq); free(m->adx); free(m->axs); free(m->scores); free(m->rowbuf);
+    free(m->aq); free(m->adx); free(m->axs); free(m->scores); free(m->rowbuf); free(m->tmp);
     free(m->base); free(m->len); free(m->tslot); free(m->tpos); free(m->trow);
+    free(m->eid); free(m->apos); free(m->ew); free(m->cnt); free(m->start); free(m->rscore); free(m->eq);
+    free(m->edx); free(m->exs); free(m->eup); free(m->eout); free(m->sup); free(m->sout); free(m->jobs);
+    free(m->qa); free(m->kva); free(m->qf); free(m->qlat); free(m->olat); free(m->vout); free(m->hq);
+    free(m->hdx); free(m->hxs); free(m->uk); free(m->uv);
     free(m);
 }
 
@@ -2129,17 +2606,18 @@ int glmi4_copy_prefix(void *handle, int src, int dst, int n) {
     const glmi4_spec *s = &m->s;
     if (!slot_ok(m, src) || !slot_ok(m, dst) || n < 0 || n > m->len[src]) return E_ARG;
     if (src != dst) {
-        const size_t rowb = (size_t)s->head_dim * m->kv_elt;
+        const size_t rowb = (size_t)m->kvw * m->kv_elt;
         for (int l = 0; l < s->n_layers; l++)
-            for (int kh = 0; kh < s->n_kv; kh++) {
+            for (int kh = 0; kh < m->kvh; kh++) {
                 /* the source's ring may wrap: copy in at most two runs; dst starts unwrapped (base 0) */
                 const int p0 = phys(m, src, 0), first = imin(n, s->capacity - p0);
                 const size_t d = kv_off(m, dst, l, kh, 0) * m->kv_elt;
                 const size_t a = kv_off(m, src, l, kh, p0) * m->kv_elt, b = kv_off(m, src, l, kh, 0) * m->kv_elt;
-                memcpy((char *)m->kc + d, (char *)m->kc + a, rowb * first);
-                memcpy((char *)m->vc + d, (char *)m->vc + a, rowb * first);
-                memcpy((char *)m->kc + d + rowb * first, (char *)m->kc + b, rowb * (n - first));
-                memcpy((char *)m->vc + d + rowb * first, (char *)m->vc + b, rowb * (n - first));
+                void *caches[2] = {m->kc, m->vc};
+                for (int c = 0; c < 2 && caches[c]; c++) {
+                    memcpy((char *)caches[c] + d, (char *)caches[c] + a, rowb * first);
+                    memcpy((char *)caches[c] + d + rowb * first, (char *)caches[c] + b, rowb * (n - first));
+                }
             }
         m->base[dst] = 0;
     }
@@ -2157,14 +2635,15 @@ static void shift_task(void *arg, int tid, int nth) {
     shift_job *j = arg;
     model *m = j->m;
     const glmi4_spec *s = &m->s;
+    const int at = s->mla ? s->kv_lora : 0;      /* where the rotated dims start in a cache row */
     float row[1024];
     for (int l = tid; l < s->n_layers; l += nth)
-        for (int kh = 0; kh < s->n_kv; kh++)
+        for (int kh = 0; kh < m->kvh; kh++)
             for (int i = j->n_keep; i < m->len[j->slot]; i++) {
-                const size_t off = kv_off(m, j->slot, l, kh, phys(m, j->slot, i));
-                kv_get(m, m->kc, off, row, s->head_dim);
-                rope(row, 1, s->head_dim, s->rot_dim, j->c, j->sn);
-                kv_put(m, m->kc, off, row, s->head_dim);
+                const size_t off = kv_off(m, j->slot, l, kh, phys(m, j->slot, i)) + at;
+                kv_get(m, m->kc, off, row, s->rot_dim);
+                rope(row, 1, s->rot_dim, s->rot_dim, j->c, j->sn, s->rope_neox);
+                kv_put(m, m->kc, off, row, s->rot_dim);
             }
 }
 
@@ -2177,14 +2656,14 @@ int glmi4_shift(void *handle, int slot, int n_keep, int n_discard) {
     if (!slot_ok(m, slot) || n_keep < 0 || n_discard < 0 || n_keep + n_discard > m->len[slot] || s->head_dim > 1024)
         return E_ARG;
     if (n_discard == 0) return E_OK;
-    const size_t rowb = (size_t)s->head_dim * m->kv_elt;
+    const size_t rowb = (size_t)m->kvw * m->kv_elt;
     for (int l = 0; l < s->n_layers; l++)
-        for (int kh = 0; kh < s->n_kv; kh++)
+        for (int kh = 0; kh < m->kvh; kh++)
             for (int i = n_keep - 1; i >= 0; i--) {      /* descending: source and target may overlap */
                 const size_t src = kv_off(m, slot, l, kh, phys(m, slot, i)) * m->kv_elt;
                 const size_t dst = kv_off(m, slot, l, kh, phys(m, slot, i + n_discard)) * m->kv_elt;
                 memmove((char *)m->kc + dst, (char *)m->kc + src, rowb);
-                memmove((char *)m->vc + dst, (char *)m->vc + src, rowb);
+                if (m->vc) memmove((char *)m->vc + dst, (char *)m->vc + src, rowb);
             }
     m->base[slot] = (m->base[slot] + n_discard) % s->capacity;
     m->len[slot] -= n_discard;
