@@ -16,7 +16,7 @@ import numpy as np
 
 from glmcore.weights import release
 
-from .quant import LINEAR, QuantOptions
+from .quant import QuantOptions
 
 BITS = {"Q4_0": 4, "Q8_0": 8}
 BLOCK_BYTES = {"Q4_0": 18, "Q8_0": 34}
@@ -64,6 +64,10 @@ class StoredTensors(Mapping):
         return self.weights.fingerprint()
 
 
+# the layer matrices whose stored type decides linear_bits (experts' end alike: experts.E.ffn_up.weight)
+LAYER_MATRICES = ("qkv.weight", "attn_out.weight", "ffn_up.weight", "ffn_down.weight")
+
+
 def packing(weights, extra: dict, q: QuantOptions, quant_keys) -> tuple[QuantOptions, object, object]:
     """(options, weights to pack, codes hook) for cpu_int4's packer. A GGUF whose layers are all Q4_0 or all Q8_0,
     packed with no quantization option given, keeps its blocks: group 32, symmetric, f16 scales, the layers at
@@ -71,10 +75,11 @@ def packing(weights, extra: dict, q: QuantOptions, quant_keys) -> tuple[QuantOpt
     if not hasattr(weights, "stored"):
         return q, weights, None
     stored = StoredTensors(weights)
-    linear = {stored[n].qtype for n in stored if n.endswith(LINEAR)}
+    linear = {stored[n].qtype for n in stored if n.endswith(LAYER_MATRICES)}
     if any(k in extra for k in quant_keys) or len(linear) != 1 or next(iter(linear)) not in BITS:
         return q, stored, None
     q = QuantOptions(group_size=32, sym=True, scale_dtype="f16", linear_bits=BITS[next(iter(linear))],
                      embed_bits=BITS.get(stored["embed.weight"].qtype, 4),
                      head_bits=BITS.get(stored["lm_head.weight"].qtype, 8))
-    return q, stored, lambda name, r0, r1, bits: block_codes(stored[name][r0:r1], bits)
+    # tensors the packer derives (latent attention's kv_b halves) are not in the file: quantized as usual
+    return q, stored, lambda name, r0, r1, bits: block_codes(stored[name][r0:r1], bits) if name in stored else None
