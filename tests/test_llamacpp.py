@@ -218,5 +218,5 @@ def test_quantized_gguf_is_made_through_a_scratch_f16(tmp_path, monkeypatch):
     assert made[3:] == [("Q8_0", "f16")]                     # the cached F16 GGUF, not a fresh conversion
     with pytest.raises(GlmcoreError, match="no counterpart"):
         lc.gguf(model, "int3")
-    with pytest.raises(GlmcoreError, match="only the ChatGLM-layout families .* not glm4-0414"):
+    with pytest.raises(GlmcoreError, match="llama.cpp comparison: only .*glm4-moe.*, not glm4-0414"):
         lc.gguf(synthetic_dir("glm4-0414", "tiny", purpose="test", seed=0), "int4")
