@@ -601,8 +601,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("make-model", help="write a synthetic checkpoint in a family's real layout")
     p.add_argument("--family", required=True, choices=arch.synthetic_families(),
                    help="glm4-0414: GLM-4-0414/Z1 layout (transformers glm4); glm-edge: GLM-Edge layout (glm)")
-    p.add_argument("--size", default="tiny", choices=["tiny", "small", "1b", "6b", "9b", "32b"],
-                   help="architecture size (6b: chatglm families; 9b/32b: glm4-0414)")
+    p.add_argument("--size", default="tiny", choices=arch.synthetic_sizes(),
+                   help="architecture size (6b: chatglm families; 9b/32b: glm4-0414; air/355b: glm4-moe; "
+                        "flash: glm4-moe-lite)")
     p.add_argument("--layers", type=int, help="fewer layers of the size's width (e.g. --size 32b --layers 4)")
     p.add_argument("--out", required=True, help="a new or empty directory")
     p.add_argument("--format", default="safetensors", choices=["safetensors", "bin"], help="weight file format")

@@ -86,6 +86,21 @@ def test_make_model_cli(tmp_path, capsys):
     assert sum(f.stat().st_size for f in tmp_path.iterdir()) < 5_000_000
 
 
+def test_make_model_offers_the_moe_sizes(tmp_path, capsys):
+    """--size takes every architecture's sizes (GLM-4.5-Air, GLM-4.6/4.7 355B, GLM-4.7-Flash); a size the family
+    lacks is one line naming the family's sizes."""
+    rc, _, err = run(capsys, "make-model", "--family", "glm4-moe", "--size", "flash", "--out", str(tmp_path / "x"))
+    assert rc == 2 and "unknown size 'flash' for glm4-moe; choose tiny, small, air, 355b" in err
+
+
+@pytest.mark.slow
+def test_make_model_writes_the_flash_shape(tmp_path, capsys):
+    rc, out, _ = run(capsys, "make-model", "--family", "glm4-moe-lite", "--size", "flash", "--layers", "1",
+                     "--dtype", "f16", "--out", str(tmp_path / "flash"))
+    assert rc == 0 and "glm4-moe-lite flash" in out
+    assert json.loads((tmp_path / "flash" / "config.json").read_text())["kv_lora_rank"] == 512
+
+
 def test_convert_without_conversion_step(cache, capsys, make_tiny, tmp_path):
     rc, _, err = run(capsys, "convert", "--backend", "torch", "--model", str(make_tiny("chatglm3")), "--out",
                      str(tmp_path))

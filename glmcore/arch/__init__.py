@@ -79,6 +79,11 @@ def synthetic_families() -> list[str]:
     return [f for a in _BY_NAME.values() for f in a.synthetic_families]
 
 
+def synthetic_sizes() -> list[str]:
+    """Every make-model --size some family has (which family has which: Architecture.sizes)."""
+    return list(dict.fromkeys(s for a in _BY_NAME.values() for f in a.synthetic_families for s in a.sizes(f)))
+
+
 def supported_model_types() -> str:
     return ", ".join(f"{t!r}" for t in _BY_MODEL_TYPE)
 
