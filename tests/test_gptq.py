@@ -3,6 +3,8 @@ give them back exactly), they beat round to nearest on the layer's output error,
 is the model's forward, and the `quant=gptq` option reaches the packed file, the cache key and the errors."""
 from __future__ import annotations
 
+import types
+
 import numpy as np
 import pytest
 
@@ -35,7 +37,7 @@ def _cpu_grid(group, sym):
     import glmcore.gptq as g
     real, g.calibrated = g.calibrated, fake_calibrated
     try:
-        _calibrated(None, {}, QuantOptions.from_extra(extra), extra, None)
+        _calibrated(types.SimpleNamespace(arch="glm"), {}, QuantOptions.from_extra(extra), extra, None)   # a dense GLM
     finally:
         g.calibrated = real
     return captured
