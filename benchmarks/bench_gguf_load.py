@@ -133,9 +133,15 @@ def measure(path: Path, cache: Path) -> dict:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", type=Path, required=True, help="the GGUF to write (kept: reused when it exists)")
+    ap.add_argument("--out", type=Path, help="the GGUF to write (kept: reused when it exists; default: a "
+                    "temporary file, removed afterwards)")
     ap.add_argument("--size", choices=sorted(SHAPES), default="6b")
+    ap.add_argument("--threads", type=int, help="accepted for the benchmark suite's common flags; loading is "
+                    "single-threaded")
     a = ap.parse_args(argv)
+    if a.out is None:
+        with tempfile.TemporaryDirectory() as tmp:
+            return main([*(argv if argv is not None else sys.argv[1:]), "--out", str(Path(tmp) / f"{a.size}.gguf")])
     if not a.out.is_file():
         write_file(a.out, a.size)
     size = a.out.stat().st_size
