@@ -739,12 +739,11 @@ def test_paged_cache_batch_decode_matches_the_host_and_shares_prefixes(make_tiny
               ("step", [(0, [11]), (1, [12]), (2, [13])]),
               ("copy", 2, 1, 10), ("step", [(1, ids(4, 4)), (2, [14])]),     # slot 1 writes into shared block 0
               ("reset", 0), ("step", [(0, ids(9, 5))]), ("step", [(0, [15]), (1, [16]), (2, [17])])]
-    shared_seen, agree = False, []
+    shared_seen, got, want = False, [], []
     for op in script:
         if op[0] == "step":
-            got, want = paged.step(op[1]), host.step(op[1])
-            assert rel_l2(got, want) < 0.02, op            # a wrong block would be a different row entirely
-            agree += list(got.argmax(-1) == want.argmax(-1))
+            got.append(paged.step(op[1]))
+            want.append(host.step(op[1]))
         elif op[0] == "copy":
             for s in (paged, host):
                 s.copy_prefix(*op[1:])
@@ -755,7 +754,11 @@ def test_paged_cache_batch_decode_matches_the_host_and_shares_prefixes(make_tiny
             for s in (paged, host):
                 s.reset(op[1])
             assert (tables.table[op[1]] == 0).all()
-    assert shared_seen and np.mean(agree) >= 0.8          # bf16 near-ties may flip a top-1
+    assert shared_seen
+    # two bf16 kernel sets: held to conformance's bf16 row (a row read from a wrong block is another row entirely)
+    from glmcore_conformance.metrics import compare, out_of_bounds
+    from glmcore_conformance.tolerances import TOLERANCES
+    assert not out_of_bounds(compare(np.concatenate(want), np.concatenate(got)), TOLERANCES["bf16"].bounds())
     decodes = [c for c in calls if isinstance(c, tuple) and c[0] in ("paged_fa", "incre_fa")]
     assert decodes and {c[0] for c in decodes} == {"paged_fa"}
     assert ("paged_fa", [23, 8, 22]) in calls and ("paged_fa", [10, 15, 24]) in calls     # each row's length
@@ -766,6 +769,14 @@ def test_paged_cache_batch_decode_matches_the_host_and_shares_prefixes(make_tiny
         paged.reset(slot)
     assert sorted(tables.free) == [b for b in range(1, tables.n_blocks) if tables.refs[b] == 0]
     assert tables.refs[1:].sum() == (tables.table != 0).sum()
+
+
+@pytest.mark.parametrize("size", ["20", "0", "x"])
+def test_block_size_must_be_a_multiple_of_16(size):
+    from glmcore_plugins.ascend_npu.session import parse_block_size
+    with pytest.raises(BackendError, match=f"block_size={size!r} is not a multiple of 16.*--opt block_size=128"):
+        parse_block_size(size)
+    assert parse_block_size(None) == 128 and parse_block_size("32") == 32
 
 
 def _cache_gathers(gm) -> list[str]:
