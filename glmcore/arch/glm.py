@@ -161,8 +161,8 @@ class GlmArchitecture(Architecture):
         from ..gguf import stack
         out, qkv = {}, {}
         for name, part in parts.items():
-            if name in _GGUF_TOP:
-                out[_GGUF_TOP[name]] = stack(where, name, [part])
+            if name in GGUF_TOP:
+                out[GGUF_TOP[name]] = stack(where, name, [part])
                 continue
             if name == "rope_freqs.weight":         # a buffer some converters write; the rotary is computed
                 continue
@@ -371,7 +371,8 @@ _HF_LAYER = {
 _HF_TOP = {"model.embed_tokens.weight": "embed.weight", "model.norm.weight": "final_norm.weight",
            "lm_head.weight": "lm_head.weight"}
 # llama.cpp's names (gguf-py's TensorNameMap for chatglm/glm4) -> canonical; attn_q/k/v are fused in code.
-_GGUF_TOP = {"token_embd.weight": "embed.weight", "output_norm.weight": "final_norm.weight",
+# llama.cpp's names of the tensors outside the layers (every GLM layout)
+GGUF_TOP = {"token_embd.weight": "embed.weight", "output_norm.weight": "final_norm.weight",
              "output.weight": "lm_head.weight"}
 _GGUF_LAYER = {
     "attn_norm.weight": "input_norm.weight",

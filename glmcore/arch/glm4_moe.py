@@ -23,7 +23,7 @@ import numpy as np
 from ..config import ModelConfig
 from ..errors import CheckpointError, ConfigError
 from .base import Architecture, Axis, Role, Split, TensorSpec
-from .glm import hf_rope, write_synthetic_tokenizer
+from .glm import GGUF_TOP, hf_rope, write_synthetic_tokenizer
 
 # transformers' Glm4MoeConfig defaults, used exactly where config.json leaves a key out.
 DEFAULTS = {"vocab_size": 151552, "hidden_size": 4096, "intermediate_size": 10944, "num_hidden_layers": 46,
@@ -338,12 +338,10 @@ def moe_gguf_to_canonical(parts: dict, where: Path, layer: dict[str, str], fused
     """blk.N.* -> layers.N.* (place_mtp then moves the NextN layers), split projections and gate|up stacked by
     rows, each expert of the stacked [experts, out, in] tensors its own canonical tensor."""
     from ..gguf import GGUFPart, stack
-    top = {"token_embd.weight": "embed.weight", "output_norm.weight": "final_norm.weight",
-           "output.weight": "lm_head.weight"}
     out, grouped = {}, {}
     for name, part in parts.items():
-        if name in top:
-            out[top[name]] = stack(where, name, [part])
+        if name in GGUF_TOP:
+            out[GGUF_TOP[name]] = stack(where, name, [part])
             continue
         if name == "rope_freqs.weight":         # a buffer some converters write; the rotary is computed
             continue
