@@ -80,3 +80,14 @@ def test_a_text_part_with_a_number_says_the_text_must_be_a_string():
         _text([{"type": "text", "text": 5}], "messages.0.content")
     assert e.value.param == "messages.0.content.0.text" and "not a string" in e.value.message
     assert "not supported" not in e.value.message
+
+
+def test_every_package_is_installed():
+    """A non-editable install ships only the packages pyproject lists: each folder with an __init__.py is one
+    (glmcore.engine and glmcore.parsers were missing, so `pip install .` gave a glmcore that could not import)."""
+    tool = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    listed, dirs = set(tool["packages"]), tool["package-dir"]
+    for name, folder in dirs.items():
+        for init in (ROOT / folder).rglob("__init__.py"):
+            parts = init.parent.relative_to(ROOT / folder).parts
+            assert ".".join((name, *parts)) in listed, f"{init.parent} is not in pyproject's packages"
