@@ -34,7 +34,8 @@ log = logging.getLogger("glmcore.server")
 MAX_BODY = 4 << 20            # bytes; a request body over it is a 413
 READ_TIMEOUT = 30.0           # seconds a request's head, and then its body, may take to arrive (408 after)
 PREPARING = 4                 # requests rendered and tokenized at once, in worker threads
-ENDPOINTS = {"/v1/chat/completions": "chat", "/v1/completions": "completions"}
+ENDPOINTS = {"/v1/chat/completions": "chat", "/v1/completions": "completions", "/v1/responses": "responses",
+             "/v1/messages": "messages"}
 REPLY_IDS_KEPT = 4096         # assistant replies whose generated ids are remembered for prefix reuse
 
 
@@ -94,6 +95,7 @@ class StopStrings:
 
     def __init__(self, stops: list[str]):
         self.stops, self.held = stops, ""
+        self.matched: str | None = None     # the stop string that ended the text (Anthropic's stop_sequence)
 
     def push(self, text: str) -> tuple[str, bool]:
         """(text now certain, whether a stop string matched)."""
@@ -102,8 +104,9 @@ class StopStrings:
         buf = self.held + text
         hits = [i for i in (buf.find(s) for s in self.stops) if i >= 0]
         if hits:
-            self.held = ""
-            return buf[:min(hits)], True
+            self.held, at = "", min(hits)
+            self.matched = next(s for s in self.stops if buf.find(s) == at)
+            return buf[:at], True
         keep = max((k for s in self.stops for k in range(1, min(len(s), len(buf) + 1)) if buf.endswith(s[:k])),
                    default=0)
         self.held = buf[len(buf) - keep:] if keep else ""
@@ -354,6 +357,25 @@ class Exchange:
     def finished(self, gen: "Generation") -> None:
         """The response went out whole."""
 
+    # a stream's framing: OpenAI's chunks by default; the Responses and Messages APIs frame their own events
+    stream_end = "data: [DONE]\n\n"      # the stream's last line
+
+    def sse_open(self) -> str:
+        return "".join(map(_sse, self.chunk(None, None)))
+
+    def sse_events(self, events: list[ChatEvent]) -> str:
+        return "".join(_sse(c) for e in events for c in self.chunk(e, None))
+
+    def sse_close(self, gen: "Generation") -> str:
+        out = "".join(map(_sse, self.chunk(None, gen.finish_reason(self.reply))))
+        if self.include_usage:
+            out += _sse({**self.chunk(None, None)[0], "choices": [], "usage": self.usage(gen)})
+        return out
+
+    def sse_error(self, e: ApiError) -> str:
+        """A failure after the stream began, told in the stream."""
+        return _sse(e.body())
+
     def usage(self, gen: "Generation") -> dict:
         return gen.usage()
 
@@ -368,8 +390,12 @@ class ChatCompletion(Exchange):
     endpoint, param, id_prefix = "chat", "messages", "chatcmpl"
 
     def prepare(self, body: bytes):
+        return self.prepare_chat(parse(ChatRequest, body))
+
+    def prepare_chat(self, req: ChatRequest) -> ChatRequest:
+        """Everything after parsing: the Responses and Messages APIs translate their requests into a ChatRequest
+        and come here, so templates, thinking, tool grammars, stop strings and prefix reuse are the chat path's."""
         state = self.state
-        req = parse(ChatRequest, body)
         check_model(state, req.model)
         kwargs, budget = thinking_setup(state, state.model.chat_format, req)
         try:
@@ -515,35 +541,32 @@ async def serve_exchange(state: State, request: Request, kind: type[Exchange]):
         ex.finished(gen)
         return JSONResponse(ex.final(gen))
 
-    def sse(events) -> str:
-        return "".join(_sse(c) for e in events for c in ex.chunk(e, None))
-
     async def events():
         status = "disconnected"
         try:
-            yield "".join(map(_sse, ex.chunk(None, None)))
+            yield ex.sse_open()
             async for token in gen.tokens():
-                yield sse(reply.push(token))
+                yield ex.sse_events(reply.push(token))
                 if reply.cut:
                     gen.cancel()     # the tokens still in flight are drained, never sent
-            yield sse(reply.close())
-            yield "".join(map(_sse, ex.chunk(None, gen.finish_reason(reply))))
-            if ex.include_usage:
-                yield _sse({**ex.chunk(None, None)[0], "choices": [], "usage": ex.usage(gen)})
+            yield ex.sse_events(reply.close())
+            yield ex.sse_close(gen)
             status = "200"
             ex.finished(gen)
         except ApiError as e:          # the generation failed after the stream began: say so in the stream
             status = str(e.status)
-            yield _sse(e.body())
+            yield ex.sse_error(e)
         except Exception as e:         # a bug after the stream began: the log has it, the client a 500 event
             log.exception("internal error")
             status = "500"
-            yield _sse(error_body(f"internal error ({type(e).__name__}); see the server log", "server_error"))
+            yield ex.sse_error(ApiError(500, f"internal error ({type(e).__name__}); see the server log",
+                                          type="server_error"))
         finally:
             if not gen.handle.done:
                 gen.cancel()
             metrics.requests.labels(endpoint, status).inc()
-        yield "data: [DONE]\n\n"
+        if ex.stream_end:
+            yield ex.stream_end
 
     return StreamingResponse(events(), media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
@@ -587,38 +610,43 @@ def create_app(model, name: str, api_key: str | None = None, max_body: int = MAX
                            "the option out to serve without one")
     if thinking_budget is not None and thinking_budget < 0:
         raise GlmcoreError(f"invalid thinking budget {thinking_budget}: use 0 or more tokens (or none: no limit)")
+    from .anthropic import ANTHROPIC_PREFIX, add_anthropic_routes, anthropic_error     # (they build on this module)
+    from .responses import add_responses_routes
     state = State(model, name, api_key, max_body, retry_after, read_timeout, thinking_budget)
     app = FastAPI(title="glmcore", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.glmcore = state
     if cors_origins:
         from starlette.middleware.cors import CORSMiddleware
         app.add_middleware(CORSMiddleware, allow_origins=list(cors_origins), allow_methods=["GET", "POST"],
-                           allow_headers=["Authorization", "Content-Type"], max_age=600)
+                           allow_headers=["Authorization", "Content-Type", "x-api-key", "anthropic-version"], max_age=600)
     app.add_middleware(HostCheck, allowed=list(allowed_hosts))      # added last: runs first
 
     async def error(request, e: Exception):
-        """The one place an exception becomes OpenAI's error JSON."""
+        """The one place an exception becomes OpenAI's error JSON (Anthropic's on the Messages API's routes)."""
+        shape = anthropic_error if request.url.path.startswith(ANTHROPIC_PREFIX) else lambda status, body: body
         if isinstance(e, ApiError):
-            return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+            return JSONResponse(shape(e.status, e.body()), status_code=e.status, headers=e.headers)
         if isinstance(e, StarletteHTTPException):
             msg = f"{request.method} {request.url.path}: {e.detail}"
-            return JSONResponse(error_body(msg, code="not_found" if e.status_code == 404 else None),
+            return JSONResponse(shape(e.status_code, error_body(msg, code="not_found" if e.status_code == 404
+                                                                else None)),
                                 status_code=e.status_code, headers=e.headers)
         log.exception("internal error")     # never a traceback to the client; the log has it
         state.metrics.requests.labels(ENDPOINTS.get(request.url.path, "other"), "500").inc()
-        return JSONResponse(error_body(f"internal error ({type(e).__name__}); see the server log", "server_error"),
-                            status_code=500)
+        return JSONResponse(shape(500, error_body(f"internal error ({type(e).__name__}); see the server log",
+                                                  "server_error")), status_code=500)
     for kind in (ApiError, StarletteHTTPException, Exception):
         app.add_exception_handler(kind, error)
 
     async def authorize(request: Request) -> None:
         if state.api_key is None:
             return
-        given = request.headers.get("authorization", "")
-        scheme, _, token = given.partition(" ")
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        if "x-api-key" in request.headers:          # Anthropic's header, honoured on every route like the bearer key
+            scheme, token = "bearer", request.headers["x-api-key"]
         if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), state.api_key.encode()):
-            raise ApiError(401, "missing or wrong API key: send the header 'Authorization: Bearer KEY'",
-                           code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+            raise ApiError(401, "missing or wrong API key: send the header 'Authorization: Bearer KEY' (or "
+                           "'x-api-key: KEY')", code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
 
     v1 = APIRouter(prefix="/v1", dependencies=[Depends(authorize)])
 
@@ -637,6 +665,8 @@ def create_app(model, name: str, api_key: str | None = None, max_body: int = MAX
         return endpoint
     for path, kind in ROUTES.items():
         v1.add_api_route(path, route(kind), methods=["POST"])
+    add_responses_routes(v1, state, route)
+    add_anthropic_routes(v1, state, route)
     app.include_router(v1)
     add_chat_page(app)
 
