@@ -95,8 +95,9 @@ class ToolChoiceParam(_Strict):
 
 
 class ThinkingParam(_Strict):
-    type: Literal["enabled", "disabled"]
+    type: Literal["enabled", "adaptive", "disabled"]      # adaptive: the model's own thought, no budget named
     budget_tokens: int | None = Field(None, ge=0, le=2**31 - 1)
+    display: Literal["summarized"] | None = None        # the thought is returned (whole: nothing here sums it up)
 
 
 class CountTokensRequest(_Strict):
@@ -121,6 +122,7 @@ class MessagesRequest(CountTokensRequest):
     top_k: int | None = Field(None, ge=0, le=2**31 - 1)
     metadata: Metadata | None = None
     seed: int | None = Field(None, ge=0, le=2**64 - 1)     # glmcore's extension, as on the chat endpoint
+    cache_control: dict | None = None      # a caching hint: this server's prefix reuse needs none
 
 
 def _text(content: str | list[TextBlock] | None) -> str:
@@ -186,17 +188,21 @@ def chat_request(state: State, req: CountTokensRequest) -> ChatRequest:
         if tc.disable_parallel_tool_use:
             body["parallel_tool_calls"] = False
     th = req.thinking
-    if th is not None and th.type == "enabled":
+    if th is not None and th.type != "disabled":
         if not fmt.thinking:
-            raise ApiError(400, f"'thinking' is enabled, but this {fmt.family} checkpoint's template writes no "
+            raise ApiError(400, f"'thinking' is {th.type}, but this {fmt.family} checkpoint's template writes no "
                            "<think>; drop it or disable it", "thinking", "unsupported_value")
-        if th.budget_tokens is None:
-            raise ApiError(400, "'thinking.budget_tokens' is required when thinking is enabled",
-                           "thinking.budget_tokens", "missing_required_parameter")
-        if isinstance(req, MessagesRequest) and th.budget_tokens >= req.max_tokens:
-            raise ApiError(400, f"'max_tokens' ({req.max_tokens}) must be greater than 'thinking.budget_tokens' "
-                           f"({th.budget_tokens})", "max_tokens", "invalid_value")
-        body["max_thinking_tokens"] = th.budget_tokens
+        if th.type == "enabled":
+            if th.budget_tokens is None:
+                raise ApiError(400, "'thinking.budget_tokens' is required when thinking is enabled",
+                               "thinking.budget_tokens", "missing_required_parameter")
+            if isinstance(req, MessagesRequest) and th.budget_tokens >= req.max_tokens:
+                raise ApiError(400, f"'max_tokens' ({req.max_tokens}) must be greater than 'thinking.budget_tokens' "
+                               f"({th.budget_tokens})", "max_tokens", "invalid_value")
+            body["max_thinking_tokens"] = th.budget_tokens
+        elif th.budget_tokens is not None:
+            raise ApiError(400, "'thinking.budget_tokens' goes with type 'enabled'; adaptive thinking names none",
+                           "thinking.budget_tokens", "invalid_value")
         if fmt.thinking_switch:
             body["chat_template_kwargs"] = {"enable_thinking": True}
     elif th is not None and fmt.thinking:          # disabled: the template's switch, else a thought closed at once

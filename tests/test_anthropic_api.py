@@ -1,0 +1,196 @@
+"""Anthropic's Messages API (/v1/messages, /v1/messages/count_tokens) against a live server, driven by the official
+`anthropic` SDK: plain replies whole and streamed (Anthropic's SSE sequence), stop sequences, tool_use blocks and
+tool_result blocks sent back, thinking blocks and the thinking switch/budget, usage with the slot's cached tokens,
+count_tokens, and errors in Anthropic's shape (x-api-key included); on the built-in demo model (ChatGLM3), a GLM-4
+checkpoint and a GLM-4.7-style GLM-4.5-layout one."""
+from __future__ import annotations
+
+import json
+
+import httpx
+import jsonschema
+import pytest
+
+anthropic = pytest.importorskip("anthropic", reason="the Messages API tests need the dev extra (anthropic)")
+pytest.importorskip("uvicorn", reason='the server needs its extra: pip install "glmcore[server]"')
+
+from test_glm45_tools import STRICT  # noqa: E402
+from test_responses_api import prompt_len, servers  # noqa: E402,F401  (the same three servers)
+from test_server import client as openai_client, serving  # noqa: E402
+
+from glmcore.backend import LoadOptions  # noqa: E402
+from glmcore.chat import as_message  # noqa: E402
+from glmcore.model import load_model  # noqa: E402
+
+TOOLS = [{"name": "weather", "description": "the weather", "input_schema": STRICT, "strict": True},
+         {"name": "now", "input_schema": {"type": "object", "properties": {}}}]
+
+
+def client(url, key="unused"):
+    return anthropic.Anthropic(base_url=url, api_key=key, max_retries=0, timeout=120)
+
+
+def user(text):
+    return [{"role": "user", "content": text}]
+
+
+@pytest.mark.parametrize("name", ["demo", "glm4"])
+def test_plain_reply_whole_and_streamed(servers, name):
+    m, _, url = servers[name]
+    c = client(url)
+    kw = dict(model=name, system="be brief", messages=user("hello there"), max_tokens=10, extra_body={"temperature": 0})
+    r = c.messages.create(**kw)
+    assert r.type == "message" and r.role == "assistant" and r.model == name and r.id.startswith("msg_")
+    assert [b.type for b in r.content] == ["text"] and r.stop_reason in ("end_turn", "max_tokens")
+    n_prompt = prompt_len(m, [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello there"}])
+    assert r.usage.input_tokens + r.usage.cache_read_input_tokens == n_prompt and 1 <= r.usage.output_tokens <= 10
+    assert c.messages.count_tokens(model=name, system="be brief", messages=user("hello there")).input_tokens == n_prompt
+    # system as text blocks, content as blocks: the same prompt
+    same = c.messages.count_tokens(model=name, system=[{"type": "text", "text": "be brief"}],
+                                   messages=[{"role": "user", "content": [{"type": "text", "text": "hello "},
+                                                                          {"type": "text", "text": "there"}]}])
+    assert same.input_tokens == n_prompt
+    with c.messages.stream(**kw) as s:
+        text = "".join(s.text_stream)
+        final = s.get_final_message()
+    assert text == r.content[0].text == final.content[0].text and final.stop_reason == r.stop_reason
+    assert final.usage.output_tokens == r.usage.output_tokens
+    # the raw event sequence
+    with httpx.stream("POST", f"{url}/v1/messages", json={**{k: v for k, v in kw.items() if k != "extra_body"},
+                                                                  **kw["extra_body"], "stream": True}, timeout=60) as resp:
+        assert resp.headers["content-type"].startswith("text/event-stream")
+        lines = [ln for ln in resp.iter_lines() if ln.startswith("event: ")]
+    kinds = [ln[len("event: "):] for ln in lines]
+    assert kinds[:3] == ["message_start", "ping", "content_block_start"] and "content_block_delta" in kinds
+    assert kinds[-3:] == ["content_block_stop", "message_delta", "message_stop"]
+
+
+def test_stop_sequences(servers):
+    m, _, url = servers["demo"]
+    c = client(url)
+    r = c.messages.create(model="demo", messages=user("spring"), max_tokens=24, extra_body={"temperature": 0})
+    text = r.content[0].text
+    assert len(text) >= 4, text
+    stop = text[2:4]
+    cut = c.messages.create(model="demo", messages=user("spring"), max_tokens=24, stop_sequences=[stop], extra_body={"temperature": 0})
+    assert cut.stop_reason == "stop_sequence" and cut.stop_sequence == stop
+    assert cut.content[0].text == text[:text.index(stop)]
+    with c.messages.stream(model="demo", messages=user("spring"), max_tokens=24, extra_body={"temperature": 0},
+                           stop_sequences=["zzzz", stop]) as s:
+        final = s.get_final_message()
+    assert final.stop_sequence == stop and final.content[0].text == cut.content[0].text
+
+
+def test_second_turn_reads_the_first_from_the_slot(servers):
+    m, _, url = servers["demo"]
+    c = client(url)
+    r1 = c.messages.create(model="demo", messages=user("autumn moon"), max_tokens=8, extra_body={"temperature": 0})
+    history = user("autumn moon") + [{"role": "assistant", "content": r1.content}] + user("more")
+    r2 = c.messages.create(model="demo", messages=history, max_tokens=2, extra_body={"temperature": 0})
+    assert r2.usage.cache_read_input_tokens >= r1.usage.input_tokens + r1.usage.cache_read_input_tokens
+    assert r2.usage.input_tokens + r2.usage.cache_read_input_tokens == c.messages.count_tokens(
+        model="demo", messages=history).input_tokens
+
+
+def test_tool_use_streamed_with_thinking_and_the_result_sent_back(servers):
+    """tool_choice any with a strict tool, thinking enabled with a budget, on random weights: a thinking block, then
+    a tool_use block whose input validates; streamed as thinking_delta and input_json_delta pieces that add up to
+    the same blocks; the tool_result sent back renders the prompt the chat endpoint renders."""
+    m, oc, url = servers["glm47"]
+    c = client(url)
+    kw = dict(model="glm47", messages=user("weather in Paris?"), tools=TOOLS, max_tokens=160,
+              tool_choice={"type": "any", "disable_parallel_tool_use": True},
+              thinking={"type": "enabled", "budget_tokens": 4}, extra_body={"seed": 3, "temperature": 1.0})
+    r = c.messages.create(**kw)
+    kinds = [b.type for b in r.content]
+    assert kinds[-1] == "tool_use" and kinds.count("tool_use") == 1 and r.stop_reason == "tool_use", r.content
+    call = r.content[-1]
+    if call.name == "weather":
+        jsonschema.validate(call.input, STRICT)
+    assert kinds[0] == "thinking" and r.content[0].thinking
+    with c.messages.stream(**kw) as s:
+        events = list(s)
+        final = s.get_final_message()
+    assert [b.model_dump(exclude={"id"}) for b in final.content] == [b.model_dump(exclude={"id"}) for b in r.content]
+    assert final.content[-1].id.startswith("call_") and final.stop_reason == "tool_use"
+    pieces = [e.delta.partial_json for e in events if e.type == "content_block_delta"
+              and e.delta.type == "input_json_delta"]
+    assert len(pieces) > 1 and json.loads("".join(pieces)) == call.input
+    assert any(e.type == "content_block_delta" and e.delta.type == "thinking_delta" for e in events)
+    # the result back, with the thinking and the call as the model made them
+    history = user("weather in Paris?") + [
+        {"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in r.content]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": call.id,
+                                      "content": [{"type": "text", "text": "sunny, 21 C"}]}]}]
+    back = c.messages.create(model="glm47", messages=history, tools=TOOLS, max_tokens=3,
+                             thinking={"type": "disabled"})
+    # thinking disabled is the template's switch, as reasoning_effort "none" is on the chat endpoint
+    chat = oc.chat.completions.create(model="glm47", max_tokens=1, reasoning_effort="none", tools=[
+        {"type": "function", "function": {"name": t["name"], "parameters": t["input_schema"],
+                                          **({"description": t["description"]} if "description" in t else {}),
+                                          **({"strict": t["strict"]} if "strict" in t else {})}} for t in TOOLS],
+        messages=[{"role": "user", "content": "weather in Paris?"},
+                  {"role": "assistant", "content": None, "reasoning_content": r.content[0].thinking,
+                   "tool_calls": [{"id": call.id, "type": "function",
+                                   "function": {"name": call.name, "arguments": json.dumps(call.input)}}]},
+                  {"role": "tool", "tool_call_id": call.id, "content": "sunny, 21 C"}])
+    assert back.usage.input_tokens + back.usage.cache_read_input_tokens == chat.usage.prompt_tokens
+    assert c.messages.count_tokens(model="glm47", messages=history, tools=TOOLS,
+                                   thinking={"type": "disabled"}).input_tokens == chat.usage.prompt_tokens
+
+
+def test_thinking_budget_and_switch(servers):
+    m, _, url = servers["glm47"]
+    c = client(url)
+    r = c.messages.create(model="glm47", messages=user("hi"), max_tokens=24,
+                          thinking={"type": "enabled", "budget_tokens": 3}, extra_body={"seed": 4, "temperature": 1.0})
+    assert r.content[0].type == "thinking" and r.content[0].thinking
+    off = c.messages.count_tokens(model="glm47", messages=user("hi"), thinking={"type": "disabled"})
+    fmt = m.chat_format.configured({"enable_thinking": False})
+    assert off.input_tokens == len(fmt.encode_messages([as_message(x) for x in user("hi")]))
+
+
+@pytest.mark.parametrize("body,status,kind,words", [
+    ({"model": "demo", "messages": user("x"), "max_tokens": 4, "frobnicate": 1}, 400, "invalid_request_error",
+     "frobnicate"),
+    ({"model": "demo", "messages": user("x")}, 400, "invalid_request_error", "max_tokens"),
+    ({"model": "nope", "messages": user("x"), "max_tokens": 4}, 404, "not_found_error", "nope"),
+    ({"model": "demo", "messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}], "max_tokens": 4},
+     400, "invalid_request_error", "image"),
+    ({"model": "demo", "messages": user("x"), "max_tokens": 4, "thinking": {"type": "enabled", "budget_tokens": 2}},
+     400, "invalid_request_error", "thinking"),
+    ({"model": "demo", "messages": user("x"), "max_tokens": 4, "tool_choice": {"type": "tool"}}, 400,
+     "invalid_request_error", "name"),
+    ({"model": "demo", "messages": user("x") + [{"role": "assistant", "content": "pre"}], "max_tokens": 4}, 400,
+     "invalid_request_error", "prefill"),
+])
+def test_errors_are_anthropic_error_json(servers, body, status, kind, words):
+    url = servers["demo"][2]
+    r = httpx.post(f"{url}/v1/messages", json=body, headers={"anthropic-version": "2023-06-01"})
+    assert r.status_code == status, r.text
+    assert r.json()["type"] == "error" and set(r.json()) == {"type", "error"}
+    err = r.json()["error"]
+    assert set(err) == {"type", "message"} and err["type"] == kind and words in err["message"], err
+    # the OpenAI routes keep OpenAI's shape
+    r = httpx.post(f"{url}/v1/chat/completions", json={"model": "nope", "messages": user("x")})
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+
+
+def test_x_api_key_on_every_route(make_tiny):
+    m = load_model(make_tiny("chatglm3"), "torch", LoadOptions(threads=1), slots=1)
+    try:
+        with serving(m, "tiny", api_key="sekrit") as url:
+            with pytest.raises(anthropic.AuthenticationError) as e:
+                client(url, "wrong").messages.create(model="tiny", messages=user("x"), max_tokens=2)
+            assert e.value.body["error"]["type"] == "authentication_error" and e.value.status_code == 401
+            r = client(url, "sekrit").messages.create(model="tiny", messages=user("x"), max_tokens=2)
+            assert r.usage.output_tokens >= 1
+            assert client(url, "sekrit").messages.count_tokens(model="tiny", messages=user("x")).input_tokens > 0
+            # x-api-key on the OpenAI routes too; a wrong one there is OpenAI's 401
+            ok = httpx.get(f"{url}/v1/models", headers={"x-api-key": "sekrit"})
+            assert ok.status_code == 200 and ok.json()["data"][0]["id"] == "tiny"
+            bad = httpx.post(f"{url}/v1/responses", json={"model": "tiny", "input": "x"}, headers={"x-api-key": "no"})
+            assert bad.status_code == 401 and bad.json()["error"]["code"] == "invalid_api_key"
+            assert openai_client(url, "sekrit").responses.create(model="tiny", input="x", max_output_tokens=2).output
+    finally:
+        m.close()
