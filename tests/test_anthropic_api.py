@@ -145,9 +145,13 @@ def test_thinking_budget_and_switch(servers):
     r = c.messages.create(model="glm47", messages=user("hi"), max_tokens=24,
                           thinking={"type": "enabled", "budget_tokens": 3}, extra_body={"seed": 4, "temperature": 1.0})
     assert r.content[0].type == "thinking" and r.content[0].thinking
-    off = c.messages.count_tokens(model="glm47", messages=user("hi"), thinking={"type": "disabled"})
-    fmt = m.chat_format.configured({"enable_thinking": False})
-    assert off.input_tokens == len(fmt.encode_messages([as_message(x) for x in user("hi")]))
+    for kind, switch in (("disabled", False), ("adaptive", True)):
+        n = c.messages.count_tokens(model="glm47", messages=user("hi"), thinking={"type": kind}).input_tokens
+        fmt = m.chat_format.configured({"enable_thinking": switch})
+        assert n == len(fmt.encode_messages([as_message(x) for x in user("hi")])), kind
+    with pytest.raises(anthropic.BadRequestError, match="budget_tokens"):
+        c.messages.create(model="glm47", messages=user("hi"), max_tokens=8, thinking={"type": "enabled",
+                                                                                      "budget_tokens": 8})
 
 
 @pytest.mark.parametrize("body,status,kind,words", [
@@ -163,6 +167,11 @@ def test_thinking_budget_and_switch(servers):
      "invalid_request_error", "name"),
     ({"model": "demo", "messages": user("x") + [{"role": "assistant", "content": "pre"}], "max_tokens": 4}, 400,
      "invalid_request_error", "prefill"),
+    ({"model": "demo", "messages": user("x"), "max_tokens": 4, "stop_sequences": list("abcde")}, 400,
+     "invalid_request_error", "stop_sequences"),
+    ({"model": "demo", "messages": user("x"), "max_tokens": 4, "tools": [{"type": "web_search_20250305",
+                                                                          "name": "web_search"}]}, 400,
+     "invalid_request_error", "tools.0"),
 ])
 def test_errors_are_anthropic_error_json(servers, body, status, kind, words):
     url = servers["demo"][2]

@@ -93,6 +93,13 @@ def test_previous_response_id_continues_on_the_server(servers):
     assert r2.usage.input_tokens == prompt_len(m, history) and r2.previous_response_id == r1.id
     # the reply's own ids were kept: the slot's conversation is a prefix of the new prompt
     assert r2.usage.input_tokens_details.cached_tokens >= r1.usage.input_tokens
+    # the same conversation sent whole, r1's output items as they came: the same prompt
+    whole = c.responses.create(model="demo", input=[{"role": "user", "content": "spring rain"},
+                                                    *[o.model_dump(exclude_none=True) for o in r1.output],
+                                                    {"role": "user", "content": [{"type": "input_text",
+                                                                                  "text": "and autumn?"}]}],
+                               max_output_tokens=4, temperature=0)
+    assert whole.usage.input_tokens == r2.usage.input_tokens and whole.output_text == r2.output_text
     # the stored conversation grows: a third turn on r2 sees all of it
     r3 = c.responses.create(model="demo", previous_response_id=r2.id, input="x", max_output_tokens=2)
     history += [{"role": "assistant", "content": r2.output_text}, {"role": "user", "content": "x"}]
@@ -147,6 +154,30 @@ def test_tool_call_streamed_and_its_result_sent_back(servers):
                                input=[{"type": "function_call_output", "call_id": call.call_id,
                                        "output": "sunny, 21 C"}], extra_body={"max_thinking_tokens": 0})
     assert by_id.usage.input_tokens == back.usage.input_tokens
+
+
+def test_text_format_json_schema(servers):
+    schema = {"type": "object", "properties": {"line": {"type": "string", "maxLength": 8}}, "required": ["line"],
+              "additionalProperties": False}
+    m, c, _ = servers["demo"]
+    r = c.responses.create(model="demo", input="a poem as JSON", max_output_tokens=40, temperature=1.0,
+                           text={"format": {"type": "json_schema", "name": "poem", "schema": schema, "strict": True}},
+                           extra_body={"seed": 0})
+    assert r.status == "completed" and r.text.format.type == "json_schema"
+    jsonschema.validate(json.loads(r.output_text), schema)
+
+
+def test_store_is_bounded():
+    from glmcore.server.responses import ResponseStore
+    store = ResponseStore(kept=3, chars=10_000)
+    for i in range(5):
+        store.put({"id": f"r{i}"}, [{"role": "user", "content": "x"}])
+    assert list(store.map) == ["r2", "r3", "r4"]
+    store.get("r2")                                   # used: now the newest
+    store.put({"id": "big"}, [{"role": "user", "content": "y" * 9_900}])
+    assert list(store.map) == ["r2", "big"] and store.size <= 10_000
+    with pytest.raises(Exception, match="no stored response"):
+        store.get("r3")
 
 
 def test_reasoning_effort_and_thinking_budget(servers):

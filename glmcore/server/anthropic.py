@@ -15,7 +15,7 @@ from pydantic import Field, field_validator
 from ..events import FinishReason
 from .app import ChatCompletion, Generation, State, read_body
 from .blocks import Block, Blocks, Kind, Op, Step, reply_blocks
-from .protocol import MAX_SCHEMA_DEPTH, ApiError, ChatRequest, _Strict, parse, value_depth
+from .protocol import MAX_SCHEMA_DEPTH, MAX_STOPS, ApiError, ChatRequest, _Strict, parse, value_depth
 
 ANTHROPIC_PREFIX = "/v1/messages"
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
@@ -169,6 +169,9 @@ def chat_request(state: State, req: CountTokensRequest) -> ChatRequest:
     body: dict[str, Any] = {"model": req.model, "messages": chat_messages(req), "stream": getattr(req, "stream", False)}
     if isinstance(req, MessagesRequest):
         body["max_tokens"] = req.max_tokens
+        if len(req.stop_sequences or []) > MAX_STOPS:
+            raise ApiError(400, f"'stop_sequences' has {len(req.stop_sequences)} strings; at most {MAX_STOPS} are "
+                           "allowed", "stop_sequences", "invalid_value")
         for name, value in (("temperature", req.temperature), ("top_p", req.top_p), ("top_k", req.top_k),
                             ("seed", req.seed), ("stop", req.stop_sequences),
                             ("user", req.metadata.user_id if req.metadata else None)):

@@ -17,6 +17,7 @@ from ..parsers.base import MAX_ARGUMENT_DEPTH, json_depth
 MAX_DEPTH = 64
 MAX_SCHEMA_DEPTH = MAX_ARGUMENT_DEPTH       # a tool's parameters schema, and a tool call's arguments
 MAX_STOP_CHARS = 256        # one stop string
+MAX_STOPS = 4               # stop strings of a request
 
 
 class ApiError(Exception):
@@ -186,8 +187,8 @@ class _Sampling(_Strict):
 
     def stops(self) -> list[str]:
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
-        if len(stops) > 4:
-            raise ApiError(400, f"'stop' has {len(stops)} strings; at most 4 are allowed", "stop")
+        if len(stops) > MAX_STOPS:
+            raise ApiError(400, f"'stop' has {len(stops)} strings; at most {MAX_STOPS} are allowed", "stop")
         if any(not s for s in stops):
             raise ApiError(400, "'stop' holds an empty string; remove it", "stop")
         if any(len(s) > MAX_STOP_CHARS for s in stops):
@@ -268,7 +269,7 @@ def _param(data, loc) -> str | None:
     return ".".join(path) or None
 
 
-def parse(cls: type[_Sampling], body: bytes) -> _Sampling:
+def parse(cls: type[_Strict], body: bytes) -> _Strict:
     """The request, or an ApiError naming the first field that is wrong."""
     try:
         text = body.decode("utf-8")

@@ -6,6 +6,7 @@ keeps (a bounded LRU of recent responses; `store: false` keeps none)."""
 from __future__ import annotations
 
 import json
+import threading
 import time
 import uuid
 from collections import OrderedDict
@@ -16,9 +17,10 @@ from pydantic import Field, field_validator
 from ..events import FinishReason
 from .app import ChatCompletion, Generation, State
 from .blocks import Block, Blocks, Kind, Op, Step, reply_blocks
-from .protocol import ApiError, ChatRequest, FunctionDef, ResponseFormat, StructuredOutputs, _Strict, parse
+from .protocol import ApiError, ChatRequest, FunctionDef, StructuredOutputs, _Strict, parse
 
-RESPONSES_KEPT = 128        # stored responses (each holds its whole conversation): the oldest go first
+RESPONSES_KEPT = 128        # stored responses (each holds its whole conversation): the oldest go first ...
+RESPONSES_CHARS = 64 << 20  # ... and while they hold more characters of JSON than this together
 
 
 class ReasoningSpec(_Strict):
@@ -88,24 +90,30 @@ class ResponsesRequest(_Strict):
 
 class ResponseStore:
     """Recent responses by id, each with its conversation as chat messages (instructions excluded: a continued
-    response does not inherit them), for previous_response_id and GET /v1/responses/{id}."""
+    response does not inherit them), for previous_response_id and GET /v1/responses/{id}. An LRU bounded by a
+    count and by characters; read from the preparing threads, written from the event loop: locked."""
 
-    def __init__(self, kept: int = RESPONSES_KEPT):
-        self.kept, self.map = kept, OrderedDict()
+    def __init__(self, kept: int = RESPONSES_KEPT, chars: int = RESPONSES_CHARS):
+        self.kept, self.chars, self.size = kept, chars, 0
+        self.map: OrderedDict[str, tuple[dict, list[dict], int]] = OrderedDict()
+        self.lock = threading.Lock()
 
     def put(self, response: dict, messages: list[dict]) -> None:
-        self.map[response["id"]] = (response, messages)
-        self.map.move_to_end(response["id"])
-        while len(self.map) > self.kept:
-            self.map.popitem(last=False)
+        size = len(json.dumps(response, ensure_ascii=False)) + len(json.dumps(messages, ensure_ascii=False))
+        with self.lock:
+            self.map[response["id"]] = (response, messages, size)
+            self.size += size
+            while len(self.map) > self.kept or self.size > self.chars:
+                self.size -= self.map.popitem(last=False)[1][2]
 
     def get(self, response_id: str, param: str = "previous_response_id") -> tuple[dict, list[dict]]:
-        if response_id not in self.map:
-            raise ApiError(404, f"no stored response has the id {response_id[:60]!r} (this server keeps the last "
-                           f"{self.kept} responses made with store true); send the whole conversation in 'input'",
-                           param, "response_not_found")
-        self.map.move_to_end(response_id)
-        return self.map[response_id]
+        with self.lock:
+            if response_id not in self.map:
+                raise ApiError(404, f"no stored response has the id {response_id[:60]!r} (this server keeps the last "
+                               f"{self.kept} responses made with store true); send the whole conversation in 'input'",
+                               param, "response_not_found")
+            self.map.move_to_end(response_id)
+            return self.map[response_id][:2]
 
 
 def _part_text(content, where: str) -> str:
@@ -214,7 +222,6 @@ def chat_request(store: ResponseStore, req: ResponsesRequest) -> tuple[ChatReque
             rf["json_schema"] = {k: v for k, v in (("name", fmt.name or "response"), ("schema", fmt.schema_),
                                                    ("description", fmt.description), ("strict", fmt.strict))
                                  if v is not None}
-        ResponseFormat.model_validate(rf)
         body["response_format"] = rf
     return parse(ChatRequest, json.dumps(body, ensure_ascii=False).encode()), history
 
@@ -223,7 +230,7 @@ def _event(kind: str, data: dict) -> str:
     return f"event: {kind}\ndata: {json.dumps({'type': kind, **data}, ensure_ascii=False)}\n\n"
 
 
-class Response(ChatCompletion):
+class CreateResponse(ChatCompletion):
     """POST /v1/responses."""
     endpoint, param, id_prefix = "responses", "input", "resp"
 
@@ -353,7 +360,7 @@ class Response(ChatCompletion):
 
 def add_responses_routes(router, state: State, route) -> None:
     state.responses = ResponseStore()
-    router.add_api_route("/responses", route(Response), methods=["POST"])
+    router.add_api_route("/responses", route(CreateResponse), methods=["POST"])
 
     @router.get("/responses/{response_id}")
     async def get_response(response_id: str):
