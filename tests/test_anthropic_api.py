@@ -16,10 +16,10 @@ pytest.importorskip("uvicorn", reason='the server needs its extra: pip install "
 
 from test_glm45_tools import STRICT  # noqa: E402
 from test_responses_api import prompt_len, servers  # noqa: E402,F401  (the same three servers)
-from test_server import client as openai_client, serving  # noqa: E402
+from test_server import CALLS, SCRIPTED, TOOLS as CHAT_TOOLS, client as openai_client, scripted, serving  # noqa: E402,F401,E501
 
 from glmcore.backend import LoadOptions  # noqa: E402
-from glmcore.chat import as_message  # noqa: E402
+from glmcore.chat import Message, as_message  # noqa: E402
 from glmcore.model import load_model  # noqa: E402
 
 TOOLS = [{"name": "weather", "description": "the weather", "input_schema": STRICT, "strict": True},
@@ -137,6 +137,34 @@ def test_tool_use_streamed_with_thinking_and_the_result_sent_back(servers):
     assert back.usage.input_tokens + back.usage.cache_read_input_tokens == chat.usage.prompt_tokens
     assert c.messages.count_tokens(model="glm47", messages=history, tools=TOOLS,
                                    thinking={"type": "disabled"}).input_tokens == chat.usage.prompt_tokens
+
+
+@pytest.mark.parametrize("family", ["glm4", "chatglm3"])
+def test_scripted_tool_use_in_each_format_and_the_turn_after_it(scripted, family):
+    """A scripted model writing a call in GLM-4's and ChatGLM3's formats: a tool_use block, streamed and whole; the
+    tool_result sent back with the assistant turn as returned reuses the slot: only the result turn is prefilled."""
+    get, script = scripted
+    m, u = get(family)
+    script(m, (CALLS[family], "<|observation|>"), ("It is sunny.", "<|user|>"))
+    c = client(u)
+    tools = [{"name": t["function"]["name"], "input_schema": t["function"]["parameters"]} for t in CHAT_TOOLS]
+    kw = dict(model="tiny", messages=user("weather in Beijing?"), tools=tools, max_tokens=64)
+    with c.messages.stream(**kw) as s:
+        streamed = s.get_final_message()
+    r1 = c.messages.create(**kw)
+    for r in (streamed, r1):
+        assert [b.type for b in r.content] == ["tool_use"] and r.stop_reason == "tool_use"
+        assert r.content[0].name == "get_weather" and r.content[0].input == {"city": "Beijing"}
+    SCRIPTED.prefilled.clear()
+    result = json.dumps({"weather": "sunny"})
+    r2 = c.messages.create(model="tiny", tools=tools, max_tokens=64, messages=kw["messages"] + [
+        {"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in r1.content]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": r1.content[0].id, "content": result}]}])
+    assert [b.text for b in r2.content] == ["It is sunny."] and r2.stop_reason == "end_turn"
+    obs = m.chat_format.encode_continuation([Message("tool", result)], 1)
+    assert r2.usage.cache_read_input_tokens == r1.usage.input_tokens + r1.usage.cache_read_input_tokens + \
+        r1.usage.output_tokens
+    assert r2.usage.input_tokens == len(obs) == SCRIPTED.prefilled[0]
 
 
 def test_thinking_budget_and_switch(servers):

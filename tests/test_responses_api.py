@@ -15,10 +15,10 @@ openai = pytest.importorskip("openai", reason="the server tests need the dev ext
 pytest.importorskip("uvicorn", reason='the server needs its extra: pip install "glmcore[server]"')
 
 from test_glm45_tools import STRICT, glm47_style  # noqa: E402
-from test_server import client, serving  # noqa: E402
+from test_server import CALLS, SCRIPTED, TOOLS as CHAT_TOOLS, client, scripted, serving  # noqa: E402,F401
 
 from glmcore.backend import LoadOptions  # noqa: E402
-from glmcore.chat import as_message  # noqa: E402
+from glmcore.chat import Message, as_message  # noqa: E402
 from glmcore.demo import demo_model_dir  # noqa: E402
 from glmcore.model import load_model  # noqa: E402
 
@@ -178,6 +178,34 @@ def test_store_is_bounded():
     assert list(store.map) == ["r2", "big"] and store.size <= 10_000
     with pytest.raises(Exception, match="no stored response"):
         store.get("r3")
+
+
+@pytest.mark.parametrize("family", ["glm4", "chatglm3"])
+def test_scripted_call_in_each_format_and_the_turn_after_it(scripted, family):
+    """A scripted model writing a call in GLM-4's and ChatGLM3's own formats: a function_call item, streamed and
+    whole; its output sent on previous_response_id, the call comes back as the ids the model made, so only the
+    tool turn is prefilled."""
+    get, script = scripted
+    m, u = get(family)
+    script(m, (CALLS[family], "<|observation|>"), ("It is sunny.", "<|user|>"))
+    c = client(u)
+    tools = [{"type": "function", **t["function"]} for t in CHAT_TOOLS]
+    kw = dict(model="tiny", input="weather in Beijing?", tools=tools, temperature=0)
+    events = events_of(c.responses.create(**kw, stream=True))
+    final = events[-1].response
+    assert [o.type for o in final.output] == ["function_call"] and final.output[0].name == "get_weather"
+    assert json.loads(final.output[0].arguments) == {"city": "Beijing"} and final.status == "completed"
+    r1 = c.responses.create(**kw)
+    call = r1.output[0]
+    assert call.type == "function_call" and call.call_id.startswith("call_") and call.id.startswith("fc_")
+    SCRIPTED.prefilled.clear()
+    result = json.dumps({"weather": "sunny"})
+    r2 = c.responses.create(model="tiny", previous_response_id=r1.id, tools=tools, temperature=0,
+                            input=[{"type": "function_call_output", "call_id": call.call_id, "output": result}])
+    assert r2.output_text == "It is sunny." and r2.status == "completed"
+    obs = m.chat_format.encode_continuation([Message("tool", result)], 1)
+    assert r2.usage.input_tokens_details.cached_tokens == r1.usage.input_tokens + r1.usage.output_tokens
+    assert SCRIPTED.prefilled[0] == len(obs)
 
 
 def test_reasoning_effort_and_thinking_budget(servers):
