@@ -16,7 +16,8 @@ pytest.importorskip("uvicorn", reason='the server needs its extra: pip install "
 
 from test_glm45_tools import STRICT  # noqa: E402
 from test_responses_api import prompt_len, servers  # noqa: E402,F401  (the same three servers)
-from test_server import CALLS, SCRIPTED, TOOLS as CHAT_TOOLS, client as openai_client, scripted, serving  # noqa: E402,F401,E501
+from test_server import CALLS, SCRIPTED, TOOLS as CHAT_TOOLS, scripted, serving  # noqa: E402,F401
+from test_server import client as openai_client  # noqa: E402
 
 from glmcore.backend import LoadOptions  # noqa: E402
 from glmcore.chat import Message, as_message  # noqa: E402
@@ -56,8 +57,8 @@ def test_plain_reply_whole_and_streamed(servers, name):
     assert text == r.content[0].text == final.content[0].text and final.stop_reason == r.stop_reason
     assert final.usage.output_tokens == r.usage.output_tokens
     # the raw event sequence
-    with httpx.stream("POST", f"{url}/v1/messages", json={**{k: v for k, v in kw.items() if k != "extra_body"},
-                                                                  **kw["extra_body"], "stream": True}, timeout=60) as resp:
+    raw = {**{k: v for k, v in kw.items() if k != "extra_body"}, **kw["extra_body"], "stream": True}
+    with httpx.stream("POST", f"{url}/v1/messages", json=raw, timeout=60) as resp:
         assert resp.headers["content-type"].startswith("text/event-stream")
         lines = [ln for ln in resp.iter_lines() if ln.startswith("event: ")]
     kinds = [ln[len("event: "):] for ln in lines]
@@ -72,7 +73,8 @@ def test_stop_sequences(servers):
     text = r.content[0].text
     assert len(text) >= 4, text
     stop = text[2:4]
-    cut = c.messages.create(model="demo", messages=user("spring"), max_tokens=24, stop_sequences=[stop], extra_body={"temperature": 0})
+    cut = c.messages.create(model="demo", messages=user("spring"), max_tokens=24, stop_sequences=[stop],
+                            extra_body={"temperature": 0})
     assert cut.stop_reason == "stop_sequence" and cut.stop_sequence == stop
     assert cut.content[0].text == text[:text.index(stop)]
     with c.messages.stream(model="demo", messages=user("spring"), max_tokens=24, extra_body={"temperature": 0},

@@ -147,7 +147,8 @@ def test_tool_call_streamed_and_its_result_sent_back(servers):
         {"role": "assistant", "content": None, "reasoning_content": r.output[0].content[0].text,
          "tool_calls": [{"id": call.call_id, "type": "function",
                          "function": {"name": call.name, "arguments": call.arguments}}]},
-        {"role": "tool", "tool_call_id": call.call_id, "content": "sunny, 21 C"}], extra_body={"max_thinking_tokens": 0})
+        {"role": "tool", "tool_call_id": call.call_id, "content": "sunny, 21 C"}],
+        extra_body={"max_thinking_tokens": 0})
     assert back.usage.input_tokens == chat.usage.prompt_tokens
     # continued by id instead: the same prompt
     by_id = c.responses.create(model="glm47", previous_response_id=r.id, tools=TOOLS, max_output_tokens=3,

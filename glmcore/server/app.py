@@ -618,7 +618,8 @@ def create_app(model, name: str, api_key: str | None = None, max_body: int = MAX
     if cors_origins:
         from starlette.middleware.cors import CORSMiddleware
         app.add_middleware(CORSMiddleware, allow_origins=list(cors_origins), allow_methods=["GET", "POST"],
-                           allow_headers=["Authorization", "Content-Type", "x-api-key", "anthropic-version"], max_age=600)
+                           allow_headers=["Authorization", "Content-Type", "x-api-key", "anthropic-version"],
+                           max_age=600)
     app.add_middleware(HostCheck, allowed=list(allowed_hosts))      # added last: runs first
 
     async def error(request, e: Exception):

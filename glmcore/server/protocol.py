@@ -310,7 +310,8 @@ def parse(cls: type[_Strict], body: bytes) -> _Strict:
         if not _is_default(value, default):
             raise ApiError(400, f"unsupported value for '{name}': {json.dumps(value)[:40]}; this server supports only "
                            f"{json.dumps(default)}", name, "unsupported_value")
-    if getattr(req, "stream_options", None) is not None and not req.stream:      # as OpenAI and vLLM: never silently ignored
+    # as OpenAI and vLLM: never silently ignored
+    if getattr(req, "stream_options", None) is not None and not req.stream:
         raise ApiError(400, "'stream_options' is only allowed with \"stream\": true; remove it or stream",
                        "stream_options", "invalid_value")
     return req

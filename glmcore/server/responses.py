@@ -127,7 +127,8 @@ def _part_text(content, where: str) -> str:
         if kind not in ("input_text", "output_text", "text", "summary_text", "reasoning_text") \
                 or not isinstance(part.get("text"), str):
             raise ApiError(400, f"'{where}.{j}': content part type {kind!r} is not supported: this model reads text "
-                           "parts only ({\"type\": \"input_text\", \"text\": ...})", f"{where}.{j}", "unsupported_value")
+                           "parts only ({\"type\": \"input_text\", \"text\": ...})", f"{where}.{j}",
+                           "unsupported_value")
         out.append(part["text"])
     return "".join(out)
 
@@ -305,8 +306,8 @@ class CreateResponse(ChatCompletion):
     def finished(self, gen: Generation) -> None:
         super().finished(gen)
         if self.api.store:
-            reply = self.message()
-            self.state.responses.put(self.final(gen), self.history + [{k: v for k, v in reply.items() if v is not None}])
+            reply = {k: v for k, v in self.message().items() if v is not None}
+            self.state.responses.put(self.final(gen), self.history + [reply])
 
     # ---- the stream
 
