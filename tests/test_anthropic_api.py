@@ -233,3 +233,20 @@ def test_x_api_key_on_every_route(make_tiny):
             assert openai_client(url, "sekrit").responses.create(model="tiny", input="x", max_output_tokens=2).output
     finally:
         m.close()
+
+
+def test_a_call_cut_off_by_max_tokens(servers):
+    """max_tokens inside a required call: whole, no tool_use (what was written comes back as text) and stop_reason
+    max_tokens; streamed, the tool_use block opened when the call's name was complete stays as it was, the same text
+    follows, and stop_reason max_tokens says the call never completed (as the chat endpoint streams it). Never a 500
+    or a hang."""
+    m, _, url = servers["glm47"]
+    c = client(url)
+    kw = dict(model="glm47", messages=user("weather?"), tools=TOOLS, tool_choice={"type": "any"}, max_tokens=6,
+              thinking={"type": "disabled"}, extra_body={"seed": 1, "temperature": 1.0})
+    r = c.messages.create(**kw)
+    assert r.stop_reason == "max_tokens" and [b.type for b in r.content] == ["text"], r.content
+    with c.messages.stream(**kw) as s:
+        final = s.get_final_message()
+    assert final.stop_reason == "max_tokens"
+    assert [b.text for b in final.content if b.type == "text"] == [r.content[0].text]

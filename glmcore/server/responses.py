@@ -194,7 +194,10 @@ def input_messages(items: str | list[dict]) -> list[dict]:
 def chat_request(store: ResponseStore, req: ResponsesRequest) -> tuple[ChatRequest, list[dict]]:
     """The ChatRequest for a Responses request, and the conversation to store (without the instructions)."""
     history = list(store.get(req.previous_response_id)[1]) if req.previous_response_id else []
-    history += input_messages(req.input)
+    new = input_messages(req.input)
+    if not new:
+        raise ApiError(400, "'input' is empty; send a string or at least one item", "input", "invalid_value")
+    history += new
     messages = ([{"role": "system", "content": req.instructions}] if req.instructions else []) + history
     body: dict[str, Any] = {"model": req.model, "messages": messages, "stream": req.stream}
     for name in ("temperature", "top_p", "parallel_tool_calls", "user", "seed", "top_k", "repetition_penalty",
