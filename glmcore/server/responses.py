@@ -76,6 +76,8 @@ class ResponsesRequest(_Strict):
     text: TextSpec | None = None
     metadata: dict[str, str] | None = None
     user: str | None = None
+    safety_identifier: str | None = None        # an end-user id for the caller's records, as `user`
+    prompt_cache_key: str | None = None         # a caching hint: this server's prefix reuse needs none
     truncation: Literal["disabled"] | None = None       # "auto" (dropping old turns to fit) is not done
     # extensions the chat endpoint has (vLLM's and glmcore's names)
     seed: int | None = Field(None, ge=0, le=2**64 - 1)
