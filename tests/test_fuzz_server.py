@@ -198,6 +198,87 @@ def test_fuzzed_completion_requests_are_never_a_500(fuzz_server, body):
     _check(fuzz_server[0], "completions", body)
 
 
+# the Responses API and Anthropic's Messages API: their bodies, translated onto the same chat path
+PART = st.fixed_dictionaries({"type": st.sampled_from(["input_text", "output_text", "input_image"]), "text": TEXT})
+ITEM = st.one_of(
+    st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "developer", "assistant", "tool"])},
+                          optional={"type": st.just("message"), "content": TEXT | st.lists(PART, max_size=3)}),
+    st.fixed_dictionaries({"type": st.just("function_call"), "call_id": st.text(max_size=8), "name": NAMES,
+                           "arguments": ARGUMENTS}),
+    st.fixed_dictionaries({"type": st.just("function_call_output"), "call_id": st.text(max_size=8),
+                           "output": TEXT | st.lists(PART, max_size=2)}),
+    st.fixed_dictionaries({"type": st.just("reasoning")}, optional={"content": st.lists(st.fixed_dictionaries(
+        {"type": st.just("reasoning_text"), "text": TEXT}), max_size=2), "summary": st.just([])}))
+FLAT_TOOL = TOOL.map(lambda t: {"type": "function", **t["function"]})
+RESPONSES = st.fixed_dictionaries(
+    {"model": st.just("tiny"), "input": TEXT | st.lists(ITEM, min_size=1, max_size=4),
+     "max_output_tokens": st.integers(1, 3)},
+    optional={"instructions": TEXT, "tools": st.lists(FLAT_TOOL, max_size=2), "stream": st.booleans(),
+              "tool_choice": st.sampled_from(["auto", "none", "required"]) | st.fixed_dictionaries(
+                  {"type": st.just("function"), "name": NAMES}), "store": st.booleans(),
+              "temperature": st.floats(0, 2), "parallel_tool_calls": st.booleans(),
+              "previous_response_id": TEXT, "reasoning": st.fixed_dictionaries(
+                  {"effort": st.sampled_from(["none", "low", "high"])}),
+              "text": st.fixed_dictionaries({"format": st.fixed_dictionaries(
+                  {"type": st.sampled_from(["text", "json_object", "json_schema"])},
+                  optional={"name": st.just("x"), "schema": SCHEMA})})})
+BLOCK = st.one_of(
+    st.fixed_dictionaries({"type": st.just("text"), "text": TEXT}),
+    st.fixed_dictionaries({"type": st.just("tool_use"), "id": st.text(max_size=8), "name": NAMES, "input": ANY}),
+    st.fixed_dictionaries({"type": st.just("tool_result"), "tool_use_id": st.text(max_size=8)},
+                          optional={"content": TEXT | st.lists(st.fixed_dictionaries(
+                              {"type": st.just("text"), "text": TEXT}), max_size=2), "is_error": st.booleans()}),
+    st.fixed_dictionaries({"type": st.just("thinking"), "thinking": TEXT, "signature": TEXT}),
+    st.fixed_dictionaries({"type": st.just("image"), "source": ANY}))
+ANTHROPIC = st.fixed_dictionaries(
+    {"model": st.just("tiny"), "max_tokens": st.integers(1, 3), "messages": st.lists(st.fixed_dictionaries(
+        {"role": st.sampled_from(["user", "assistant"]), "content": TEXT | st.lists(BLOCK, max_size=3)}),
+        min_size=1, max_size=4)},
+    optional={"system": TEXT | st.lists(st.fixed_dictionaries({"type": st.just("text"), "text": TEXT}), max_size=2),
+              "tools": st.lists(st.fixed_dictionaries({"name": NAMES, "input_schema": SCHEMA}), max_size=2),
+              "tool_choice": st.fixed_dictionaries({"type": st.sampled_from(["auto", "any", "tool", "none"])},
+                                                   optional={"name": NAMES}),
+              "thinking": st.fixed_dictionaries({"type": st.sampled_from(["enabled", "disabled", "adaptive"])},
+                                                optional={"budget_tokens": st.integers(0, 4)}),
+              "stop_sequences": st.lists(TEXT, max_size=5), "temperature": st.floats(0, 1),
+              "top_k": st.integers(0, 100), "stream": st.booleans()})
+
+
+def _check_api(url, endpoint, body, anthropic_shape: bool):
+    """As _check, for the Responses and Messages APIs: each answers errors in its own shape, and streams its own
+    events (no [DONE])."""
+    data = body[0] if isinstance(body, tuple) else json.dumps(body).encode()
+    with httpx.Client(timeout=120) as c:
+        r = c.post(f"{url}/v1/{endpoint}", content=data, headers={"content-type": "application/json"})
+    assert r.status_code < 500, (r.status_code, r.text[:300], data[:300])
+    if r.status_code >= 400:
+        if anthropic_shape:
+            assert r.json()["type"] == "error" and set(r.json()["error"]) == {"type", "message"}, r.text
+            message = r.json()["error"]["message"]
+        else:
+            assert set(r.json()["error"]) == {"message", "type", "param", "code"}, r.text
+            message = r.json()["error"]["message"]
+        assert message and "\n" not in message, message
+    elif "text/event-stream" in r.headers.get("content-type", ""):
+        last = "message_stop" if anthropic_shape else "response.completed"
+        assert "server_error" not in r.text and "api_error" not in r.text, r.text[-300:]
+        # the end, or a failure told in the stream (a grammar dead end: a 400 of its own)
+        assert any(f"event: {e}" in r.text for e in (last, "response.incomplete", "error")), r.text[-300:]
+
+
+@FUZZ
+@given(body=mutated(RESPONSES))
+def test_fuzzed_responses_requests_are_never_a_500(fuzz_server, body):
+    _check_api(fuzz_server[0], "responses", body, anthropic_shape=False)
+
+
+@FUZZ
+@given(body=mutated(ANTHROPIC))
+def test_fuzzed_messages_requests_are_never_a_500(fuzz_server, body):
+    _check_api(fuzz_server[0], "messages", body, anthropic_shape=True)
+    _check_api(fuzz_server[0], "messages/count_tokens", body, anthropic_shape=True)
+
+
 def _odd_keys(schema):
     """A schema with a property named by a lone surrogate, or an empty or huge name."""
     return st.sampled_from(["\ud800", "", "k" * 5000, "\udfff\ud800"]).map(
