@@ -168,6 +168,25 @@ def test_text_format_json_schema(servers):
     jsonschema.validate(json.loads(r.output_text), schema)
 
 
+def test_blocks_open_grow_and_close_in_order():
+    """The one place events become blocks: a block opens with its first piece, a call's arguments end as the parsed
+    call's JSON, and every block opened is closed."""
+    from glmcore.events import ReasoningDelta, TextDelta, ToolCall, ToolCallDelta, ToolCallEvent, ToolCallStart
+    from glmcore.server.blocks import Blocks, Kind, Op
+    b = Blocks()
+    events = [ReasoningDelta("hm"), ReasoningDelta("m"), TextDelta("a"), TextDelta("b"),
+              ToolCallStart(0, "call_1", "f"), ToolCallDelta(0, '{"x": '), ToolCallDelta(0, "1}"),
+              ToolCallEvent(ToolCall("f", {"x": 1}, "call_1"), 0), ToolCallStart(1, "call_2", "g"), TextDelta("tail")]
+    steps = [s for e in events for s in b.push(e)] + b.close()
+    assert [(s.op, s.block.index) for s in steps] == [
+        (Op.OPEN, 0), (Op.DELTA, 0), (Op.DELTA, 0), (Op.CLOSE, 0), (Op.OPEN, 1), (Op.DELTA, 1), (Op.DELTA, 1),
+        (Op.CLOSE, 1), (Op.OPEN, 2), (Op.DELTA, 2), (Op.DELTA, 2), (Op.CLOSE, 2), (Op.OPEN, 3), (Op.CLOSE, 3),
+        (Op.OPEN, 4), (Op.DELTA, 4), (Op.CLOSE, 4)]
+    assert [(x.kind, x.text) for x in b.blocks] == [(Kind.REASONING, "hmm"), (Kind.TEXT, "ab"),
+                                                    (Kind.CALL, '{"x": 1}'), (Kind.CALL, ""), (Kind.TEXT, "tail")]
+    assert (b.blocks[2].call_id, b.blocks[2].name) == ("call_1", "f")
+
+
 def test_store_is_bounded():
     from glmcore.server.responses import ResponseStore
     store = ResponseStore(kept=3, chars=10_000)
