@@ -104,6 +104,9 @@ def test_previous_response_id_continues_on_the_server(servers):
     r3 = c.responses.create(model="demo", previous_response_id=r2.id, input="x", max_output_tokens=2)
     history += [{"role": "assistant", "content": r2.output_text}, {"role": "user", "content": "x"}]
     assert r3.usage.input_tokens == prompt_len(m, history)
+    c.responses.delete(r3.id)
+    with pytest.raises(openai.NotFoundError):
+        c.responses.retrieve(r3.id)
     # store false: nothing kept, so nothing to continue
     r4 = c.responses.create(model="demo", input="hi", max_output_tokens=2, store=False)
     with pytest.raises(openai.NotFoundError, match="no stored response"):

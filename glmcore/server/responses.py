@@ -117,6 +117,12 @@ class ResponseStore:
             self.map.move_to_end(response_id)
             return self.map[response_id][:2]
 
+    def delete(self, response_id: str) -> None:
+        self.get(response_id, "response_id")         # a 404 for an id not held
+        with self.lock:
+            entry = self.map.pop(response_id, None)
+            self.size -= entry[2] if entry else 0
+
 
 def _part_text(content, where: str) -> str:
     if isinstance(content, str):
@@ -371,3 +377,8 @@ def add_responses_routes(router, state: State, route) -> None:
     @router.get("/responses/{response_id}")
     async def get_response(response_id: str):
         return state.responses.get(response_id, "response_id")[0]
+
+    @router.delete("/responses/{response_id}")
+    async def delete_response(response_id: str):
+        state.responses.delete(response_id)
+        return {"id": response_id, "object": "response.deleted", "deleted": True}
