@@ -437,6 +437,8 @@ def cmd_backends(a) -> int:
             "precisions": list(caps.precisions) if caps else [], "weights": list(caps.weight_formats) if caps else [],
             "why not": pr.reason, "install": pr.install, "details": pr.details,
             "batching": _batching(caps),
+            "prompt cache": ("serve --cache-ram: slots' KV kept in host RAM" if caps.kv_export else
+                             "none (its KV cannot be exported)") if caps else "",
             "architectures": entry.backend.architectures() if entry.backend else [],
         })
     if a.json:
@@ -448,7 +450,7 @@ def cmd_backends(a) -> int:
               f"weights={','.join(r['weights'])}")
         if not r["ready"]:
             print(f"{'':<14} why: {r['why not']}" + (f"  fix: {r['install']}" if r["install"] else ""))
-        for k, v in {**r["details"], "batching": r["batching"], "architectures": "; ".join(r["architectures"])}.items():
+        for k, v in {**r["details"], "batching": r["batching"], "prompt cache": r["prompt cache"], "architectures": "; ".join(r["architectures"])}.items():
             print(f"{'':<14} {k}: {v}")
     from .autoselect import choose, describe
     if any(r["ready"] for r in rows):       # which one runs without --backend, with the numbers behind it
