@@ -8,7 +8,7 @@ import io
 import numpy as np
 import pytest
 
-from glmcore.backend import KVBlob, LoadOptions
+from glmcore.backend import KVBlob, LoadOptions, registry
 from glmcore.cli import main
 from glmcore.config import ModelConfig
 from glmcore.engine.prompt_cache import PromptCache
@@ -72,33 +72,29 @@ def test_partial_block_match():
 
 @pytest.fixture(scope="module")
 def int4_cache(tmp_path_factory):
-    from glmcore_plugins.cpu_int4 import CpuInt4Backend
-    p = CpuInt4Backend().probe()
-    if not p.ready:
-        pytest.skip(f"cpu_int4 not ready: {p.reason}")
     return tmp_path_factory.mktemp("int4-prompt-cache")
 
 
 def load(backend, make_tiny, family, cache_dir, slots=2, capacity=128):
+    """(backend, batch session) of the tests' tiny checkpoint of family: f32 compute (f32 weights but on
+    cpu_int4), threads 1, packed cpu_int4 files under cache_dir."""
+    b = registry().get(backend)
+    if not b.probe().ready:
+        pytest.skip(f"{backend} not ready: {b.probe().reason}")
     d = make_tiny(family)
     cfg = ModelConfig.from_dir(d)
-    w = load_weights(d, cfg)
+    weights = "int4" if backend == "cpu_int4" else "f32"
     with contextlib.redirect_stderr(io.StringIO()):
-        if backend == "torch":
-            from glmcore_plugins.torch_ref import TorchBackend
-            b = TorchBackend()
-            return b, b.load_batch(cfg, w, LoadOptions(capacity=capacity, threads=1), slots)
-        from glmcore_plugins.cpu_int4 import CpuInt4Backend
-        b = CpuInt4Backend()
-        return b, b.load_batch(cfg, w, LoadOptions(capacity=capacity, cache_dir=cache_dir, threads=1), slots)
+        return b, b.load_batch(cfg, load_weights(d, cfg), LoadOptions("f32", weights, capacity, threads=1,
+                                                                      cache_dir=cache_dir), slots)
 
 
 def tolerance(family):
     return TOLERANCES[tolerance_key("f32", "f32", experts="moe" in family)]
 
 
-@pytest.mark.parametrize("backend", ["torch", "cpu_int4"])
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("backend,family", [(b, f) for b in ("torch", "cpu_int4") for f in FAMILIES]
+                         + [("openvino_amx", "chatglm3")])     # openvino_amx runs the dense GLMs only
 def test_restored_slot_equals_a_cold_prefill(make_tiny, int4_cache, backend, family):
     b, batch = load(backend, make_tiny, family, int4_cache)
     assert b.capabilities().kv_export
