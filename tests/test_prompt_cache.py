@@ -252,3 +252,17 @@ def test_cache_ram_errors_are_one_line(make_tiny, capsys, value, message):
         assert rc == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1] == message and "Traceback" not in "\n".join(err)
+
+
+def test_the_session_benchmark_runs_at_smoke_size(capsys):
+    """benchmarks/bench_prompt_cache.py at CI's smoke flags: it runs, restores, and the replies agree."""
+    import importlib.util
+    from pathlib import Path
+    path = Path(__file__).parent.parent / "benchmarks" / "bench_prompt_cache.py"
+    spec = importlib.util.spec_from_file_location("bench_prompt_cache", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    bench.main(["--backend", "torch", "--size", "tiny", "--threads", "1"])
+    out = capsys.readouterr().out
+    assert "replies identical with and without the cache: yes" in out
+    assert "cache 12 hits, 4 misses" in out       # 4 conversations x 4 turns: every turn after the first restored
