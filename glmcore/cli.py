@@ -450,7 +450,8 @@ def cmd_backends(a) -> int:
               f"weights={','.join(r['weights'])}")
         if not r["ready"]:
             print(f"{'':<14} why: {r['why not']}" + (f"  fix: {r['install']}" if r["install"] else ""))
-        for k, v in {**r["details"], "batching": r["batching"], "prompt cache": r["prompt cache"], "architectures": "; ".join(r["architectures"])}.items():
+        for k, v in {**r["details"], "batching": r["batching"], "prompt cache": r["prompt cache"],
+                     "architectures": "; ".join(r["architectures"])}.items():
             print(f"{'':<14} {k}: {v}")
     from .autoselect import choose, describe
     if any(r["ready"] for r in rows):       # which one runs without --backend, with the numbers behind it
@@ -638,8 +639,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-queue", type=int, default=64, help="requests waiting for a slot before 429")
     p.add_argument("--cache-ram", type=int, metavar="MIB", help="host RAM for the prompt cache: conversations that "
                    "leave their slots keep their KV there and come back without a new prefill (0: off; default: "
-                   f"{DEFAULT_CACHE_MIB} MiB, as llama.cpp's, on backends that can export their KV: torch, cpu_int4, "
-                   "openvino_amx)")
+                   f"{DEFAULT_CACHE_MIB} MiB, as llama.cpp's, on backends that can export their KV: see `glmcore "
+                   "backends`)")
     add_spec_args(p)
     p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' (default: $GLMCORE_API_KEY, else none)")
     p.add_argument("--allowed-hosts", metavar="NAMES", help="comma-separated host names clients may reach the server "

@@ -132,6 +132,8 @@ def prompt_cache(cache_ram: int | None, caps, backend: str) -> PromptCache | Non
     if not isinstance(cache_ram, int) or cache_ram < 0:
         raise GlmcoreError(f"invalid --cache-ram {cache_ram!r}: give MiB of host RAM for the prompt cache (0: off)")
     if cache_ram and not caps.kv_export:
+        reg = registry()
+        able = [n for n in reg.names() if reg.entries[n].backend is not None and reg.get(n).capabilities().kv_export]
         raise GlmcoreError(f"backend {backend!r} cannot export its KV cache, so it has no prompt cache; use "
-                           "--cache-ram 0, or a backend that has one (torch, cpu_int4, openvino_amx)")
+                           f"--cache-ram 0, or a backend that has one ({', '.join(able) or 'none installed'})")
     return PromptCache(cache_ram << 20) if cache_ram else None
