@@ -52,6 +52,8 @@ class Capabilities:
     native_batch: bool = False                      # load_batch returns a native BatchSession: one step reads
                                                     # the weights once for all entries, and copy_prefix copies
     max_slots: int | None = None                    # sequences one BatchSession can hold; None: memory-bound
+    kv_export: bool = False                         # BatchSession.export_prefix/import_prefix work: a slot's KV
+                                                    # can be kept in host RAM (the prompt cache, --cache-ram)
 
 
 @dataclass
@@ -115,6 +117,19 @@ class Session(_Closable, ABC):
 Entry = tuple[int, Sequence[int]]   # (slot, token ids): a prefill chunk or one decode token
 
 
+@dataclass(frozen=True)
+class KVBlob:
+    """A host-memory copy of one slot's first `n` positions of KV cache, in the layout of the session that
+    exported it (K and V per layer, a latent row per layer, f16 or f32 elements...). Only a session of the
+    same loaded model reads it back (import_prefix); the core only counts its bytes."""
+    n: int
+    parts: tuple[np.ndarray, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.parts)
+
+
 class BatchSession(_Closable, ABC):
     """`n_slots` independent sequences in one session; a slot is one sequence's KV region of `capacity`
     positions, and a slot's positions are 0..kv_len(slot)-1 of what it holds.
@@ -163,6 +178,26 @@ class BatchSession(_Closable, ABC):
         src == dst keeps the slot's first n positions (a conversation that diverges after them).
         Backends declaring native_batch implement it; the scheduler re-prefills for the others."""
         raise NotImplementedError
+
+    def export_prefix(self, slot: int, n: int) -> KVBlob:
+        """A host-memory copy of the slot's first n positions (the slot is unchanged). Backends declaring
+        Capabilities.kv_export implement it and import_prefix; the prompt cache is off for the others."""
+        raise BackendError(f"{type(self).__name__} cannot export its KV cache; the prompt cache (--cache-ram) "
+                           "works on backends whose capabilities say kv_export (see `glmcore backends`)")
+
+    def import_prefix(self, slot: int, blob: KVBlob) -> None:
+        """The slot drops what it held and holds exactly blob's n positions, as if they had been prefilled."""
+        raise BackendError(f"{type(self).__name__} cannot import a KV cache; the prompt cache (--cache-ram) "
+                           "works on backends whose capabilities say kv_export (see `glmcore backends`)")
+
+    def check_blob(self, slot: int, blob: KVBlob, n_parts: int) -> None:
+        """import_prefix's check that blob can go into slot: a slot that exists, positions that fit."""
+        if not isinstance(slot, (int, np.integer)) or not 0 <= slot < self.n_slots:
+            raise StepError(f"slot {slot!r} does not exist; slots are 0..{self.n_slots - 1}")
+        if not 0 < blob.n <= self.capacity or len(blob.parts) != n_parts:
+            raise BackendError(f"a KV blob of {blob.n} positions in {len(blob.parts)} parts does not fit this "
+                               f"session ({self.capacity} positions a slot, {n_parts} parts); it was exported "
+                               "by another model or backend")
 
 
 def check_entries(batch: BatchSession, entries: Sequence[Entry]) -> None:

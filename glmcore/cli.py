@@ -13,6 +13,7 @@ from pathlib import Path
 from . import __version__, arch
 from .backend import registry
 from .events import ReasoningDelta, TextDelta, ToolCallEvent
+from .engine.prompt_cache import DEFAULT_CACHE_MIB
 from .engine.speculative import Method
 from .scheduler import OVERFLOW_POLICIES, Speculation, WindowPolicy
 from .structured import grammar_from_files, reply_constraint
@@ -436,6 +437,8 @@ def cmd_backends(a) -> int:
             "precisions": list(caps.precisions) if caps else [], "weights": list(caps.weight_formats) if caps else [],
             "why not": pr.reason, "install": pr.install, "details": pr.details,
             "batching": _batching(caps),
+            "prompt cache": ("serve --cache-ram: slots' KV kept in host RAM" if caps.kv_export else
+                             "none (its KV cannot be exported)") if caps else "",
             "architectures": entry.backend.architectures() if entry.backend else [],
         })
     if a.json:
@@ -447,7 +450,8 @@ def cmd_backends(a) -> int:
               f"weights={','.join(r['weights'])}")
         if not r["ready"]:
             print(f"{'':<14} why: {r['why not']}" + (f"  fix: {r['install']}" if r["install"] else ""))
-        for k, v in {**r["details"], "batching": r["batching"], "architectures": "; ".join(r["architectures"])}.items():
+        for k, v in {**r["details"], "batching": r["batching"], "prompt cache": r["prompt cache"],
+                     "architectures": "; ".join(r["architectures"])}.items():
             print(f"{'':<14} {k}: {v}")
     from .autoselect import choose, describe
     if any(r["ready"] for r in rows):       # which one runs without --backend, with the numbers behind it
@@ -550,7 +554,7 @@ def cmd_serve(a) -> int:
                       api_key, a.served_name, a.max_body_mb << 20,
                       a.grace, a.read_timeout, a.log_level, a.replicas, a.ray_address,
                       _names(a.allowed_hosts), _names(a.cors_origins), speculation(a),
-                      None if a.max_thinking_tokens == -1 else a.max_thinking_tokens)
+                      None if a.max_thinking_tokens == -1 else a.max_thinking_tokens, a.cache_ram)
     so.check()
     if so.replicas != 1 or so.ray_address:       # replicas of the server behind Ray Serve's proxy
         from .server.replicas import serve_replicas
@@ -633,6 +637,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--token-budget", type=int, default=256,
                    help="tokens per batched step: more admits prompts faster, fewer keeps decoding smoother")
     p.add_argument("--max-queue", type=int, default=64, help="requests waiting for a slot before 429")
+    p.add_argument("--cache-ram", type=int, metavar="MIB", help="host RAM for the prompt cache: conversations that "
+                   "leave their slots keep their KV there and come back without a new prefill (0: off; default: "
+                   f"{DEFAULT_CACHE_MIB} MiB, as llama.cpp's, on backends that can export their KV: see `glmcore "
+                   "backends`)")
     add_spec_args(p)
     p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' (default: $GLMCORE_API_KEY, else none)")
     p.add_argument("--allowed-hosts", metavar="NAMES", help="comma-separated host names clients may reach the server "

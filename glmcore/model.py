@@ -9,6 +9,7 @@ from pathlib import Path
 from .backend import Backend, LoadOptions, registry
 from .cache import cache_root
 from .config import ModelConfig
+from .engine.prompt_cache import DEFAULT_CACHE_MIB, PromptCache
 from .scheduler import Scheduler, Speculation
 from .errors import BackendError, GlmcoreError
 from .weights import load_weights
@@ -85,9 +86,11 @@ def resolve_backend(name: str | None, config: ModelConfig | None = None) -> Back
 
 
 def load_model(model: str | Path | None = None, backend: str | None = None, options: LoadOptions | None = None,
-               slots: int = 1, token_budget: int = 256, speculation: Speculation | None = None) -> LoadedModel:
+               slots: int = 1, token_budget: int = 256, speculation: Speculation | None = None,
+               cache_ram: int | None = 0) -> LoadedModel:
     """Load a checkpoint (default: the demo model) on a backend (default: the best ready one) as a batch
-    session of `slots` sequences driven by a Scheduler (speculative decoding as `speculation` says)."""
+    session of `slots` sequences driven by a Scheduler (speculative decoding as `speculation` says), with a
+    prompt cache of `cache_ram` MiB (0: none; None: the default size where the backend can export its KV)."""
     from .chat import chat_format_for
     from .tokenizer import load_tokenizer
 
@@ -114,6 +117,23 @@ def load_model(model: str | Path | None = None, backend: str | None = None, opti
         most = f"1..{caps.max_slots}" if caps.max_slots else "a positive number"
         raise GlmcoreError(f"invalid number of slots {slots} for backend {b.name!r}: use {most}")
     (speculation or Speculation()).checked(caps)        # refused before the load, not after
+    cache = prompt_cache(cache_ram, caps, b.name)
     batch = b.load_batch(config, weights, opts, slots)
-    scheduler = Scheduler(batch, caps, n_vocab=tokenizer.n_vocab, token_budget=token_budget, speculation=speculation)
+    scheduler = Scheduler(batch, caps, n_vocab=tokenizer.n_vocab, token_budget=token_budget, speculation=speculation,
+                          prompt_cache=cache)
     return LoadedModel(model_dir, config, tokenizer, chat_format_for(tokenizer), b, scheduler)
+
+
+def prompt_cache(cache_ram: int | None, caps, backend: str) -> PromptCache | None:
+    """The prompt cache of `cache_ram` MiB (None: DEFAULT_CACHE_MIB where the backend can export its KV,
+    else none), refused in one line where it cannot work."""
+    if cache_ram is None:
+        cache_ram = DEFAULT_CACHE_MIB if caps.kv_export else 0
+    if not isinstance(cache_ram, int) or cache_ram < 0:
+        raise GlmcoreError(f"invalid --cache-ram {cache_ram!r}: give MiB of host RAM for the prompt cache (0: off)")
+    if cache_ram and not caps.kv_export:
+        reg = registry()
+        able = [n for n in reg.names() if reg.entries[n].backend is not None and reg.get(n).capabilities().kv_export]
+        raise GlmcoreError(f"backend {backend!r} cannot export its KV cache, so it has no prompt cache; use "
+                           f"--cache-ram 0, or a backend that has one ({', '.join(able) or 'none installed'})")
+    return PromptCache(cache_ram << 20) if cache_ram else None

@@ -594,7 +594,7 @@ class TensorParallel(Backend):
         return dataclasses.replace(p, details=details)
 
     def capabilities(self):
-        return dataclasses.replace(self.inner.capabilities(), native_batch=True)
+        return dataclasses.replace(self.inner.capabilities(), native_batch=True, kv_export=False)   # ranks' KV: not exported
 
     def resolve(self, options: LoadOptions) -> LoadOptions:
         return self.inner.resolve(options)

@@ -16,6 +16,7 @@ from ..backend import BatchSession, Capabilities
 from ..errors import GlmcoreError
 from ..events import FinishReason
 from .driver import BackgroundDriver
+from .prompt_cache import PromptCache
 from .request import Handle, Request, RequestState, Slot, WindowPolicy, check_request
 from .slots import SlotTable
 from .speculative import Speculation
@@ -33,11 +34,12 @@ class Scheduler(BackgroundDriver):
     at once; the slot keeps its cache for a request that extends it (SlotTable.place)."""
 
     def __init__(self, batch: BatchSession, caps: Capabilities | None = None, n_vocab: int | None = None,
-                 token_budget: int = 256, max_queue: int = 1024, speculation: Speculation | None = None):
+                 token_budget: int = 256, max_queue: int = 1024, speculation: Speculation | None = None,
+                 prompt_cache: PromptCache | None = None):
         if token_budget < 1:
             raise GlmcoreError(f"invalid token budget {token_budget}: use a positive integer")
         caps = caps or Capabilities()
-        self.table = SlotTable(batch, caps)
+        self.table = SlotTable(batch, caps, prompt_cache)
         self.batch, self.slots, self.native = batch, self.table.slots, caps.native_batch
         self.n_vocab, self.token_budget, self.max_queue = n_vocab, token_budget, max_queue
         self.speculation = (speculation or Speculation()).checked(caps)
@@ -58,7 +60,7 @@ class Scheduler(BackgroundDriver):
         self._wake.set()
 
     def forget(self) -> None:
-        """Drop what every free slot caches, so the next requests prefill their whole prompts (benches)."""
+        """Drop what every free slot and the prompt cache hold, so the next requests prefill their whole prompts (benches)."""
         with self._step_lock:
             self.table.forget()
 

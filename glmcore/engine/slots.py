@@ -4,12 +4,16 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from ..backend import BatchSession, Capabilities
 from ..errors import ContextOverflow, GlmcoreError
 from .request import RequestState, Slot, WindowPolicy
+
+if TYPE_CHECKING:
+    from .prompt_cache import PromptCache
 
 
 @dataclass(frozen=True)
@@ -23,12 +27,15 @@ class Room:
 
 class SlotTable:
     """The slots of one BatchSession. `caps` are the backend's: can_shift (slide a window in place) and
-    native_batch (copy a prefix between slots, truncate in place) decide how the policy is carried out."""
+    native_batch (copy a prefix between slots, truncate in place) decide how the policy is carried out.
+    With a prompt cache (backends with kv_export), a slot's content is saved there before it is overwritten,
+    and a prompt whose prefix the cache holds longer than any slot is restored from it."""
 
-    def __init__(self, batch: BatchSession, caps: Capabilities):
+    def __init__(self, batch: BatchSession, caps: Capabilities, cache: "PromptCache | None" = None):
         self.batch = batch
         self.can_shift, self.native = caps.can_shift, caps.native_batch
         self.slots = [Slot(i) for i in range(batch.n_slots)]
+        self.cache = cache
 
     @property
     def capacity(self) -> int:
@@ -43,14 +50,20 @@ class SlotTable:
     def place(self, state: RequestState, free: list[Slot]) -> None:
         """Put a request in the free slot that already holds the longest prefix of its prompt (prefix
         reuse); with a native batch session, copy a longer prefix from any other slot (a shared system
-        prompt)."""
+        prompt), or restore a still longer one from the prompt cache."""
         prompt = list(state.request.prompt)
         head = prompt[:-1]             # the last prompt token is always fed: its logits are sampled
         held = {s.index: common_prefix(s.tokens, head) for s in self.slots}     # once per slot, not per comparison
         slot = max(free, key=lambda s: (held[s.index], -s.last_used))
         n = held[slot.index]
-        if self.native:
-            donor = max(self.slots, key=lambda s: held[s.index])
+        donor = max(self.slots, key=lambda s: held[s.index]) if self.native else slot
+        cached = self.cache.lookup(head, held[donor.index]) if self.cache is not None else None
+        if cached is not None or held[donor.index] > n or n < len(slot.tokens):
+            self.save(slot)            # what the slot holds beyond n is about to be overwritten
+        if cached is not None:
+            self.batch.import_prefix(slot.index, cached.entry.blob)
+            slot.tokens, n = list(cached.entry.tokens), cached.n
+        elif self.native:
             if held[donor.index] > n:
                 n = held[donor.index]
                 self.batch.copy_prefix(donor.index, slot.index, n)
@@ -61,6 +74,13 @@ class SlotTable:
         slot.n_pinned = state.request.n_pinned
         slot.state = state
         state.place(slot, n)
+
+    def save(self, slot: Slot) -> None:
+        """Keep a free slot's content in the prompt cache, unless the cache holds it already. Called just
+        before the content is overwritten (place), the one point where it is lost: saving at every finish
+        would copy conversations that simply continue in their slot."""
+        if self.cache is not None and self.cache.worth_saving(slot.tokens):
+            self.cache.put(slot.tokens, self.batch.export_prefix(slot.index, len(slot.tokens)))
 
     def make_room(self, slot: Slot, n_new: int, window: WindowPolicy) -> Room:
         """The KV-cache policy for n_new ids into slot, the window slid already where it says so."""
@@ -114,9 +134,11 @@ class SlotTable:
         return logits
 
     def forget(self) -> None:
-        """Drop what every free slot caches."""
+        """Drop what every free slot and the prompt cache hold."""
         for slot in self.free():
             self.truncate(slot, 0)
+        if self.cache is not None:
+            self.cache.clear()
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:

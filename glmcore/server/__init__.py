@@ -40,6 +40,7 @@ class ServeOptions:
     cors_origins: tuple = ()         # web origins whose pages may call the API (CORS); none by default
     speculation: Speculation = field(default_factory=Speculation)    # speculative decoding (--speculative)
     max_thinking_tokens: int | None = None   # a thinking model's thought, where a request names no budget
+    cache_ram: int | None = None     # MiB of host RAM for the prompt cache; 0: off; None: the default where it works
 
     def check(self) -> None:
         """GlmcoreError for options that cannot be served, before anything is loaded."""
@@ -158,7 +159,7 @@ def serve(model_dir, backend, options, so: ServeOptions) -> int:
     so.check()
     sock = _bind(so.host, so.port)
     model = load_model(model_dir, backend, options, slots=so.slots, token_budget=so.token_budget,
-                       speculation=so.speculation)
+                       speculation=so.speculation, cache_ram=so.cache_ram)
     model.scheduler.max_queue = so.max_queue
     name = so.name or model.model_dir.name
     app = create_app(model, name, so.api_key, so.max_body or MAX_BODY, read_timeout=so.read_timeout,
@@ -175,6 +176,7 @@ def serve(model_dir, backend, options, so: ServeOptions) -> int:
     print(f"glmcore serve: chat page {base}/ | API {base}/v1 | model {name} ({model.config.family}, {model.model_dir}) "
           f"| backend {model.backend.name} ({'native batched steps' if model.scheduler.native else 'core adapter'}) | "
           f"{batch.n_slots} slots, context {batch.capacity}, token budget {so.token_budget}"
+          + (f" | prompt cache {cache.budget >> 20} MiB" if (cache := model.scheduler.table.cache) else "")
           + (" | API key required" if so.api_key else ""), file=sys.stderr, flush=True)
     if not so.api_key and not ipaddress.ip_address(bound_host).is_loopback:
         print(f"warning: listening on {bound_host} without --api-key: anyone who can reach it can use it",

@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..chat import Message, ToolCall, ToolCallStream, as_message
@@ -48,7 +49,8 @@ class Metrics:
                                 "'disconnected' for a client that went away before the reply ended)",
                                 ["endpoint", "status"], registry=r)
         self.prompt_tokens = Counter("glmcore_prompt_tokens", "prompt tokens of submitted requests", registry=r)
-        self.cached_tokens = Counter("glmcore_prompt_cached_tokens", "prompt tokens reused from a slot's cache",
+        self.cached_tokens = Counter("glmcore_prompt_cached_tokens", "prompt tokens reused from a slot's cache or the "
+                                     "prompt cache",
                                      registry=r)
         self.generated = Counter("glmcore_generation_tokens", "generated tokens", registry=r)
         Gauge("glmcore_queue_length", "requests waiting for a slot", registry=r).set_function(
@@ -63,6 +65,37 @@ class Metrics:
                               buckets=(.01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 30, 60), registry=r)
         self.itl = Histogram("glmcore_inter_token_latency_seconds", "time between two tokens of one reply",
                              buckets=(.005, .01, .02, .04, .08, .15, .3, .6, 1.2, 2.5, 5), registry=r)
+        self.e2e = Histogram("glmcore_e2e_request_latency_seconds", "submission to the end of a request's generation",
+                             buckets=(.05, .1, .25, .5, 1, 2.5, 5, 10, 30, 60, 120, 300), registry=r)
+        table = scheduler.table
+        total = table.batch.n_slots * table.capacity
+        Gauge("glmcore_kv_cache_positions", "KV-cache positions the slots hold (running and kept for reuse)",
+              registry=r).set_function(lambda: sum(len(s.tokens) for s in table.slots))
+        Gauge("glmcore_kv_cache_usage_ratio", "KV-cache positions held / all positions of the slots",
+              registry=r).set_function(lambda: sum(len(s.tokens) for s in table.slots) / total)
+        if table.cache is not None:
+            r.register(PromptCacheCollector(table.cache))
+
+
+class PromptCacheCollector:
+    """The prompt cache's counters (kept by the engine's thread), read when /metrics is scraped."""
+
+    def __init__(self, cache):
+        self.cache = cache
+
+    def collect(self):
+        c, st = self.cache, self.cache.stats
+        yield CounterMetricFamily("glmcore_prompt_cache_hits", "placements restored from the prompt cache",
+                                  value=st.hits)
+        yield CounterMetricFamily("glmcore_prompt_cache_misses", "placements for which the prompt cache held no "
+                                  "longer prefix than the slots", value=st.misses)
+        yield CounterMetricFamily("glmcore_prompt_cache_restored_tokens", "prompt tokens restored from the "
+                                  "prompt cache instead of prefilled", value=st.restored_tokens)
+        yield CounterMetricFamily("glmcore_prompt_cache_evictions", "entries dropped to stay within --cache-ram",
+                                  value=st.evicted)
+        yield GaugeMetricFamily("glmcore_prompt_cache_bytes", "bytes of KV the prompt cache holds", value=c.nbytes)
+        yield GaugeMetricFamily("glmcore_prompt_cache_budget_bytes", "--cache-ram in bytes", value=c.budget)
+        yield GaugeMetricFamily("glmcore_prompt_cache_entries", "sequences the prompt cache holds", value=len(c))
 
 
 class ReplyIds:
@@ -198,6 +231,8 @@ class Generation:
             if token is not None:
                 (self.metrics.itl if self._last else self.metrics.ttft).observe(now - (self._last or self._t0))
                 self._last = now
+            else:
+                self.metrics.e2e.observe(now - self._t0)
             try:
                 loop.call_soon_threadsafe(self.queue.put_nowait, token)
             except RuntimeError:             # the loop is closed: the server is gone

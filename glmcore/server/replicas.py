@@ -37,7 +37,7 @@ class Replica:
             _loopback_grpc()
         # (Ray's ingress wrapper owns the attribute names `app` and the like: ours are prefixed)
         self.glm_model = load_model(model_dir, backend, options, slots=so.slots, token_budget=so.token_budget,
-                                    speculation=so.speculation)
+                                    speculation=so.speculation, cache_ram=so.cache_ram)
         self.glm_model.scheduler.max_queue = so.max_queue
         self.glm_app = create_app(self.glm_model, so.name, so.api_key, so.max_body, read_timeout=so.read_timeout,
                                   allowed_hosts=so.hosts(so.host), cors_origins=so.cors_origins,

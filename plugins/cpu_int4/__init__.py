@@ -91,7 +91,7 @@ class CpuInt4Backend(Backend):
         # int8 activations x int4 weights, accumulated and kept in fp32 between the matrix products
         return Capabilities(precisions=("f32",), weight_formats=("int4",), default_precision="f32",
                             default_weights="int4", max_context=None, can_shift=True, speed_rank=5,
-                            native_batch=True, max_slots=None)
+                            native_batch=True, max_slots=None, kv_export=True)
 
     def supports(self, config) -> str | None:
         return kernels_run(self, config, ARCHITECTURES)

@@ -28,7 +28,7 @@ from glmcore.errors import BackendError
 
 HERE = Path(__file__).resolve().parent
 SOURCE = HERE / "csrc" / "glmi4.c"
-ABI = 8
+ABI = 9
 ISAS = ("plain", "avx2", "avxvnni", "avx512vnni")    # in order of preference (glmi4.c ISA_NAMES)
 CFLAGS = ["-O3", "-std=c11", "-fPIC", "-shared", "-pthread"]
 
@@ -82,7 +82,8 @@ def _declare(lib) -> None:
         "glmi4_create": (P, [C.POINTER(Spec), C.c_char_p, I]), "glmi4_destroy": (None, [P]),
         "glmi4_kv_len": (I, [P, I]), "glmi4_reset": (None, [P, I]),
         "glmi4_step": (I, [P, P, P, P, I, P, I]), "glmi4_shift": (I, [P, I, I, I]),
-        "glmi4_copy_prefix": (I, [P, I, I, I]),
+        "glmi4_copy_prefix": (I, [P, I, I, I]), "glmi4_kv_bytes": (C.c_longlong, [P, I]),
+        "glmi4_kv_export": (I, [P, I, I, P]), "glmi4_kv_import": (I, [P, I, I, P]),
         "glmi4_quant_act": (I, [I, P, I, I, I, P, P, P]),
         "glmi4_matmul": (I, [I, C.POINTER(Mat), I, P, P, I]),
         "glmi4_bench_matmul": (C.c_double, [I, C.POINTER(Mat), I, I, I]),

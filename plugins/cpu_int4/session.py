@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from glmcore.arch import rotary
-from glmcore.backend import BatchSession, Capabilities, LoadOptions, SlotSession, default_capacity
+from glmcore.backend import BatchSession, Capabilities, KVBlob, LoadOptions, SlotSession, default_capacity
 from glmcore.config import ModelConfig
 from glmcore.errors import BackendError, GlmcoreError
 
@@ -175,6 +175,28 @@ class Int4BatchSession(BatchSession):
             raise GlmcoreError(f"cpu_int4: cannot copy {n} positions from slot {src}, which holds {have}")
         if self._lib.glmi4_copy_prefix(h, src, dst, int(n)) != 0:
             raise BackendError("cpu_int4: copying a prefix failed")
+
+    def export_prefix(self, slot: int, n: int) -> KVBlob:
+        """The slot's first n positions as the C cache holds them (K/V rows or latent rows, f16 or f32)."""
+        h, slot = self._alive(), self._slot(slot)
+        have = self.kv_len(slot)
+        if not 0 < n <= have:
+            raise GlmcoreError(f"cpu_int4: cannot export {n} positions of slot {slot}, which holds {have}")
+        out = np.empty(self._lib.glmi4_kv_bytes(h, int(n)), np.uint8)
+        if self._lib.glmi4_kv_export(h, slot, int(n), out.ctypes.data) != 0:
+            raise BackendError("cpu_int4: exporting a KV prefix failed")
+        return KVBlob(int(n), (out,))
+
+    def import_prefix(self, slot: int, blob: KVBlob) -> None:
+        h = self._alive()
+        self.check_blob(slot, blob, 1)
+        data = blob.parts[0]
+        if data.dtype != np.uint8 or data.size != self._lib.glmi4_kv_bytes(h, blob.n):
+            raise BackendError(f"cpu_int4: a KV blob of {data.nbytes} bytes is not {blob.n} positions of this "
+                               "model's cache; it was exported by another model or kv_dtype")
+        data = np.ascontiguousarray(data)
+        if self._lib.glmi4_kv_import(h, int(slot), blob.n, data.ctypes.data) != 0:
+            raise BackendError("cpu_int4: importing a KV prefix failed")
 
     def close(self) -> None:
         if getattr(self, "_h", None):

@@ -62,7 +62,7 @@ class OpenVINOBackend(Backend):
     def capabilities(self) -> Capabilities:
         return Capabilities(precisions=("f32", "bf16"), weight_formats=("f32", "f16", "int8", "int4"),
                             default_precision="bf16" if native_bf16() else "f32", default_weights="int8",
-                            max_context=None, can_shift=False, native_batch=True,
+                            max_context=None, can_shift=False, native_batch=True, kv_export=True,
                             # above cpu_int4 (5) only where OpenVINO has integer kernels for compressed weights
                             speed_rank=20 if integer_isa() else 3)
 

@@ -13,7 +13,9 @@ out the tokens and the block tables:
   logits are wanted, so the output layer runs only for those);
 - copy_prefix(): the blocks holding the first n positions are copied in memory (a partly filled last block
   whole: past_lens keeps what lies beyond n unread, and the next step overwrites it);
-- reset(): the slot's length goes to 0 (its blocks are simply overwritten later).
+- reset(): the slot's length goes to 0 (its blocks are simply overwritten later);
+- export_prefix()/import_prefix(): the blocks holding the first n positions copied to or from host arrays,
+  one per cache tensor (the prompt cache; whole blocks, as copy_prefix).
 The caches are plain f32/f16/bf16 (no u8: its blocks carry quantization scales of their own).
 """
 from __future__ import annotations
@@ -25,7 +27,7 @@ import numpy as np
 import openvino as ov
 import openvino.opset13 as ops
 
-from glmcore.backend import BatchSession, Entry, LoadOptions
+from glmcore.backend import BatchSession, Entry, KVBlob, LoadOptions
 from glmcore.config import ModelConfig
 from glmcore.errors import BackendError
 
@@ -138,6 +140,25 @@ class OpenVINOBatchSession(BatchSession):
                 data = tensor.data
                 data[d.start:d.stop] = data[s.start:s.stop]
         self._len[dst] = n
+
+    def export_prefix(self, slot: int, n: int) -> KVBlob:
+        self._check(slot)
+        if not 0 < n <= self._len[slot]:
+            raise BackendError(f"export_prefix: slot {slot} holds {self._len[slot]} positions, not {n}")
+        blocks = self._blocks(slot, n)
+        return KVBlob(n, tuple(t.data[blocks.start:blocks.stop].copy() for t in self._caches.values()))
+
+    def import_prefix(self, slot: int, blob: KVBlob) -> None:
+        self._check(slot)
+        self.check_blob(slot, blob, len(self._caches))
+        blocks = self._blocks(slot, blob.n)
+        for tensor, part in zip(self._caches.values(), blob.parts):
+            data = tensor.data
+            if data[blocks.start:blocks.stop].shape != part.shape or data.dtype != part.dtype:
+                raise BackendError(f"a KV blob part {part.dtype}{list(part.shape)} does not fit this session's "
+                                   "cache blocks; it was exported by another model or kv_cache precision")
+            data[blocks.start:blocks.stop] = part
+        self._len[slot] = blob.n
 
     def close(self) -> None:
         self.request = None

@@ -40,7 +40,8 @@ class TorchBackend(Backend):
                                                   "runs on": "this machine's CPU"})
 
     def capabilities(self) -> Capabilities:
-        return Capabilities(precisions=("f32",), weight_formats=("f32",), speed_rank=0, native_batch=True)
+        return Capabilities(precisions=("f32",), weight_formats=("f32",), speed_rank=0, native_batch=True,
+                            kv_export=True)
 
     def supports(self, config) -> str | None:
         return torch_forward_runs(self, config)

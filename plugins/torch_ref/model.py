@@ -9,7 +9,8 @@ import torch
 
 from glmcore import arch
 from glmcore.arch.rotary import rotary_tables as _core_rotary_tables
-from glmcore.backend import BatchSession, Capabilities, LoadOptions, Session, default_capacity
+from glmcore.backend import BatchSession, Capabilities, KVBlob, LoadOptions, Session, default_capacity
+from glmcore.errors import BackendError
 from glmcore.config import ModelConfig
 from glmcore.parallel import LOCAL
 
@@ -91,6 +92,35 @@ class TorchRefBatch(BatchSession):
         self.lens[dst] = n
         if self.mtp is not None:
             self.mtp.copy_prefix(src, dst, n)
+
+    def _cache_views(self, slot: int, n: int) -> list[torch.Tensor]:
+        """What a slot's first n positions are: each layer's K and V (MLA: the latent rows and the V cache's
+        one-value placeholder), and the NextN layer's cache, fed ids and hidden states where it drafts."""
+        views = [c[slot, :, :n] for c in self.k_cache + self.v_cache]
+        if self.mtp is not None:
+            m = self.mtp
+            views += [m.k_cache[slot, :, :n], m.v_cache[slot, :, :n], m.ids[slot, :n], m.hidden[slot, :n]]
+        return views
+
+    def export_prefix(self, slot: int, n: int) -> KVBlob:
+        if not 0 < n <= self.lens[slot]:
+            raise BackendError(f"cannot export {n} positions of slot {slot}, which holds {self.lens[slot]}")
+        parts = tuple(v.numpy().copy() for v in self._cache_views(slot, n))
+        if self.mtp is not None:     # how many positions the NextN cache holds (at most n - 1, as copy_prefix)
+            parts += (np.array([min(self.mtp.lens[slot], n - 1)]),)
+        return KVBlob(n, parts)
+
+    def import_prefix(self, slot: int, blob: KVBlob) -> None:
+        views = self._cache_views(slot, blob.n)
+        self.check_blob(slot, blob, len(views) + (self.mtp is not None))
+        for view, part in zip(views, blob.parts):
+            if tuple(view.shape) != part.shape:
+                raise BackendError(f"a KV blob part of shape {part.shape} does not fit this session's "
+                                   f"{tuple(view.shape)}; it was exported by another model")
+            view.copy_(torch.from_numpy(part))
+        self.lens[slot] = blob.n
+        if self.mtp is not None:
+            self.mtp.lens[slot] = int(blob.parts[-1][0])
 
     def close(self) -> None:
         self.model, self.k_cache, self.v_cache = None, [], []

@@ -48,7 +48,7 @@
 #define GLMI4_X86 0
 #endif
 
-#define GLMI4_ABI 8
+#define GLMI4_ABI 9
 #define QK 32          /* activation block: one int8 scale per 32 inputs */
 #define TILE 16        /* output rows per packed tile */
 #define PREFETCH 4096   /* decode streams weights: prefetch this far ahead into L1 (measured: +40% on one core) */
@@ -2624,6 +2624,41 @@ int glmi4_copy_prefix(void *handle, int src, int dst, int n) {
     m->len[dst] = n;
     return E_OK;
 }
+
+/* The prompt cache's copy of a slot's first n positions, in the cache's own elements: [K, then V unless the
+ * attention is latent][layer][cache row][n][row width]. glmi4_kv_bytes(h, n) is its size. */
+long long glmi4_kv_bytes(void *handle, int n) {
+    const model *m = handle;
+    return (long long)(m->vc ? 2 : 1) * m->s.n_layers * m->kvh * n * m->kvw * (long long)m->kv_elt;
+}
+
+/* copy the first n positions of a slot out (to_slot 0) or in (to_slot 1; the slot then holds exactly them) */
+static int kv_transfer(model *m, int slot, int n, char *buf, int to_slot) {
+    const glmi4_spec *s = &m->s;
+    if (!slot_ok(m, slot) || n < 1 || n > s->capacity || (!to_slot && n > m->len[slot])) return E_ARG;
+    if (to_slot) m->base[slot] = 0;          /* imported rows start the ring unwrapped */
+    const size_t rowb = (size_t)m->kvw * m->kv_elt;
+    const int p0 = phys(m, slot, 0), first = imin(n, s->capacity - p0);   /* the ring may wrap: two runs */
+    void *caches[2] = {m->kc, m->vc};
+    for (int c = 0; c < 2 && caches[c]; c++)
+        for (int l = 0; l < s->n_layers; l++)
+            for (int kh = 0; kh < m->kvh; kh++, buf += rowb * n) {
+                char *a = (char *)caches[c] + kv_off(m, slot, l, kh, p0) * m->kv_elt;
+                char *b = (char *)caches[c] + kv_off(m, slot, l, kh, 0) * m->kv_elt;
+                if (to_slot) {
+                    memcpy(a, buf, rowb * first);
+                    memcpy(b, buf + rowb * first, rowb * (n - first));
+                } else {
+                    memcpy(buf, a, rowb * first);
+                    memcpy(buf + rowb * first, b, rowb * (n - first));
+                }
+            }
+    if (to_slot) m->len[slot] = n;
+    return E_OK;
+}
+
+int glmi4_kv_export(void *handle, int slot, int n, void *out) { return kv_transfer(handle, slot, n, out, 0); }
+int glmi4_kv_import(void *handle, int slot, int n, const void *in) { return kv_transfer(handle, slot, n, (char *)in, 1); }
 
 typedef struct {
     model *m;
