@@ -32,6 +32,7 @@ from .inputs import (check_model, max_new, n_choices, prompt_chars, prompt_ids, 
                      to_messages, tool_setup)
 from .page import add_chat_page
 from .protocol import ApiError, ChatRequest, CompletionRequest, error_body, parse
+from .tokenize import detokenize, tokenize, tokenizer_info
 
 log = logging.getLogger("glmcore.server")
 MAX_BODY = 4 << 20            # bytes; a request body over it is a 413
@@ -261,6 +262,12 @@ class State:
         async with self._preparing:
             return await asyncio.to_thread(_as_exception, fn, *args)
 
+    def token_text(self, token: int) -> bytes:
+        """A token as logprobs and /tokenize show it: its bytes, a special token's name."""
+        tok = self.model.tokenizer
+        name = tok.special_names.get(token)
+        return name.encode() if name is not None else tok.token_bytes(token)
+
     def check_size(self, chars: int, param: str) -> None:
         """Refuse, before any expansion, a prompt whose text alone is longer than the context could hold."""
         limit = self.scheduler.capacity * self.max_token_bytes
@@ -400,7 +407,7 @@ class Exchange:
         return usage(choices)
 
     def token_text(self, token: int) -> bytes:
-        return self.state.model.tokenizer.token_bytes(token)
+        return self.state.token_text(token)
 
     def _chunks(self, kind: str, choices: list[dict]) -> list[dict]:
         out = [{"id": self.id, "object": kind, "created": self.created, "model": self.state.name, "choices": [c]}
@@ -840,6 +847,20 @@ def create_app(model, name: str, api_key: str | None = None, max_body: int = MAX
         v1.add_api_route(path, route(kind), methods=["POST"])
     app.include_router(v1)
     add_chat_page(app)
+    tokenizer = APIRouter(dependencies=[Depends(authorize)])     # at the root, as vLLM serves them
+
+    @tokenizer.post("/tokenize")
+    async def tokenize_route(request: Request):
+        return await state.prepare(tokenize, state, await read_body(request, state.max_body, state.read_timeout))
+
+    @tokenizer.post("/detokenize")
+    async def detokenize_route(request: Request):
+        return await state.prepare(detokenize, state, await read_body(request, state.max_body, state.read_timeout))
+
+    @tokenizer.get("/tokenizer_info")
+    async def tokenizer_info_route():
+        return tokenizer_info(state)
+    app.include_router(tokenizer)
 
     @app.api_route("/health", methods=["GET", "HEAD"])      # HEAD: what uptime monitors send
     async def health():

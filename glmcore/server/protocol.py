@@ -269,7 +269,7 @@ def _param(data, loc) -> str | None:
     return ".".join(path) or None
 
 
-def parse(cls: type[_Sampling], body: bytes) -> _Sampling:
+def parse(cls: type[_Strict], body: bytes) -> _Strict:
     """The request, or an ApiError naming the first field that is wrong."""
     try:
         text = body.decode("utf-8")
@@ -310,7 +310,7 @@ def parse(cls: type[_Sampling], body: bytes) -> _Sampling:
         if not _is_default(value, default):
             raise ApiError(400, f"unsupported value for '{name}': {json.dumps(value)[:40]}; this server supports only "
                            f"{json.dumps(default)}", name, "unsupported_value")
-    if req.stream_options is not None and not req.stream:      # as OpenAI and vLLM: never silently ignored
+    if getattr(req, "stream_options", None) is not None and not req.stream:      # as OpenAI and vLLM: never silently ignored
         raise ApiError(400, "'stream_options' is only allowed with \"stream\": true; remove it or stream",
                        "stream_options", "invalid_value")
     return req
