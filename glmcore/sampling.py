@@ -82,12 +82,15 @@ class TokenLogprob:
 
 
 def token_logprob(row: np.ndarray, token: int, n_top: int, n_vocab: int | None = None) -> TokenLogprob:
-    """log_softmax of a logits row at `token`, with its n_top likeliest ids (ties in id order)."""
-    lp = log_softmax(row[:n_vocab] if n_vocab else row)
+    """log_softmax of a logits row at `token`, with its n_top likeliest ids (ties in id order). Normalized over
+    the whole row, the output layer's padding ids included, as transformers' and vLLM's logprobs and the
+    harness's scores are; the alternatives are ids < n_vocab only (padding ids are never sampled or shown)."""
+    lp = log_softmax(row)
     top = ()
     if n_top > 0:
-        k = min(n_top, lp.size)
-        cand = np.argpartition(-lp, k - 1)[:k]
+        shown = lp[:n_vocab] if n_vocab else lp
+        k = min(n_top, shown.size)
+        cand = np.argpartition(-shown, k - 1)[:k]
         cand = cand[np.lexsort((cand, -lp[cand]))]
         top = tuple((int(i), float(lp[i])) for i in cand)
     return TokenLogprob(int(token), float(lp[token]), top)
