@@ -270,6 +270,26 @@ def test_completion_logprobs_and_echo_score_the_prompt(url, models):
     assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == r.choices[0].text
 
 
+def test_max_tokens_0_with_echo_scores_the_prompt_only_and_a_stop_id_has_its_logprob(url, models):
+    served, ref = models
+    tok = ref.tokenizer
+    ids = list(ref.chat_format.prefix) + tok.encode("the weather in Beijing is")
+    c = client(url)
+    full = c.completions.create(model="tiny", prompt=ids, max_tokens=1, temperature=0, logprobs=1, echo=True)
+    only = c.completions.create(model="tiny", prompt=ids, max_tokens=0, temperature=0, logprobs=1, echo=True)
+    assert only.choices[0].logprobs.token_logprobs == full.choices[0].logprobs.token_logprobs[:len(ids)]
+    assert only.usage.completion_tokens == 0 and only.choices[0].text == tok.decode(ids, skip_special=False)
+    # the end-of-text id is drawn first: no text, and still its logprob, so echo's scores stay aligned (lm-eval)
+    eos = c.completions.create(model="tiny", prompt=ids, max_tokens=3, temperature=0, logprobs=1, echo=True,
+                               logit_bias={str(tok.eos_id): 100})
+    lp = eos.choices[0].logprobs
+    assert eos.choices[0].finish_reason == "stop" and eos.usage.completion_tokens == 0
+    assert len(lp.token_logprobs) == len(ids) + 1 and lp.token_logprobs[-1] == pytest.approx(
+        model_log_softmax(ref, ids)[-1, tok.eos_id], abs=1e-4)
+    with pytest.raises(openai.BadRequestError, match="max_tokens"):
+        c.completions.create(model="tiny", prompt=ids, max_tokens=0)
+
+
 @pytest.mark.parametrize("stream", [False, True])
 def test_n_choices_equal_separately_seeded_runs(url, stream):
     c = client(url)

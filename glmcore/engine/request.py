@@ -129,7 +129,7 @@ class RequestState:
     pending: int | None = None                          # last sampled token, fed with the next step
     history: list[int] = field(default_factory=list)    # prompt + generated, for the repetition penalty and drafts
     tokens: list[int] = field(default_factory=list)     # generated (stop ids are never included)
-    logprobs: list[TokenLogprob] = field(default_factory=list)   # of tokens, when the request asks
+    logprobs: list[TokenLogprob] = field(default_factory=list)   # of tokens (and a stop id), when asked
     prompt_logprobs: list[TokenLogprob | None] = field(default_factory=list)  # of the prompt (None for the first)
     leader: "RequestState | None" = None                # n > 1: waits for the leader's prefill, then copies it
     finish_reason: FinishReason | None = None
@@ -217,7 +217,8 @@ class Handle:
     id = property(lambda self: self.state.id)
     request = property(lambda self: self.state.request)
     tokens = property(lambda self: self.state.tokens)
-    logprobs = property(lambda self: self.state.logprobs)       # logprobs[i] is tokens[i]'s, once it is yielded
+    # logprobs[i] is tokens[i]'s once it is yielded; one more at the end when a stop id ended the request
+    logprobs = property(lambda self: self.state.logprobs)
     prompt_logprobs = property(lambda self: self.state.prompt_logprobs)
     finish_reason = property(lambda self: self.state.finish_reason)
     error = property(lambda self: self.state.error)

@@ -217,6 +217,8 @@ def update(entries: Sequence[PlanEntry], tokens: Sequence, now: float,
             s.t_first = now
             s.timings.ttft_s, s.timings.prefill_s = now - s.t_submit, now - s.t_placed
         if token in s.request.stop_ids:
+            if lp is not None:
+                s.logprobs.append(lp)    # the stop id's too, as vLLM's: an echoed prompt's scores stay aligned
             events += end(s, FinishReason.STOP)
             continue
         if s.matcher is not None and (why := s.matcher.advance(token)) is not None:

@@ -133,6 +133,16 @@ class PlainText:
         return [TextDelta(text)] if text else []
 
 
+class NoText:
+    """The parser of a request that only scores its prompt (max_tokens 0): the token the engine draws is not shown."""
+
+    def push(self, token: int) -> list:
+        return []
+
+    def close(self) -> list:
+        return []
+
+
 class Reply:
     """Parser events of one reply after stop strings and parallel_tool_calls=false are applied."""
 
@@ -352,6 +362,13 @@ class Choice:
             self.pending.append(lps[self.seen - 1])
         return self.reply.push(token)
 
+    def ended(self) -> None:
+        """The generation is over: the stop id that ended it has a logprob entry too (not after a stop string)."""
+        if not self.reply.cut:
+            extra = self.gen.handle.logprobs[self.seen:]
+            self.shown += extra
+            self.pending += extra
+
     def take_pending(self) -> list[TokenLogprob]:
         out, self.pending = self.pending, []
         return out
@@ -546,12 +563,17 @@ class TextCompletion(Exchange):
         req = parse(CompletionRequest, body)
         check_model(state, req.model)
         ids = prompt_ids(state, req.prompt)
-        self.sreq = SchedRequest(ids, sampling(req, state.model.tokenizer.n_vocab), max_new(state, req, len(ids)),
-                                 [state.model.tokenizer.eos_id])
+        self.score_only = req.max_tokens == 0
+        if self.score_only and not req.echo:
+            raise ApiError(400, "'max_tokens' 0 generates nothing: it only scores the prompt, with \"echo\": true; "
+                           "set echo or ask for a token", "max_tokens", "invalid_value")
+        self.sreq = SchedRequest(ids, sampling(req, state.model.tokenizer.n_vocab),
+                                 1 if self.score_only else max_new(state, req, len(ids)), [state.model.tokenizer.eos_id])
         constrain_completion(state.model, req, self.sreq)
         load_test_fields(req, self.sreq)
         self.n = n_choices(state, req)
-        self.logprobs = self.sreq.logprobs = req.logprobs
+        self.logprobs = req.logprobs
+        self.sreq.logprobs = None if self.score_only else req.logprobs
         self.echo = bool(req.echo)
         if self.echo:     # the prompt as sent (text), or its ids decoded; with logprobs, each prompt token's
             self.prompt_text = req.prompt if isinstance(req.prompt, str) else \
@@ -563,7 +585,13 @@ class TextCompletion(Exchange):
         return req
 
     def new_reply(self) -> Reply:
-        return Reply(PlainText(self.state.model.tokenizer), self._stops)
+        return Reply(NoText() if self.score_only else PlainText(self.state.model.tokenizer), self._stops)
+
+    def usage(self, choices):
+        out = usage(choices)
+        if self.score_only:          # the one token drawn is not part of the answer
+            out.update(completion_tokens=0, total_tokens=out["prompt_tokens"])
+        return out
 
     def chunk(self, event, finish, choice: Choice | None = None,
               logprobs: list[TokenLogprob] | None = None) -> list[dict]:
@@ -693,6 +721,7 @@ async def serve_exchange(state: State, request: Request, kind: type[Exchange]):
                     c.gen.cancel()     # the rest of the stream is drained, so usage counts what was made
             for c in choices:
                 c.reply.close()
+                c.ended()
         except ApiError as e:
             metrics.requests.labels(endpoint, str(e.status)).inc()
             raise
@@ -733,6 +762,7 @@ async def serve_exchange(state: State, request: Request, kind: type[Exchange]):
             for c in choices:
                 tail = "".join(map(_sse, ex.echo_chunks(c))) if c.index in echo else ""
                 yield tail + sse(c, c.reply.close())
+                c.ended()
                 yield "".join(map(_sse, ex.chunk(None, c.gen.finish_reason(c.reply), c, c.take_pending() or None)))
             if ex.include_usage:
                 yield _sse({**ex.chunk(None, None)[0], "choices": [], "usage": ex.usage(choices)})

@@ -212,6 +212,7 @@ class ChatRequest(_Sampling):
 
 class CompletionRequest(_Sampling):
     prompt: str | list[int] | list[str] | list[list[int]] = Field(union_mode="left_to_right")
+    max_tokens: int | None = Field(None, ge=0, le=2**31 - 1)     # 0: score the prompt only (with echo)
     best_of: int | None = None
     echo: bool | None = None
     suffix: str | None = None
