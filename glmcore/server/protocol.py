@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 import re
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
@@ -217,6 +217,26 @@ class CompletionRequest(_Sampling):
     echo: bool | None = None
     suffix: str | None = None
     logprobs: int | None = Field(None, ge=0, le=MAX_LEGACY_LOGPROBS)    # the legacy shape: how many alternatives
+
+
+# vLLM's tokenizer endpoints (glmcore.server.tokenize)
+class TokenizeRequest(_Strict):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[MessageIn] | None = None
+    # a prompt: with the model's [gMASK]sop prefix (as /v1/completions puts it before text); messages: the
+    # chat template's own special tokens, always
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+    tools: list[ToolDef] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    return_token_strs: bool = False
+    tool_choice: ClassVar[None] = None        # what tool_setup reads; the template only lists the tools
+
+
+class DetokenizeRequest(_Strict):
+    model: str | None = None
+    tokens: list[int] = Field(max_length=1 << 20)
 
 
 _SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")

@@ -3,32 +3,9 @@
 reads). A prompt tokenized here and sent as ids is the prompt the text would have been."""
 from __future__ import annotations
 
-from typing import Any, ClassVar
-
-from pydantic import Field
-
 from ..errors import GlmcoreError
 from .inputs import check_model, prompt_ids, to_messages, tool_setup
-from .protocol import ApiError, MessageIn, ToolDef, _Strict, parse
-
-
-class TokenizeRequest(_Strict):
-    model: str | None = None
-    prompt: str | None = None
-    messages: list[MessageIn] | None = None
-    # a prompt: with the model's [gMASK]sop prefix (as /v1/completions puts it before text); messages: the
-    # chat template's own special tokens, always
-    add_special_tokens: bool = True
-    add_generation_prompt: bool = True
-    tools: list[ToolDef] | None = None
-    chat_template_kwargs: dict[str, Any] | None = None
-    return_token_strs: bool = False
-    tool_choice: ClassVar[None] = None        # what tool_setup reads; the template only lists the tools
-
-
-class DetokenizeRequest(_Strict):
-    model: str | None = None
-    tokens: list[int] = Field(max_length=1 << 20)
+from .protocol import ApiError, DetokenizeRequest, TokenizeRequest, parse
 
 
 def tokenize(state, body: bytes) -> dict:
