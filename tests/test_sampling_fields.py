@@ -152,6 +152,24 @@ def test_speculative_decoding_gives_the_same_tokens_and_logprobs(make_tiny):
         m.close()
 
 
+def test_logit_bias_never_unmasks_what_the_grammar_forbids(make_tiny):
+    pytest.importorskip("llguidance")
+    from glmcore.structured import Grammar, compile_grammar
+    m = load_model(make_tiny("glm4"), "torch", LoadOptions(threads=1, capacity=128), slots=1)
+    try:
+        tok = m.tokenizer
+        prompt = [tok.special_ids["[gMASK]"], tok.special_ids["<sop>"]] + tok.encode("answer")
+        forbidden = tok.encode("zeta")[0]
+        params = SamplingParams(temperature=0, logit_bias={forbidden: 100.0}, presence_penalty=-2.0)
+        free = m.scheduler.submit(Request(prompt, params, 3, [tok.eos_id])).wait()
+        assert free.tokens[0] == forbidden                   # the bias decides where nothing is masked
+        constraint = compile_grammar(tok, Grammar.regex(r"(yes|no)"), m.config.vocab_size)
+        h = m.scheduler.submit(Request(prompt, params, 10, [tok.eos_id], constraint=constraint, logprobs=1)).wait()
+        assert tok.decode(h.tokens) in ("yes", "no") and forbidden not in h.tokens
+    finally:
+        m.close()
+
+
 def test_followers_copy_the_leaders_prompt_and_equal_separate_seeded_runs(make_tiny):
     m = load_model(make_tiny("glm4"), "torch", LoadOptions(threads=1, capacity=96), slots=4)
     try:
@@ -312,15 +330,22 @@ def test_n_choices_equal_separately_seeded_runs(url, stream):
     assert usage.completion_tokens == sum(singles) and usage.prompt_tokens == text(seed=11)[1].prompt_tokens
 
 
-def test_n_choices_on_completions_and_logprobs_per_choice(url):
-    r = client(url).completions.create(model="tiny", prompt="the weather", max_tokens=6, temperature=1.0, top_p=1.0,
-                                       seed=3, n=3, logprobs=1)
+@pytest.mark.parametrize("echo", [False, True])
+def test_n_choices_on_completions_and_logprobs_per_choice(url, echo):
+    kw = dict(model="tiny", prompt="the weather", max_tokens=6, temperature=1.0, top_p=1.0, logprobs=1, echo=echo)
+    r = client(url).completions.create(seed=3, n=3, **kw)
     assert sorted(ch.index for ch in r.choices) == [0, 1, 2]
     for ch in r.choices:
-        alone = client(url).completions.create(model="tiny", prompt="the weather", max_tokens=6, temperature=1.0,
-                                               top_p=1.0, seed=3 + ch.index, logprobs=1)
+        alone = client(url).completions.create(seed=3 + ch.index, **kw)
         assert ch.text == alone.choices[0].text
-        assert ch.logprobs.token_logprobs == pytest.approx(alone.choices[0].logprobs.token_logprobs, abs=1e-4)
+        assert ch.logprobs.token_logprobs[echo:] == pytest.approx(alone.choices[0].logprobs.token_logprobs[echo:],
+                                                                   abs=1e-4)
+        assert ch.logprobs.tokens == alone.choices[0].logprobs.tokens
+    streamed = ["", "", ""]
+    for chunk in client(url).completions.create(seed=3, n=3, stream=True, **kw):
+        for ch in chunk.choices:
+            streamed[ch.index] += ch.text
+    assert streamed == [ch.text for ch in sorted(r.choices, key=lambda ch: ch.index)]
 
 
 def test_penalties_and_bias_through_the_server_equal_the_engine(url, models):

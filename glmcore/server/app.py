@@ -416,8 +416,8 @@ class Exchange:
     def finished(self, choice: Choice) -> None:
         """The response went out whole."""
 
-    def echo_chunks(self, choice: Choice) -> list[dict]:
-        """What a stream sends of a choice before its first token's (the echoed prompt)."""
+    def echo_chunks(self, choice: Choice, first: Choice) -> list[dict]:
+        """What a stream sends of a choice before its first token's (the echoed prompt; `first` scored it)."""
         return []
 
     def usage(self, choices: list[Choice]) -> dict:
@@ -600,21 +600,21 @@ class TextCompletion(Exchange):
                                                  "logprobs": self.logprobs_json(choice, logprobs),
                                                  "finish_reason": finish}])
 
-    def echoed(self, choice: Choice) -> tuple[str, dict | None]:
-        """The echoed prompt's text and logprobs (its first token has none: nothing predicts it)."""
-        entries = choice.gen.handle.prompt_logprobs if self.logprobs is not None else None
-        if entries is None:
+    def echoed(self, choice: Choice, first: Choice) -> tuple[str, dict | None]:
+        """The echoed prompt's text and logprobs (its first token has none: nothing predicts it), which the first
+        choice scored for all (the others copied its cache)."""
+        if self.logprobs is None:
             return self.prompt_text, None
-        prompt = choice.gen.request.prompt
+        entries, prompt = first.gen.handle.prompt_logprobs, first.gen.request.prompt
         full = [e if e is not None else TokenLogprob(prompt[0], float("nan")) for e in entries]
         lp = self.logprobs_json(choice, full)
         lp["token_logprobs"][0] = lp["top_logprobs"][0] = None
         return self.prompt_text, lp
 
-    def echo_chunks(self, choice: Choice) -> list[dict]:
+    def echo_chunks(self, choice: Choice, first: Choice) -> list[dict]:
         if not self.echo:
             return []
-        text, lp = self.echoed(choice)
+        text, lp = self.echoed(choice, first)
         return self._chunks("text_completion", [{"index": choice.index, "text": text, "logprobs": lp,
                                                  "finish_reason": None}])
 
@@ -638,7 +638,7 @@ class TextCompletion(Exchange):
     def final(self, choices):
         out = []
         for c in choices:
-            text, lp = (self.echoed(c) if self.echo else ("", None))
+            text, lp = (self.echoed(c, choices[0]) if self.echo else ("", None))
             gen = self.logprobs_json(c, c.shown)
             if lp is not None and gen is not None:
                 for k in lp:
@@ -755,12 +755,12 @@ async def serve_exchange(state: State, request: Request, kind: type[Exchange]):
             async for c, token in _tokens(choices):
                 if c.index in echo:
                     echo.discard(c.index)
-                    yield "".join(map(_sse, ex.echo_chunks(c)))
+                    yield "".join(map(_sse, ex.echo_chunks(c, choices[0])))
                 yield sse(c, c.push(token))
                 if c.reply.cut:
                     c.gen.cancel()     # the tokens still in flight are drained, never sent
             for c in choices:
-                tail = "".join(map(_sse, ex.echo_chunks(c))) if c.index in echo else ""
+                tail = "".join(map(_sse, ex.echo_chunks(c, choices[0]))) if c.index in echo else ""
                 yield tail + sse(c, c.reply.close())
                 c.ended()
                 yield "".join(map(_sse, ex.chunk(None, c.gen.finish_reason(c.reply), c, c.take_pending() or None)))
