@@ -44,6 +44,10 @@ def add_gen_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-p", type=float, default=d.top_p, help="nucleus sampling mass (1 = off)")
     p.add_argument("--top-k", type=int, default=d.top_k, help="sample among the k likeliest (0 = off)")
     p.add_argument("--repetition-penalty", type=float, default=d.repetition_penalty, help="1 = off")
+    p.add_argument("--presence-penalty", type=float, default=d.presence_penalty,
+                   help="subtracted from the logit of each token already generated (OpenAI's; -2..2, 0 = off)")
+    p.add_argument("--frequency-penalty", type=float, default=d.frequency_penalty,
+                   help="subtracted once per time a token was generated (OpenAI's; -2..2, 0 = off)")
     p.add_argument("--seed", type=int, help="random seed (default: a fresh one per run)")
     p.add_argument("--overflow", choices=OVERFLOW_POLICIES, default="error",
                    help="when the context is full: error, or slide a StreamingLLM window")
@@ -108,7 +112,8 @@ def speculation(a) -> Speculation:
 
 
 def sampling(a) -> SamplingParams:
-    return SamplingParams(a.temperature, a.top_p, a.top_k, a.repetition_penalty, a.seed)
+    return SamplingParams(a.temperature, a.top_p, a.top_k, a.repetition_penalty, a.seed, a.presence_penalty,
+                          a.frequency_penalty)
 
 
 def _pipeline(a):

@@ -48,6 +48,8 @@ def test_run_same_seed_same_text(cache, capsys):
     (["run", "--backend", "torch", "--model", "/no/such/dir", "--prompt", "x"], "does not exist"),
     (["run", "--backend", "torch", "--prompt", "x", "--top-p", "1.5"], "invalid top-p"),
     (["run", "--backend", "torch", "--prompt", "x", "--temperature", "-1"], "invalid temperature"),
+    (["run", "--backend", "torch", "--prompt", "x", "--presence-penalty", "3"], "invalid presence penalty"),
+    (["run", "--backend", "torch", "--prompt", "x", "--frequency-penalty", "-2.5"], "invalid frequency penalty"),
     (["run", "--backend", "torch", "--prompt", "x", "--max-new-tokens", "0"], "max-new-tokens"),
     (["run", "--backend", "torch", "--prompt", "long " * 40, "--ctx", "16"], "exceed the context of 16"),
     (["run", "--backend", "torch", "--prompt", "x", "--precision", "int3"], "no precision 'int3'"),
@@ -60,6 +62,15 @@ def test_errors_are_one_line_exit_2(cache, capsys, argv, match):
     rc, out, err = run(capsys, *argv)
     lines = [ln for ln in err.splitlines() if ln.startswith("error:")]
     assert rc == 2 and len(lines) == 1 and match in lines[0] and "Traceback" not in err
+
+
+def test_penalty_flags_reach_the_sampler():
+    import argparse
+    from glmcore.cli import add_gen_args, sampling
+    p = argparse.ArgumentParser()
+    add_gen_args(p)
+    params = sampling(p.parse_args(["--presence-penalty", "0.5", "--frequency-penalty", "-1.25"]))
+    assert (params.presence_penalty, params.frequency_penalty) == (0.5, -1.25)
 
 
 def test_window_overflow_keeps_generating(cache, capsys):

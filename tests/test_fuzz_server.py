@@ -88,8 +88,9 @@ SAMPLING = {
     "stream": st.booleans(), "stream_options": st.fixed_dictionaries({"include_usage": st.booleans()}),
     "temperature": st.floats(0, 2), "top_p": st.floats(0.01, 1),
     "seed": st.integers(0, 2**64 - 1), "stop": TEXT | st.lists(TEXT, max_size=5), "user": TEXT,
-    "top_k": st.integers(0, 100), "repetition_penalty": st.floats(0.01, 100), "n": st.just(1),
-    "presence_penalty": st.just(0), "frequency_penalty": st.just(0), "logprobs": st.just(False),
+    "top_k": st.integers(0, 100), "repetition_penalty": st.floats(0.01, 100), "n": st.integers(1, 5),
+    "presence_penalty": st.floats(-2, 2), "frequency_penalty": st.floats(-2, 2),
+    "logit_bias": st.dictionaries(st.integers(0, 5000).map(str), st.floats(-100, 100), max_size=3),
 }
 # at most one of them (two is a plain 400 that never reaches the compiler)
 CONSTRAINT = st.one_of(st.just({}), STRUCTURED.map(lambda v: {"structured_outputs": v}),
@@ -104,11 +105,12 @@ CHAT = st.fixed_dictionaries(
     optional={**SAMPLING, "tools": st.lists(TOOL | STRICT_TOOL, max_size=3),
               "tool_choice": st.sampled_from(["auto", "none", "required"]) | st.fixed_dictionaries(
                   {"type": st.just("function"), "function": st.fixed_dictionaries({"name": NAMES})}),
-              "parallel_tool_calls": st.booleans(), "max_completion_tokens": st.integers(1, 3)})
+              "parallel_tool_calls": st.booleans(), "max_completion_tokens": st.integers(1, 3),
+              "logprobs": st.booleans(), "top_logprobs": st.integers(0, 20)})
 COMPLETION = st.fixed_dictionaries(
     {"model": st.just("tiny"), "prompt": TEXT | st.lists(st.integers(-5, 5000), max_size=6) | st.lists(TEXT, max_size=2),
-     "max_tokens": st.integers(1, 3)},
-    optional={**SAMPLING, "echo": st.just(False), "best_of": st.just(1)})
+     "max_tokens": st.integers(0, 3)},
+    optional={**SAMPLING, "echo": st.booleans(), "best_of": st.just(1), "logprobs": st.integers(0, 5)})
 CHAT = st.builds(_with, CHAT, CONSTRAINT)
 COMPLETION = st.builds(_with, COMPLETION, st.one_of(st.just({}), STRUCTURED.map(lambda v: {"structured_outputs": v})))
 

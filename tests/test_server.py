@@ -204,9 +204,18 @@ def test_second_turn_prefills_only_the_new_turn(url, tiny_model):
     ({"model": "tiny", "messages": []}, 400, "messages", None),
     ({"messages": [{"role": "user", "content": "x"}]}, 400, "model", "missing_required_parameter"),
     ({"model": "tiny", "messages": [{"role": "wizard", "content": "x"}]}, 400, "messages.0.role", "invalid_value"),
-    ({"model": "tiny", "messages": [{"role": "user", "content": "x"}], "n": 2}, 400, "n", "unsupported_value"),
-    ({"model": "tiny", "messages": [{"role": "user", "content": "x"}], "logprobs": True}, 400, "logprobs",
-     "unsupported_value"),
+    ({"model": "tiny", "messages": [{"role": "user", "content": "x"}], "n": 5}, 400, "n", "invalid_value"),
+    ({"model": "tiny", "messages": [{"role": "user", "content": "x"}], "n": 0}, 400, "n", "invalid_value"),
+    ({"model": "tiny", "messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 21}, 400,
+     "top_logprobs", "invalid_value"),
+    ({"model": "tiny", "messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, 400, "top_logprobs",
+     "invalid_value"),
+    ({"model": "tiny", "messages": [{"role": "user", "content": "x"}], "logit_bias": {"99999999": 5}}, 400,
+     "logit_bias", "invalid_value"),
+    ({"model": "tiny", "messages": [{"role": "user", "content": "x"}], "logit_bias": {"3": 101}}, 400,
+     "logit_bias", "invalid_value"),
+    ({"model": "tiny", "messages": [{"role": "user", "content": "x"}], "presence_penalty": 3}, 400,
+     "presence_penalty", "invalid_value"),
     ({"model": "tiny", "messages": [{"role": "user", "content": "x"}], "frobnicate": 1}, 400, "frobnicate",
      "unsupported_parameter"),
     ({"model": "tiny", "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}, 400,
@@ -238,7 +247,7 @@ def test_body_limit_unknown_routes_and_the_openai_client_errors(url):
     assert r.status_code == 405 and "error" in r.json()
     with pytest.raises(openai.BadRequestError) as e:
         client(url).chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}],
-                                           presence_penalty=1.5)
+                                           presence_penalty=2.5)
     assert "presence_penalty" in str(e.value)
     with pytest.raises(openai.NotFoundError):
         client(url).completions.create(model="gpt-4", prompt="x")
@@ -643,7 +652,7 @@ def test_hostile_chat_fields_are_400_naming_the_field(url, case):
     assert err["message"] and (param is None or err["param"] == param), err
 
 
-@pytest.mark.parametrize("prompt", [[True, False], [1.5], "a\ud800", ["\udc00"], [[1]], {"a": 1}])
+@pytest.mark.parametrize("prompt", [[True, False], [1.5], "a\ud800", ["\udc00"], [[1], [2]], [[-1]], {"a": 1}])
 def test_hostile_completion_prompts_are_400(url, prompt):
     body = json.dumps({"model": "tiny", "prompt": prompt, "max_tokens": 2}).encode()
     r = httpx.post(f"{url}/v1/completions", content=body, timeout=60, headers={"content-type": "application/json"})

@@ -140,14 +140,15 @@ def test_cors_origins_are_checked(cors):
 
 
 @pytest.mark.parametrize("field,value", [("logprobs", 0), ("logprobs", 0.0), ("logprobs", {}), ("top_logprobs", {}),
-                                         ("top_logprobs", 3), ("logit_bias", {"1": 5}), ("n", 2),
-                                         ("presence_penalty", 0.5)])
+                                         ("top_logprobs", 3), ("logit_bias", {"1": "5"}), ("logit_bias", []),
+                                         ("n", 2.0), ("n", True), ("presence_penalty", True),
+                                         ("presence_penalty", "0.5")])
 def test_off_values_only_of_their_own_type(url, field, value):
     r = httpx.post(f"{url}/v1/chat/completions", json={**BODY, field: value}, timeout=30)
-    assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
+    assert r.status_code == 400 and r.json()["error"]["param"].split(".")[0] == field, r.text
 
 
-@pytest.mark.parametrize("field,value", [("logprobs", False), ("top_logprobs", 0), ("logit_bias", {}), ("n", 1),
+@pytest.mark.parametrize("field,value", [("logprobs", False), ("top_logprobs", None), ("logit_bias", {}), ("n", 1),
                                          ("presence_penalty", 0), ("presence_penalty", 0.0), ("logprobs", None)])
 def test_off_values_are_still_taken(url, field, value):
     r = httpx.post(f"{url}/v1/chat/completions", json={**BODY, field: value}, timeout=60)

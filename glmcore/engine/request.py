@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from ..errors import ContextOverflow, GlmcoreError
 from ..events import FinishReason
-from ..sampling import Sampler, SamplingParams
+from ..sampling import Sampler, SamplingParams, TokenLogprob
 
 if TYPE_CHECKING:
     from ..structured import Constraint, Matcher
@@ -80,6 +80,12 @@ class Request:
     # the request ends when the grammar is complete
     constraint: "Constraint | None" = None
     min_tokens: int = 0                  # stop ids are masked until this many tokens are generated
+    # log-probabilities (glmcore.sampling.token_logprob) of each generated token with this many alternatives
+    # (None: none computed); prompt_logprobs: of each prompt token after the first (the whole prompt is
+    # prefilled for them, no cached prefix). Both from the row the token was drawn from after the grammar
+    # mask, before logit_bias, penalties and temperature: vLLM's default ("raw") logprobs.
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
 
 def check_request(request: Request, capacity: int) -> None:
@@ -123,6 +129,9 @@ class RequestState:
     pending: int | None = None                          # last sampled token, fed with the next step
     history: list[int] = field(default_factory=list)    # prompt + generated, for the repetition penalty and drafts
     tokens: list[int] = field(default_factory=list)     # generated (stop ids are never included)
+    logprobs: list[TokenLogprob] = field(default_factory=list)   # of tokens (and a stop id), when asked
+    prompt_logprobs: list[TokenLogprob | None] = field(default_factory=list)  # of the prompt (None for the first)
+    leader: "RequestState | None" = None                # n > 1: waits for the leader's prefill, then copies it
     finish_reason: FinishReason | None = None
     error: GlmcoreError | None = None
     context_full: bool = False                          # finish reason "length" because the slot was full
@@ -138,11 +147,18 @@ class RequestState:
         return cls(request, Sampler(request.params, n_vocab),
                    request.constraint.start() if request.constraint is not None else None)
 
+    @property
+    def ready(self) -> bool:
+        """Whether it may take a slot: a follower waits until its leader's prompt is in the leader's slot."""
+        lead = self.leader
+        return lead is None or lead.status is Status.FINISHED or (lead.status is not Status.WAITING and not lead.todo)
+
     def place(self, slot: "Slot", n_cached: int) -> None:
         """Running in slot, whose first n_cached ids are this prompt's."""
         prompt = list(self.request.prompt)
         self.slot, self.status = slot, Status.PREFILL
         self.todo, self.history = prompt[n_cached:], prompt
+        self.prompt_logprobs = [None] if self.request.prompt_logprobs is not None else []
         self.timings.cached_tokens, self.timings.prompt_tokens = n_cached, len(prompt) - n_cached
         self.shifts0, self.t_placed = slot.shifts, time.perf_counter()
 
@@ -201,6 +217,9 @@ class Handle:
     id = property(lambda self: self.state.id)
     request = property(lambda self: self.state.request)
     tokens = property(lambda self: self.state.tokens)
+    # logprobs[i] is tokens[i]'s once it is yielded; one more at the end when a stop id ended the request
+    logprobs = property(lambda self: self.state.logprobs)
+    prompt_logprobs = property(lambda self: self.state.prompt_logprobs)
     finish_reason = property(lambda self: self.state.finish_reason)
     error = property(lambda self: self.state.error)
     timings = property(lambda self: self.state.timings)

@@ -20,7 +20,7 @@ from .prompt_cache import PromptCache
 from .request import Handle, Request, RequestState, Slot, WindowPolicy, check_request
 from .slots import SlotTable
 from .speculative import Speculation
-from .step import Event, PlanEntry, StepPlan, constrain, end, row_of, sample, schedule, update
+from .step import Event, PlanEntry, StepPlan, constrain, end, logprobs, row_of, sample, schedule, score_prompt, update
 
 
 class QueueFull(GlmcoreError):
@@ -64,10 +64,16 @@ class Scheduler(BackgroundDriver):
         with self._step_lock:
             self.table.forget()
 
-    def submit(self, request: Request, on_token: Callable[[Handle, int | None], None] | None = None) -> Handle:
-        """Queue a request; raises at once what can never run (check_request) and a full queue."""
+    def submit(self, request: Request, on_token: Callable[[Handle, int | None], None] | None = None,
+               leader: Handle | None = None) -> Handle:
+        """Queue a request; raises at once what can never run (check_request) and a full queue. With a
+        leader (a request with the same prompt: n > 1 choices), it waits for the leader's prefill and
+        copies the prompt's cache from its slot instead of prefilling it again (native batch sessions)."""
         check_request(request, self.capacity)
-        handle = Handle(RequestState.new(request, self.n_vocab), self, on_token)
+        state = RequestState.new(request, self.n_vocab)
+        if leader is not None and self.native:
+            state.leader = leader.state
+        handle = Handle(state, self, on_token)
         with self._lock:
             if len(self.waiting) >= self.max_queue:
                 raise QueueFull(f"{len(self.waiting)} requests are waiting (the queue's limit); retry later")
@@ -103,9 +109,10 @@ class Scheduler(BackgroundDriver):
         while True:
             free = self.table.free()
             with self._lock:
-                if not free or not self.waiting:
+                state = next((s for s in self.waiting if s.ready), None) if free else None
+                if state is None:
                     return
-                state = self.waiting.popleft()
+                self.waiting.remove(state)
             self.table.place(state, free)
 
     def _run(self, plan: StepPlan) -> None:
@@ -121,6 +128,8 @@ class Scheduler(BackgroundDriver):
         self.steps += 1
         for e in plan.entries:
             e.state.slot.tokens.extend(e.ids)
+            if e.scores_prompt:
+                score_prompt(e, logits[e.row])
         active = [e for e in plan.entries if e.sample]
         while active:                 # one round per drafted position, and one after them
             active = self._round(active, logits, plan.all_logits)
@@ -147,7 +156,8 @@ class Scheduler(BackgroundDriver):
                     e.rounds += 1       # its row was read: the token that made it stays fed
             rows = [r for e, r in zip(active, rows) if e.state.finish_reason is None]
             active = [e for e in active if e.state.finish_reason is None]
-        more, going_on = update(active, sample(active, rows), time.perf_counter())
+        tokens = sample(active, rows)
+        more, going_on = update(active, tokens, time.perf_counter(), logprobs(active, rows, tokens))
         self._deliver(events + dead + more)
         return going_on
 

@@ -53,6 +53,8 @@ class SlotTable:
         prompt), or restore a still longer one from the prompt cache."""
         prompt = list(state.request.prompt)
         head = prompt[:-1]             # the last prompt token is always fed: its logits are sampled
+        if state.request.prompt_logprobs is not None:
+            head = []                  # every prompt position's logits are wanted: no cached prefix
         held = {s.index: common_prefix(s.tokens, head) for s in self.slots}     # once per slot, not per comparison
         slot = max(free, key=lambda s: (held[s.index], -s.last_used))
         n = held[slot.index]

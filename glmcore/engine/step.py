@@ -12,7 +12,7 @@ import numpy as np
 from .. import structured
 from ..errors import ContextOverflow, GlmcoreError
 from ..events import FinishReason
-from ..sampling import sample_batch
+from ..sampling import TokenLogprob, sample_batch, token_logprob
 from ..structured import GrammarError
 from .request import RequestState, Status
 from .slots import SlotTable
@@ -42,6 +42,12 @@ class PlanEntry:
     def index(self) -> int:
         return self.state.slot.index
 
+    @property
+    def scores_prompt(self) -> bool:
+        """Prompt ids of a request that asks for their logprobs: every position's logits are wanted."""
+        return self.state.request.prompt_logprobs is not None and not self.draft and \
+            self.kv_before < len(self.state.request.prompt)
+
     def kept(self) -> int:
         """How many positions of the slot stay after the step: rejected drafts, and a last emitted token
         (which plain decoding would not have fed yet), leave the cache."""
@@ -59,7 +65,7 @@ class StepPlan:
 
     @property
     def all_logits(self) -> bool:
-        return any(e.draft for e in self.entries)
+        return any(e.draft or e.scores_prompt for e in self.entries)
 
     def batch_entries(self) -> list[tuple[int, list[int]]]:
         return [(e.index, e.ids) for e in self.entries]
@@ -158,28 +164,50 @@ def sample(entries: Sequence[PlanEntry], rows: Sequence[np.ndarray]) -> list:
     """One token per entry (or its SamplingError): at a drafted position the drafted token is verified
     (kept or replaced, Sampler.verify), after the last one the token is drawn as plain decoding draws it."""
     if not any(e.draft for e in entries):
-        return sample_batch([e.state.sampler for e in entries], rows, [e.state.history for e in entries])
+        return sample_batch([e.state.sampler for e in entries], rows, [e.state.history for e in entries],
+                            [e.state.tokens for e in entries])
     plain = [i for i, e in enumerate(entries) if e.rounds >= len(e.draft)]
     out: list = [None] * len(entries)
     for i, token in zip(plain, sample_batch([entries[i].state.sampler for i in plain], [rows[i] for i in plain],
-                                            [entries[i].state.history for i in plain])):
+                                            [entries[i].state.history for i in plain],
+                                            [entries[i].state.tokens for i in plain])):
         out[i] = token
     for i, e in enumerate(entries):
         if out[i] is None:
             try:
-                out[i] = e.state.sampler.verify(rows[i], e.state.history, e.draft[e.rounds])
+                out[i] = e.state.sampler.verify(rows[i], e.state.history, e.draft[e.rounds], e.state.tokens)
             except GlmcoreError as err:
                 out[i] = err
     return out
 
 
-def update(entries: Sequence[PlanEntry], tokens: Sequence, now: float) -> tuple[list[Event], list[PlanEntry]]:
+def logprobs(entries: Sequence[PlanEntry], rows: Sequence[np.ndarray], tokens: Sequence) -> list[TokenLogprob | None]:
+    """Each sampled token's logprob entry where its request asks for them: log_softmax of the row it was
+    drawn from (masked by the grammar, before logit_bias, penalties and temperature). At a verified drafted
+    position the row is that position's, so speculation gives the logprobs plain decoding gives."""
+    return [token_logprob(row, t, e.state.request.logprobs, e.state.sampler.n_vocab)
+            if e.state.request.logprobs is not None and isinstance(t, int) else None
+            for e, row, t in zip(entries, rows, tokens)]
+
+
+def score_prompt(entry: PlanEntry, logits: np.ndarray) -> None:
+    """Append the logprobs of the prompt ids a prefill chunk's positions predict (all-position logits)."""
+    s, prompt = entry.state, entry.state.request.prompt
+    for j in range(len(entry.ids)):
+        nxt = entry.kv_before + j + 1
+        if nxt < len(prompt):
+            s.prompt_logprobs.append(token_logprob(logits[j], prompt[nxt], s.request.prompt_logprobs,
+                                                   s.sampler.n_vocab))
+
+
+def update(entries: Sequence[PlanEntry], tokens: Sequence, now: float,
+           token_logprobs: Sequence[TokenLogprob | None] = ()) -> tuple[list[Event], list[PlanEntry]]:
     """Apply one round's sampled tokens: end requests (stop id, grammar complete, max_new_tokens, a
     broken row), emit the others' tokens, and keep in the next round the entries whose token is the one
     drafted at this position. Returns the events and those entries."""
     events: list[Event] = []
     going_on: list[PlanEntry] = []
-    for e, token in zip(entries, tokens):
+    for e, token, lp in zip(entries, tokens, token_logprobs or [None] * len(entries)):
         s, position = e.state, e.rounds
         e.rounds += 1
         if isinstance(token, GlmcoreError):      # this request's logits were broken; the others go on
@@ -189,6 +217,8 @@ def update(entries: Sequence[PlanEntry], tokens: Sequence, now: float) -> tuple[
             s.t_first = now
             s.timings.ttft_s, s.timings.prefill_s = now - s.t_submit, now - s.t_placed
         if token in s.request.stop_ids:
+            if lp is not None:
+                s.logprobs.append(lp)    # the stop id's too, as vLLM's: an echoed prompt's scores stay aligned
             events += end(s, FinishReason.STOP)
             continue
         if s.matcher is not None and (why := s.matcher.advance(token)) is not None:
@@ -199,6 +229,8 @@ def update(entries: Sequence[PlanEntry], tokens: Sequence, now: float) -> tuple[
                 err = GrammarError(f"the sampled token {token} does not continue the grammar ({why}); please report")
             events += end(s, FinishReason.ERROR, err)
             continue
+        if lp is not None:
+            s.logprobs.append(lp)        # before the token: a consumer that has the token finds its entry
         s.tokens.append(token)
         s.history.append(token)
         s.timings.new_tokens += 1

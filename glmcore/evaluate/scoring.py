@@ -12,15 +12,8 @@ import numpy as np
 
 from ..backend import BatchSession
 from ..errors import GlmcoreError
+from ..sampling import log_softmax
 from ..scheduler import common_prefix
-
-
-def log_softmax(logits: np.ndarray) -> np.ndarray:
-    """float32 log-probabilities of float32 logits [..., vocab] (the normalizer summed in float64)."""
-    x = np.asarray(logits, dtype=np.float32)
-    m = x.max(axis=-1, keepdims=True)
-    lse = np.log(np.exp(x - m).sum(axis=-1, keepdims=True, dtype=np.float64)).astype(np.float32)
-    return x - m - lse
 
 
 def run_slots(batch: BatchSession, jobs: Sequence[tuple[int, Sequence[int], int]], chunk: int = 256) -> list[np.ndarray]:

@@ -13,7 +13,7 @@ from fastapi import Request
 from pydantic import Field, field_validator
 
 from ..events import FinishReason
-from .app import ChatCompletion, Generation, State, read_body
+from .app import ChatCompletion, Choice, State, read_body
 from .blocks import Block, Blocks, Kind, Op, Step, reply_blocks
 from .protocol import MAX_SCHEMA_DEPTH, MAX_STOPS, ApiError, ChatRequest, _Strict, parse, value_depth
 
@@ -243,17 +243,17 @@ class AnthropicMessage(ChatCompletion):
             arguments = {}
         return {"type": "tool_use", "id": b.call_id, "name": b.name, "input": arguments}
 
-    def stop(self, gen: Generation) -> tuple[str, str | None]:
+    def stop(self, choice: Choice) -> tuple[str, str | None]:
         """(stop_reason, stop_sequence)."""
         reply = self.reply
         if reply.calls:
             return "tool_use", None
         if reply.stops.matched is not None:
             return "stop_sequence", reply.stops.matched
-        return ("max_tokens" if gen.finish_reason(reply) == FinishReason.LENGTH else "end_turn"), None
+        return ("max_tokens" if choice.gen.finish_reason(reply) == FinishReason.LENGTH else "end_turn"), None
 
-    def usage_json(self, gen: Generation) -> dict:
-        u = self.usage(gen)
+    def usage_json(self, choices: list[Choice]) -> dict:
+        u = self.usage(choices)
         cached = u["prompt_tokens_details"]["cached_tokens"]
         # Anthropic counts the prompt in parts: input_tokens is what was not read from the cache
         return {"input_tokens": u["prompt_tokens"] - cached, "cache_read_input_tokens": cached,
@@ -264,12 +264,13 @@ class AnthropicMessage(ChatCompletion):
                 "stop_reason": stop_reason, "stop_sequence": stop_sequence,
                 "usage": usage or {"input_tokens": len(self.sreq.prompt), "output_tokens": 0}}
 
-    def final(self, gen: Generation) -> dict:
-        return self.skeleton([self.block(b) for b in reply_blocks(self.reply)], *self.stop(gen), self.usage_json(gen))
+    def final(self, choices: list[Choice]) -> dict:
+        return self.skeleton([self.block(b) for b in reply_blocks(self.reply)], *self.stop(choices[0]),
+                             self.usage_json(choices))
 
     # ---- the stream
 
-    def sse_open(self) -> str:
+    def sse_open(self, choices: list[Choice]) -> str:
         return _sse("message_start", {"message": self.skeleton([])}) + _sse("ping", {})
 
     def step(self, s: Step) -> str:
@@ -283,14 +284,17 @@ class AnthropicMessage(ChatCompletion):
                  {"type": "input_json_delta", "partial_json": s.delta})
         return _sse("content_block_delta", {"index": b.index, "delta": delta})
 
-    def sse_events(self, events) -> str:
+    def sse_events(self, choice: Choice, events) -> str:
         return "".join(self.step(s) for e in events for s in self.blocks.push(e))
 
-    def sse_close(self, gen: Generation) -> str:
+    def sse_finish(self, choice: Choice) -> str:
+        return ""                           # the one choice ends with the message (sse_close)
+
+    def sse_close(self, choices: list[Choice]) -> str:
         out = "".join(self.step(s) for s in self.blocks.close())
-        reason, sequence = self.stop(gen)
+        reason, sequence = self.stop(choices[0])
         out += _sse("message_delta", {"delta": {"stop_reason": reason, "stop_sequence": sequence},
-                                      "usage": self.usage_json(gen)})
+                                      "usage": self.usage_json(choices)})
         return out + _sse("message_stop", {})
 
     def sse_error(self, e: ApiError) -> str:

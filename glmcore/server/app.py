@@ -4,6 +4,7 @@ events between the scheduler's thread and the event loop and writes OpenAI's sha
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hmac
 import json
 import logging
@@ -11,6 +12,7 @@ import time
 import uuid
 from collections import OrderedDict
 from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -22,14 +24,16 @@ from ..chat import Message, ToolCall, ToolCallStream, as_message
 from ..errors import ContextOverflow, GlmcoreError, TokenizerError
 from ..events import ChatEvent, FinishReason, ReasoningDelta, TextDelta, ToolCallDelta, ToolCallEvent, ToolCallStart
 from ..pipeline import chat_request
+from ..sampling import TokenLogprob
 from ..scheduler import QueueFull, Request as SchedRequest
 from ..structured import GrammarError
 from ..tokenizer import StreamDecoder
 from .outputs import constrain_chat, constrain_completion, load_test_fields
-from .inputs import (check_model, max_new, prompt_chars, prompt_ids, sampling, thinking_setup, to_messages,
-                     tool_setup)
+from .inputs import (check_model, max_new, n_choices, prompt_chars, prompt_ids, sampling, thinking_setup,
+                     to_messages, tool_setup)
 from .page import add_chat_page
 from .protocol import ApiError, ChatRequest, CompletionRequest, error_body, parse
+from .tokenize import detokenize, tokenize, tokenizer_info
 
 log = logging.getLogger("glmcore.server")
 MAX_BODY = 4 << 20            # bytes; a request body over it is a 413
@@ -165,6 +169,16 @@ class PlainText:
         return [TextDelta(text)] if text else []
 
 
+class NoText:
+    """The parser of a request that only scores its prompt (max_tokens 0): the token the engine draws is not shown."""
+
+    def push(self, token: int) -> list:
+        return []
+
+    def close(self) -> list:
+        return []
+
+
 class Reply:
     """Parser events of one reply after stop strings and parallel_tool_calls=false are applied."""
 
@@ -220,7 +234,7 @@ class Reply:
 class Generation:
     """One request on the scheduler; its tokens cross from the scheduler's thread to the event loop."""
 
-    def __init__(self, state: "State", request: SchedRequest, param: str):
+    def __init__(self, state: "State", request: SchedRequest, param: str, leader: "Generation | None" = None):
         loop = asyncio.get_running_loop()
         self.queue: asyncio.Queue = asyncio.Queue()
         self.request, self.metrics, self.param = request, state.metrics, param
@@ -239,7 +253,7 @@ class Generation:
                 pass
 
         try:
-            self.handle = state.scheduler.submit(request, on_token)
+            self.handle = state.scheduler.submit(request, on_token, leader.handle if leader else None)
         except QueueFull as e:
             raise ApiError(429, f"the server is busy: {e}", code="rate_limit_exceeded", type="rate_limit_error",
                            headers={"Retry-After": str(state.retry_after)}) from None
@@ -265,15 +279,6 @@ class Generation:
 
     def cancel(self) -> None:
         self.handle.cancel()
-
-    def usage(self, reasoning_tokens: int | None = None) -> dict:
-        h = self.handle
-        n_prompt, n_new = len(self.request.prompt), len(h.tokens)
-        out = {"prompt_tokens": n_prompt, "completion_tokens": n_new, "total_tokens": n_prompt + n_new,
-               "prompt_tokens_details": {"cached_tokens": h.timings.cached_tokens}}
-        if reasoning_tokens is not None:
-            out["completion_tokens_details"] = {"reasoning_tokens": reasoning_tokens}
-        return out
 
     def finish_reason(self, reply: Reply) -> FinishReason:
         if not reply.cut and self.handle.finish_reason == FinishReason.LENGTH:
@@ -304,6 +309,12 @@ class State:
             self._preparing = asyncio.Semaphore(PREPARING)
         async with self._preparing:
             return await asyncio.to_thread(_as_exception, fn, *args)
+
+    def token_text(self, token: int) -> bytes:
+        """A token as logprobs and /tokenize show it: its bytes, a special token's name."""
+        tok = self.model.tokenizer
+        name = tok.special_names.get(token)
+        return name.encode() if name is not None else tok.token_bytes(token)
 
     def check_size(self, chars: int, param: str) -> None:
         """Refuse, before any expansion, a prompt whose text alone is longer than the context could hold."""
@@ -366,12 +377,49 @@ def _call_json(call: ToolCall, index: int | None = None) -> dict:
     return out if index is None else {"index": index, **out}
 
 
+MIN_LOGPROB = -9999.0          # what a masked token's -inf logprob is sent as (JSON has no -inf; vLLM's value)
+
+
+@dataclass(eq=False)
+class Choice:
+    """One of a request's n sequences: its generation, its reply's parser, and the logprob entries of the
+    tokens it has shown (`shown`) and not yet streamed (`pending`)."""
+    index: int
+    gen: "Generation"
+    reply: Reply
+    seen: int = 0                       # tokens received
+    shown: list[TokenLogprob] = field(default_factory=list)
+    pending: list[TokenLogprob] = field(default_factory=list)
+    offset: int = 0                     # /v1/completions' text_offset of the next token
+
+    def push(self, token: int) -> list[ChatEvent]:
+        """The token's events; its logprob entry is kept when its request asks and the reply is not cut yet."""
+        lps, self.seen = self.gen.handle.logprobs, self.seen + 1
+        if self.seen <= len(lps) and not self.reply.cut:
+            self.shown.append(lps[self.seen - 1])
+            self.pending.append(lps[self.seen - 1])
+        return self.reply.push(token)
+
+    def ended(self) -> None:
+        """The generation is over: the stop id that ended it has a logprob entry too (not after a stop string)."""
+        if not self.reply.cut:
+            extra = self.gen.handle.logprobs[self.seen:]
+            self.shown += extra
+            self.pending += extra
+
+    def take_pending(self) -> list[TokenLogprob]:
+        out, self.pending = self.pending, []
+        return out
+
+
 class Exchange:
     """One request to an endpoint: prepared (parsed, rendered, tokenized: CPU work, in a worker thread) when it
     is made, then its events as OpenAI chunks (`chunk`), or the whole response (`final`). `serve` drives it."""
     endpoint: str              # the label in /metrics
     param: str                 # the field a prompt error names
     id_prefix: str
+    n = 1                      # choices
+    logprobs: int | None = None     # alternatives per token when the request asks for logprobs
 
     def __init__(self, state: State, body: bytes):
         self.state = state
@@ -380,44 +428,93 @@ class Exchange:
         self.include_usage = bool(self.req.stream_options and self.req.stream_options.include_usage)
 
     def prepare(self, body: bytes):
-        """The parsed request; sets self.sreq (the scheduler Request) and self.reply (its parser)."""
+        """The parsed request; sets self.sreq (the scheduler Request), self.reply (its parser), self.n."""
         raise NotImplementedError
 
-    def chunk(self, event, finish) -> list[dict]:
+    def new_reply(self) -> Reply:
+        """A fresh parser for another choice."""
         raise NotImplementedError
 
-    def final(self, gen: "Generation") -> dict:
+    def requests(self) -> list[SchedRequest]:
+        """One scheduler Request per choice: choice i draws with seed + i (so it equals a request with that
+        seed alone), or each with a fresh seed when the request gives none; only choice 0 scores the prompt."""
+        p = self.sreq.params
+        return [self.sreq] + [dataclasses.replace(
+            self.sreq, prompt_logprobs=None,
+            params=p if p.seed is None else dataclasses.replace(p, seed=p.seed + i)) for i in range(1, self.n)]
+
+    def chunk(self, event, finish, choice: Choice | None = None,
+              logprobs: list[TokenLogprob] | None = None) -> list[dict]:
+        """The chunks of one event of a choice (None: choice 0), with the logprob entries of its tokens."""
         raise NotImplementedError
 
-    def finished(self, gen: "Generation") -> None:
+    def final(self, choices: list[Choice]) -> dict:
+        raise NotImplementedError
+
+    def finished(self, choice: Choice) -> None:
         """The response went out whole."""
+
+    def echo_chunks(self, choice: Choice, first: Choice) -> list[dict]:
+        """What a stream sends of a choice before its first token's (the echoed prompt; `first` scored it)."""
+        return []
+
+    def usage(self, choices: list[Choice]) -> dict:
+        return usage(choices)
+
+    def token_text(self, token: int) -> bytes:
+        return self.state.token_text(token)
 
     # a stream's framing: OpenAI's chunks by default; the Responses and Messages APIs frame their own events
     stream_end = "data: [DONE]\n\n"      # the stream's last line
 
-    def sse_open(self) -> str:
-        return "".join(map(_sse, self.chunk(None, None)))
+    def sse_open(self, choices: list[Choice]) -> str:
+        return "".join(_sse(chunk) for c in choices for chunk in self.chunk(None, None, c))
 
-    def sse_events(self, events: list[ChatEvent]) -> str:
-        return "".join(_sse(c) for e in events for c in self.chunk(e, None))
+    def sse_echo(self, choice: Choice, first: Choice) -> str:
+        return "".join(map(_sse, self.echo_chunks(choice, first)))
 
-    def sse_close(self, gen: "Generation") -> str:
-        out = "".join(map(_sse, self.chunk(None, gen.finish_reason(self.reply))))
-        if self.include_usage:
-            out += _sse({**self.chunk(None, None)[0], "choices": [], "usage": self.usage(gen)})
-        return out
+    def sse_events(self, choice: Choice, events: list[ChatEvent]) -> str:
+        """A choice's events as chunks; the logprobs of its tokens so far ride on the first one."""
+        out = []
+        for e in events:
+            for chunk in self.chunk(e, None, choice, choice.pending or None):
+                choice.pending = []
+                out.append(_sse(chunk))
+        return "".join(out)
+
+    def sse_finish(self, choice: Choice) -> str:
+        """A choice's last chunk: its finish reason (and the logprobs still pending)."""
+        return "".join(map(_sse, self.chunk(None, choice.gen.finish_reason(choice.reply), choice,
+                                            choice.take_pending() or None)))
+
+    def sse_close(self, choices: list[Choice]) -> str:
+        """After every choice finished: the usage chunk where the request asked for it."""
+        return _sse({**self.chunk(None, None)[0], "choices": [], "usage": self.usage(choices)}) \
+            if self.include_usage else ""
 
     def sse_error(self, e: ApiError) -> str:
         """A failure after the stream began, told in the stream."""
         return _sse(e.body())
 
-    def usage(self, gen: "Generation") -> dict:
-        return gen.usage()
-
     def _chunks(self, kind: str, choices: list[dict]) -> list[dict]:
         out = [{"id": self.id, "object": kind, "created": self.created, "model": self.state.name, "choices": [c]}
                for c in choices]
         return [{**o, "usage": None} for o in out] if self.include_usage else out
+
+
+def usage(choices: list[Choice], reasoning_tokens: int | None = None) -> dict:
+    """The prompt counted once (the choices share it), the generated tokens of every choice summed."""
+    h = choices[0].gen.handle
+    n_prompt, n_new = len(choices[0].gen.request.prompt), sum(len(c.gen.handle.tokens) for c in choices)
+    out = {"prompt_tokens": n_prompt, "completion_tokens": n_new, "total_tokens": n_prompt + n_new,
+           "prompt_tokens_details": {"cached_tokens": h.timings.cached_tokens}}
+    if reasoning_tokens is not None:
+        out["completion_tokens_details"] = {"reasoning_tokens": reasoning_tokens}
+    return out
+
+
+def _logprob(value: float) -> float:
+    return max(value, MIN_LOGPROB)
 
 
 class ChatCompletion(Exchange):
@@ -439,7 +536,7 @@ class ChatCompletion(Exchange):
             raise ApiError(400, str(e), "chat_template_kwargs", "invalid_value") from None
         messages = to_messages(state, req)
         tools, calls, must_call = tool_setup(fmt, req)
-        params, stops = sampling(req), req.stops()
+        params, stops = sampling(req, state.model.tokenizer.n_vocab), req.stops()
         state.check_size(prompt_chars(messages, tools), "messages")
         if len(messages) > state.scheduler.capacity:   # every message is at least its role token
             raise ApiError(400, f"'messages' holds {len(messages)} messages, more than a context of "
@@ -460,14 +557,24 @@ class ChatCompletion(Exchange):
         self.opening = constrain_chat(state.model, req, sreq, tools, must_call, calls, fmt, budget)
         sreq.max_new_tokens = max_new(state, req, len(sreq.prompt))
         load_test_fields(req, sreq)
-        self.parser = ToolCallStream(fmt, tools, calls=calls)
-        for t in self.opening:     # the forced opening (a name line, an empty metadata line) goes to the parser too
-            self.parser.push(t)
-        self.reply = Reply(self.parser, stops, one_call=req.parallel_tool_calls is False)
+        self.n = n_choices(state, req)
+        if req.top_logprobs is not None and not req.logprobs:
+            raise ApiError(400, "'top_logprobs' needs \"logprobs\": true; set it, or drop top_logprobs", "top_logprobs",
+                           "invalid_value")
+        self.logprobs = sreq.logprobs = (req.top_logprobs or 0) if req.logprobs else None
+        self._reply = (tools, calls, stops, req.parallel_tool_calls is False)
+        self.reply = self.new_reply()
+        self.parser = self.reply.parser
         return req
 
-    def message(self) -> dict:
-        reply = self.reply
+    def new_reply(self) -> Reply:
+        tools, calls, stops, one_call = self._reply
+        parser = ToolCallStream(self.fmt, tools, calls=calls)
+        for t in self.opening:     # the forced opening (a name line, an empty metadata line) goes to the parser too
+            parser.push(t)
+        return Reply(parser, stops, one_call=one_call)
+
+    def message(self, reply: Reply) -> dict:
         msg = {"role": "assistant", "content": reply.content or (None if reply.calls else "")}
         if self.fmt.thinking:      # vLLM's reasoning-parser field: the thinking, null when there was none
             msg["reasoning_content"] = reply.reasoning or None
@@ -475,7 +582,8 @@ class ChatCompletion(Exchange):
             msg["tool_calls"] = [_call_json(c) for c in reply.calls]
         return msg
 
-    def chunk(self, event, finish) -> list[dict]:
+    def chunk(self, event, finish, choice: Choice | None = None,
+              logprobs: list[TokenLogprob] | None = None) -> list[dict]:
         if event is None:
             delta = {} if finish else {"role": "assistant", "content": ""}
         elif isinstance(event, TextDelta):
@@ -489,23 +597,35 @@ class ChatCompletion(Exchange):
             delta = {"tool_calls": [{"index": event.index, "function": {"arguments": event.arguments}}]}
         else:                      # ToolCallEvent: its name and arguments went out already
             return []
-        return self._chunks("chat.completion.chunk",
-                            [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}])
+        return self._chunks("chat.completion.chunk", [{"index": choice.index if choice else 0, "delta": delta,
+                                                       "logprobs": self.logprobs_json(logprobs),
+                                                       "finish_reason": finish}])
 
-    def usage(self, gen):
-        return gen.usage(self.parser.reasoning_tokens if self.fmt.thinking else None)
+    def logprobs_json(self, entries: list[TokenLogprob] | None) -> dict | None:
+        """OpenAI's chat shape: {"content": [{token, logprob, bytes, top_logprobs}]}, one entry per token."""
+        if self.logprobs is None or entries is None:
+            return None
 
-    def final(self, gen):
+        def one(token: int, logprob: float) -> dict:
+            b = self.token_text(token)
+            return {"token": b.decode("utf-8", "replace"), "logprob": _logprob(logprob), "bytes": list(b)}
+        return {"content": [{**one(e.token, e.logprob), "top_logprobs": [one(t, lp) for t, lp in e.top]}
+                            for e in entries]}
+
+    def usage(self, choices):
+        return usage(choices, sum(c.reply.parser.reasoning_tokens for c in choices) if self.fmt.thinking else None)
+
+    def final(self, choices):
         return {"id": self.id, "object": "chat.completion", "created": self.created, "model": self.state.name,
-                "choices": [{"index": 0, "message": self.message(), "logprobs": None,
-                             "finish_reason": gen.finish_reason(self.reply)}],
-                "usage": self.usage(gen)}
+                "choices": [{"index": c.index, "message": self.message(c.reply), "logprobs": self.logprobs_json(c.shown),
+                             "finish_reason": c.gen.finish_reason(c.reply)} for c in choices],
+                "usage": self.usage(choices)}
 
-    def finished(self, gen):
+    def finished(self, choice):
         # only a reply sent back whole: one cut by a stop string has generated ids past its text
-        if not self.reply.cut and not self.parser.errors and gen.handle.finish_reason in (FinishReason.STOP,
-                                                                                          FinishReason.LENGTH):
-            self.state.reply_ids.put(as_message(self.message()), self.opening + list(gen.handle.tokens))
+        reply, h = choice.reply, choice.gen.handle
+        if not reply.cut and not reply.parser.errors and h.finish_reason in (FinishReason.STOP, FinishReason.LENGTH):
+            self.state.reply_ids.put(as_message(self.message(reply)), self.opening + list(h.tokens))
 
 
 class TextCompletion(Exchange):
@@ -517,77 +637,202 @@ class TextCompletion(Exchange):
         req = parse(CompletionRequest, body)
         check_model(state, req.model)
         ids = prompt_ids(state, req.prompt)
-        self.sreq = SchedRequest(ids, sampling(req), max_new(state, req, len(ids)), [state.model.tokenizer.eos_id])
+        self.score_only = req.max_tokens == 0
+        if self.score_only and not req.echo:
+            raise ApiError(400, "'max_tokens' 0 generates nothing: it only scores the prompt, with \"echo\": true; "
+                           "set echo or ask for a token", "max_tokens", "invalid_value")
+        self.sreq = SchedRequest(ids, sampling(req, state.model.tokenizer.n_vocab),
+                                 1 if self.score_only else max_new(state, req, len(ids)), [state.model.tokenizer.eos_id])
         constrain_completion(state.model, req, self.sreq)
         load_test_fields(req, self.sreq)
-        self.reply = Reply(PlainText(state.model.tokenizer), req.stops())
+        self.n = n_choices(state, req)
+        self.logprobs = req.logprobs
+        self.sreq.logprobs = None if self.score_only else req.logprobs
+        self.echo = bool(req.echo)
+        if self.echo:     # the prompt as sent (text), or its ids decoded; with logprobs, each prompt token's
+            self.prompt_text = req.prompt if isinstance(req.prompt, str) else \
+                req.prompt[0] if isinstance(req.prompt, list) and req.prompt and isinstance(req.prompt[0], str) \
+                else state.model.tokenizer.decode(ids, skip_special=False)
+            self.sreq.prompt_logprobs = req.logprobs
+        self._stops = req.stops()
+        self.reply = self.new_reply()
         return req
 
-    def chunk(self, event, finish) -> list[dict]:
-        return self._chunks("text_completion", [{"index": 0, "text": event.text if event else "", "logprobs": None,
+    def new_reply(self) -> Reply:
+        return Reply(NoText() if self.score_only else PlainText(self.state.model.tokenizer), self._stops)
+
+    def usage(self, choices):
+        out = usage(choices)
+        if self.score_only:          # the one token drawn is not part of the answer
+            out.update(completion_tokens=0, total_tokens=out["prompt_tokens"])
+        return out
+
+    def chunk(self, event, finish, choice: Choice | None = None,
+              logprobs: list[TokenLogprob] | None = None) -> list[dict]:
+        return self._chunks("text_completion", [{"index": choice.index if choice else 0,
+                                                 "text": event.text if event else "",
+                                                 "logprobs": self.logprobs_json(choice, logprobs),
                                                  "finish_reason": finish}])
 
-    def final(self, gen):
+    def echoed(self, choice: Choice, first: Choice) -> tuple[str, dict | None]:
+        """The echoed prompt's text and logprobs (its first token has none: nothing predicts it), which the first
+        choice scored for all (the others copied its cache)."""
+        if self.logprobs is None:
+            return self.prompt_text, None
+        entries, prompt = first.gen.handle.prompt_logprobs, first.gen.request.prompt
+        full = [e if e is not None else TokenLogprob(prompt[0], float("nan")) for e in entries]
+        lp = self.logprobs_json(choice, full)
+        lp["token_logprobs"][0] = lp["top_logprobs"][0] = None
+        return self.prompt_text, lp
+
+    def echo_chunks(self, choice: Choice, first: Choice) -> list[dict]:
+        if not self.echo:
+            return []
+        text, lp = self.echoed(choice, first)
+        return self._chunks("text_completion", [{"index": choice.index, "text": text, "logprobs": lp,
+                                                 "finish_reason": None}])
+
+    def logprobs_json(self, choice: Choice | None, entries: list[TokenLogprob] | None) -> dict | None:
+        """OpenAI's legacy shape: tokens, token_logprobs, top_logprobs ({token: logprob}, the sampled token
+        included) and text_offset (each token's offset in the returned text)."""
+        if self.logprobs is None or entries is None or choice is None:
+            return None
+        out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        for e in entries:
+            text = self.token_text(e.token).decode("utf-8", "replace")
+            top = {self.token_text(t).decode("utf-8", "replace"): _logprob(lp) for t, lp in e.top}
+            top.setdefault(text, _logprob(e.logprob))
+            out["tokens"].append(text)
+            out["token_logprobs"].append(_logprob(e.logprob))
+            out["top_logprobs"].append(top)
+            out["text_offset"].append(choice.offset)
+            choice.offset += len(text)
+        return out
+
+    def final(self, choices):
+        out = []
+        for c in choices:
+            text, lp = (self.echoed(c, choices[0]) if self.echo else ("", None))
+            gen = self.logprobs_json(c, c.shown)
+            if lp is not None and gen is not None:
+                for k in lp:
+                    lp[k] += gen[k]
+            out.append({"index": c.index, "text": text + c.reply.content, "logprobs": lp if lp is not None else gen,
+                        "finish_reason": c.gen.finish_reason(c.reply)})
         return {"id": self.id, "object": "text_completion", "created": self.created, "model": self.state.name,
-                "choices": [{"index": 0, "text": self.reply.content, "logprobs": None,
-                             "finish_reason": gen.finish_reason(self.reply)}],
-                "usage": gen.usage()}
+                "choices": out, "usage": self.usage(choices)}
 
 
 ROUTES = {"/chat/completions": ChatCompletion, "/completions": TextCompletion}     # under /v1, POST
 
 
-async def _cancel_on_disconnect(request: Request, gen: Generation) -> None:
-    """A non-streamed request whose client went away stops generating and frees its slot."""
+async def _cancel_on_disconnect(request: Request, choices: list[Choice]) -> None:
+    """A non-streamed request whose client went away stops generating and frees its slots."""
     while (await request.receive())["type"] != "http.disconnect":
         pass
-    gen.cancel()
+    for c in choices:
+        c.gen.cancel()
+
+
+async def _tokens(choices: list[Choice]) -> AsyncIterator[tuple[Choice, int]]:
+    """The tokens of every choice as they come, each with its choice; a failed choice's ApiError is raised."""
+    merged: asyncio.Queue = asyncio.Queue()
+
+    async def pump(c: Choice) -> None:
+        try:
+            async for token in c.gen.tokens():
+                await merged.put((c, token))
+            await merged.put((c, None))
+        except ApiError as e:
+            await merged.put((c, e))
+    tasks = [asyncio.create_task(pump(c)) for c in choices]
+    try:
+        left = len(choices)
+        while left:
+            c, item = await merged.get()
+            if isinstance(item, ApiError):
+                raise item
+            if item is None:
+                left -= 1
+            else:
+                yield c, item
+    finally:
+        for t in tasks:
+            t.cancel()
+
+
+def _start(state: State, ex: Exchange) -> list[Choice]:
+    """Queue the exchange's n choices: the first prefills the prompt, the others follow it and copy its cache."""
+    choices: list[Choice] = []
+    try:
+        for i, sreq in enumerate(ex.requests()):
+            gen = Generation(state, sreq, ex.param, choices[0].gen if choices else None)
+            choices.append(Choice(i, gen, ex.reply if i == 0 else ex.new_reply()))
+    except ApiError:
+        for c in choices:
+            c.gen.cancel()
+        raise
+    return choices
 
 
 async def serve_exchange(state: State, request: Request, kind: type[Exchange]):
-    """One request to an endpoint: its body read and prepared, queued, driven to a JSON response or an SSE stream;
-    counted in /metrics."""
+    """One request to an endpoint: its body read and prepared, queued (n choices), driven to a JSON response or
+    an SSE stream; counted in /metrics."""
     metrics, endpoint = state.metrics, kind.endpoint
     try:
         body = await read_body(request, state.max_body, state.read_timeout)
         ex = await state.prepare(kind, state, body)
-        gen = Generation(state, ex.sreq, kind.param)
+        choices = _start(state, ex)
     except ApiError as e:
         metrics.requests.labels(endpoint, str(e.status)).inc()
         raise
-    reply = ex.reply
     if not ex.req.stream:
-        watcher = asyncio.create_task(_cancel_on_disconnect(request, gen))
+        watcher = asyncio.create_task(_cancel_on_disconnect(request, choices))
         try:
-            async for token in gen.tokens():
-                reply.push(token)
-                if reply.cut:
-                    gen.cancel()     # the rest of the stream is drained, so usage counts what was made
-            reply.close()
+            async for c, token in _tokens(choices):
+                c.push(token)
+                if c.reply.cut:
+                    c.gen.cancel()     # the rest of the stream is drained, so usage counts what was made
+            for c in choices:
+                c.reply.close()
+                c.ended()
         except ApiError as e:
             metrics.requests.labels(endpoint, str(e.status)).inc()
             raise
         finally:
             watcher.cancel()
-        if gen.handle.finish_reason == FinishReason.CANCELLED and not reply.cut:
+            for c in choices:
+                if not c.gen.handle.done:
+                    c.gen.cancel()
+        if any(c.gen.handle.finish_reason == FinishReason.CANCELLED and not c.reply.cut for c in choices):
             metrics.requests.labels(endpoint, "disconnected").inc()
             return Response(status_code=499)
         metrics.requests.labels(endpoint, "200").inc()
-        ex.finished(gen)
-        return JSONResponse(ex.final(gen))
+        for c in choices:
+            ex.finished(c)
+        return JSONResponse(ex.final(choices))
 
     async def events():
         status = "disconnected"
         try:
-            yield ex.sse_open()
-            async for token in gen.tokens():
-                yield ex.sse_events(reply.push(token))
-                if reply.cut:
-                    gen.cancel()     # the tokens still in flight are drained, never sent
-            yield ex.sse_events(reply.close())
-            yield ex.sse_close(gen)
+            yield ex.sse_open(choices)
+            echo = {c.index for c in choices}
+            async for c, token in _tokens(choices):
+                if c.index in echo:
+                    echo.discard(c.index)
+                    yield ex.sse_echo(c, choices[0])
+                yield ex.sse_events(c, c.push(token))
+                if c.reply.cut:
+                    c.gen.cancel()     # the tokens still in flight are drained, never sent
+            for c in choices:
+                tail = ex.sse_echo(c, choices[0]) if c.index in echo else ""
+                yield tail + ex.sse_events(c, c.reply.close())
+                c.ended()
+                yield ex.sse_finish(c)
+            yield ex.sse_close(choices)
             status = "200"
-            ex.finished(gen)
+            for c in choices:
+                ex.finished(c)
         except ApiError as e:          # the generation failed after the stream began: say so in the stream
             status = str(e.status)
             yield ex.sse_error(e)
@@ -597,8 +842,9 @@ async def serve_exchange(state: State, request: Request, kind: type[Exchange]):
             yield ex.sse_error(ApiError(500, f"internal error ({type(e).__name__}); see the server log",
                                           type="server_error"))
         finally:
-            if not gen.handle.done:
-                gen.cancel()
+            for c in choices:
+                if not c.gen.handle.done:
+                    c.gen.cancel()
             metrics.requests.labels(endpoint, status).inc()
         if ex.stream_end:
             yield ex.stream_end
@@ -705,6 +951,20 @@ def create_app(model, name: str, api_key: str | None = None, max_body: int = MAX
     add_anthropic_routes(v1, state, route)
     app.include_router(v1)
     add_chat_page(app)
+    tokenizer = APIRouter(dependencies=[Depends(authorize)])     # at the root, as vLLM serves them
+
+    @tokenizer.post("/tokenize")
+    async def tokenize_route(request: Request):
+        return await state.prepare(tokenize, state, await read_body(request, state.max_body, state.read_timeout))
+
+    @tokenizer.post("/detokenize")
+    async def detokenize_route(request: Request):
+        return await state.prepare(detokenize, state, await read_body(request, state.max_body, state.read_timeout))
+
+    @tokenizer.get("/tokenizer_info")
+    async def tokenizer_info_route():
+        return tokenizer_info(state)
+    app.include_router(tokenizer)
 
     @app.api_route("/health", methods=["GET", "HEAD"])      # HEAD: what uptime monitors send
     async def health():

@@ -11,14 +11,36 @@ from ..sampling import SamplingParams
 from .protocol import ApiError, ChatRequest, parse_arguments
 
 
-def sampling(req) -> SamplingParams:
+def sampling(req, n_vocab: int) -> SamplingParams:
+    """The request's SamplingParams (choice 0's seed: choice i of n draws with seed + i)."""
     d = SamplingParams()
+    bias = {}
+    for key, value in (req.logit_bias or {}).items():
+        if not key.strip().isdigit() or int(key) >= n_vocab:
+            raise ApiError(400, f"'logit_bias' names the token id {key[:20]!r}, which is not in the vocabulary "
+                           f"(0..{n_vocab - 1}); use token ids of this model (see /tokenize)", "logit_bias",
+                           "invalid_value")
+        if abs(value) > SamplingParams.MAX_BIAS:
+            raise ApiError(400, f"'logit_bias' gives token {key} the bias {value}; use values in [-100, 100]",
+                           "logit_bias", "invalid_value")
+        bias[int(key)] = float(value)
     try:
         return SamplingParams(d.temperature if req.temperature is None else req.temperature,
                               d.top_p if req.top_p is None else req.top_p, req.top_k or 0,
-                              req.repetition_penalty or 1.0, req.seed)
+                              req.repetition_penalty or 1.0, req.seed, req.presence_penalty or 0.0,
+                              req.frequency_penalty or 0.0, bias)
     except GlmcoreError as e:
         raise ApiError(400, str(e)) from None
+
+
+def n_choices(state, req) -> int:
+    """n, bounded by the slots: the n sequences run side by side, sharing the prompt's cache."""
+    n = req.n or 1
+    slots = state.scheduler.batch.n_slots
+    if n > slots:
+        raise ApiError(400, f"'n' is {n}, more than this server's {slots} slots (its n sequences run side by side); "
+                       f"ask for at most {slots}, or start the server with more --slots", "n", "invalid_value")
+    return n
 
 
 def max_new(state, req, n_prompt: int) -> int:
@@ -135,9 +157,10 @@ def thinking_setup(state, fmt, req: ChatRequest) -> tuple[dict | None, int | Non
 
 
 def prompt_ids(state, prompt) -> list[int]:
-    """/v1/completions' prompt: text (after the model's [gMASK]sop prefix, no chat template) or token ids."""
+    """/v1/completions' prompt: text (after the model's [gMASK]sop prefix, no chat template) or token ids, or a
+    batch of one of either ([text], [[ids]]: what lm-eval sends)."""
     tok = state.model.tokenizer
-    if isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
+    if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
         if len(prompt) != 1:
             raise ApiError(400, f"'prompt' holds {len(prompt)} prompts; this server takes one per request", "prompt",
                            "unsupported_value")

@@ -1,12 +1,12 @@
 """OpenAI's request shapes, checked, and its error JSON. A field the server does not know, or a value it
-cannot honour (n > 1, logprobs, penalties), is a 400 that names it -- never silently ignored. Types are
+cannot honour (best_of, suffix), is a 400 that names it -- never silently ignored. Types are
 strict (JSON's types, never coerced: "4" is not a number, true is not 1) and every string is checked to
 be encodable text before any work is queued."""
 from __future__ import annotations
 
 import json
 import re
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
@@ -142,10 +142,11 @@ class StructuredOutputs(_Strict):
     choice: list[str] | None = None
 
 
-# Parameters OpenAI defines that this server accepts only at the value that means "off" (or null), of its type:
-# logprobs 0 is not false, top_logprobs {} is not 0 (_is_default).
-_ONLY_DEFAULT = {"n": 1, "presence_penalty": 0.0, "frequency_penalty": 0.0, "logprobs": False, "top_logprobs": 0,
-                 "logit_bias": {}, "best_of": 1, "echo": False, "suffix": None}
+# Parameters OpenAI defines that this server accepts only at the value that means "off" (or null), of its type.
+_ONLY_DEFAULT = {"best_of": 1, "suffix": None}
+MAX_TOP_LOGPROBS = 20       # chat's top_logprobs (OpenAI's bound)
+MAX_LEGACY_LOGPROBS = 5     # /v1/completions' logprobs (OpenAI's legacy bound)
+MAX_N = 128                 # choices of one request; the server also bounds n by its slots
 
 
 def _is_default(value, default) -> bool:
@@ -177,13 +178,10 @@ class _Sampling(_Strict):
     # constrained decoding (glmcore.server.outputs)
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None
-    # only at their defaults (see _ONLY_DEFAULT)
-    n: int | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    logprobs: Any = None
-    top_logprobs: Any = None
-    logit_bias: Any = None
+    n: int | None = Field(None, ge=1, le=MAX_N)
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    logit_bias: dict[str, float] | None = None         # token id (as a string, as JSON keys are) -> [-100, 100]
 
     def stops(self) -> list[str]:
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -209,13 +207,37 @@ class ChatRequest(_Sampling):
     reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
     max_thinking_tokens: int | None = Field(None, ge=0, le=2**31 - 1)
     thinking_budget_tokens: int | None = Field(None, ge=-1, le=2**31 - 1)
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
 
 
 class CompletionRequest(_Sampling):
-    prompt: str | list[int] | list[str] = Field(union_mode="left_to_right")
+    prompt: str | list[int] | list[str] | list[list[int]] = Field(union_mode="left_to_right")
+    max_tokens: int | None = Field(None, ge=0, le=2**31 - 1)     # 0: score the prompt only (with echo)
     best_of: int | None = None
     echo: bool | None = None
     suffix: str | None = None
+    logprobs: int | None = Field(None, ge=0, le=MAX_LEGACY_LOGPROBS)    # the legacy shape: how many alternatives
+
+
+# vLLM's tokenizer endpoints (glmcore.server.tokenize)
+class TokenizeRequest(_Strict):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[MessageIn] | None = None
+    # a prompt: with the model's [gMASK]sop prefix (as /v1/completions puts it before text); messages: the
+    # chat template's own special tokens, always
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+    tools: list[ToolDef] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    return_token_strs: bool = False
+    tool_choice: ClassVar[None] = None        # what tool_setup reads; the template only lists the tools
+
+
+class DetokenizeRequest(_Strict):
+    model: str | None = None
+    tokens: list[int] = Field(max_length=1 << 20)
 
 
 _SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")

@@ -15,7 +15,7 @@ from typing import Any, Literal
 from pydantic import Field, field_validator
 
 from ..events import FinishReason
-from .app import ChatCompletion, Generation, State
+from .app import ChatCompletion, Choice, State
 from .blocks import Block, Blocks, Kind, Op, Step, reply_blocks
 from .protocol import ApiError, ChatRequest, FunctionDef, StructuredOutputs, _Strict, parse
 
@@ -278,7 +278,7 @@ class CreateResponse(ChatCompletion):
         block.id = f"{prefix}_{uuid.uuid4().hex}"
         return block
 
-    def body(self, status: str, blocks: list[Block], gen: Generation | None) -> dict:
+    def body(self, status: str, blocks: list[Block], choices: list[Choice] | None) -> dict:
         api = self.api
         out = {"id": self.id, "object": "response", "created_at": self.created, "status": status,
                "model": self.state.name, "output": [self.item(b, True) for b in blocks], "error": None,
@@ -294,9 +294,9 @@ class CreateResponse(ChatCompletion):
                "text": {"format": {"type": "text"}}, "truncation": "disabled", "user": api.user, "usage": None}
         if api.text is not None:
             out["text"] = api.text.model_dump(by_alias=True, exclude_none=True)
-        if gen is not None:
+        if choices is not None:
             out["completed_at"] = int(time.time())
-            u = self.usage(gen)
+            u = self.usage(choices)
             out["usage"] = {"input_tokens": u["prompt_tokens"],
                             "input_tokens_details": {"cached_tokens": u["prompt_tokens_details"]["cached_tokens"]},
                             "output_tokens": u["completion_tokens"],
@@ -305,20 +305,20 @@ class CreateResponse(ChatCompletion):
                             "total_tokens": u["total_tokens"]}
         return out
 
-    def status(self, gen: Generation) -> str:
-        return "incomplete" if gen.finish_reason(self.reply) == FinishReason.LENGTH else "completed"
+    def status(self, choice: Choice) -> str:
+        return "incomplete" if choice.gen.finish_reason(self.reply) == FinishReason.LENGTH else "completed"
 
-    def final(self, gen: Generation) -> dict:
+    def final(self, choices: list[Choice]) -> dict:
         if self.response is None:            # sent whole: the reply's blocks, named now
             blocks = [self.name_block(b) for b in reply_blocks(self.reply)]
-            self.response = self.body(self.status(gen), blocks, gen)
+            self.response = self.body(self.status(choices[0]), blocks, choices)
         return self.response
 
-    def finished(self, gen: Generation) -> None:
-        super().finished(gen)
+    def finished(self, choice: Choice) -> None:
+        super().finished(choice)
         if self.api.store:
-            reply = {k: v for k, v in self.message().items() if v is not None}
-            self.state.responses.put(self.final(gen), self.history + [reply])
+            reply = {k: v for k, v in self.message(self.reply).items() if v is not None}
+            self.state.responses.put(self.final([choice]), self.history + [reply])
 
     # ---- the stream
 
@@ -326,7 +326,7 @@ class CreateResponse(ChatCompletion):
         self.seq += 1
         return _event(kind, {**data, "sequence_number": self.seq - 1})
 
-    def sse_open(self) -> str:
+    def sse_open(self, choices: list[Choice]) -> str:
         skeleton = self.body("in_progress", [], None)
         return self.emit("response.created", response=skeleton) + self.emit("response.in_progress", response=skeleton)
 
@@ -355,13 +355,16 @@ class CreateResponse(ChatCompletion):
             out += self.emit("response.content_part.done", **at, content_index=0, part=self.part(b, True))
         return out + self.emit("response.output_item.done", output_index=b.index, item=self.item(b, True))
 
-    def sse_events(self, events) -> str:
+    def sse_events(self, choice: Choice, events) -> str:
         return "".join(self.step(s) for e in events for s in self.blocks.push(e))
 
-    def sse_close(self, gen: Generation) -> str:
+    def sse_finish(self, choice: Choice) -> str:
+        return ""                           # the one choice ends with the response (sse_close)
+
+    def sse_close(self, choices: list[Choice]) -> str:
         out = "".join(self.step(s) for s in self.blocks.close())
-        status = self.status(gen)
-        self.response = self.body(status, self.blocks.blocks, gen)
+        status = self.status(choices[0])
+        self.response = self.body(status, self.blocks.blocks, choices)
         return out + self.emit(f"response.{status}", response=self.response)
 
     def sse_error(self, e: ApiError) -> str:
