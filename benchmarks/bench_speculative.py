@@ -1,7 +1,8 @@
 """What speculative decoding can gain on a backend: (1) the cost of a verification step (1 + k tokens of one
 sequence, logits of every position) against a one-token decode step, on a model of real width; (2) prompt
-lookup's acceptance and decode speed against plain decoding, on an input-grounded task (the demo model asked
-to continue lines it was given twice) and on free generation.
+lookup's and the demo model's NextN layer's acceptance and decode speed against plain decoding, on an
+input-grounded task (the demo model asked to continue lines it was given twice), on free generation and on
+held-out poem prompts (mtp where the backend runs the NextN layer: torch).
 
     python benchmarks/bench_speculative.py --backend cpu_int4 --size 1b [--model DIR] [--threads 2]
 
@@ -10,8 +11,10 @@ The projected decode speed-up at a size is about (1 + accepted tokens per step) 
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import time
+from pathlib import Path
 
 from glmcore.backend import LoadOptions
 from glmcore.config import ModelConfig
@@ -58,36 +61,50 @@ def step_costs(backend_name: str, size: str, model: str | None, threads: int, ks
     batch.close()
 
 
+HELDOUT = Path(__file__).resolve().parents[1] / "tests" / "data" / "demo_heldout_prompts.json"   # never trained on
 POEM = ("床前明月光，疑是地上霜。举头望明月，低头思故乡。", "白日依山尽，黄河入海流。欲穷千里目，更上一层楼。")
 
 
-def lookup(backend_name: str, threads: int, k: int, gen: int) -> None:
+def drafters(backend_name: str, threads: int, k: int, gen: int, n_prompts: int) -> None:
+    """Prompt lookup and the demo model's trained NextN layer (where the backend runs it) against plain greedy
+    decoding on the demo model: an input-grounded task, free generation, and held-out poem prompts."""
     m = load_model(None, backend_name, LoadOptions(threads=threads), slots=1)
     caps, batch, tok = m.backend.capabilities(), m.scheduler.batch, m.tokenizer
-    tasks = {"grounded (continue lines given twice)": f"{POEM[0]}{POEM[1]}\n{POEM[0]}",
-             "free generation": "写一首关于秋天的诗"}
-    print(f"\nprompt lookup on the demo model ({m.backend.name}, threads {threads}, --draft-tokens {k}, greedy, "
-          f"{gen} new tokens)")
-    print("| task | plain tok/s | ngram tok/s | speed-up | drafted | accepted | accepted / step |\n"
-          "|---|---:|---:|---:|---:|---:|---:|")
-    for name, text in tasks.items():
-        prompt = m.chat_format.encode_messages([_user(text)])
-        result = {}
-        for spec in (None, Speculation("ngram", k)):
-            m.scheduler.forget()
-            sched = Scheduler(batch, caps, n_vocab=tok.n_vocab, speculation=spec)
-            rates = []
-            for _ in range(3):
-                sched.forget()
-                h = sched.submit(Request(prompt, GREEDY, gen, stop_ids=()))
-                h.wait()
-                rates.append(h.timings.decode_tps)
-            result[spec is not None] = (statistics.median(rates), h.tokens, sched)
-        (plain, ref, _), (fast, out, s) = result[False], result[True]
-        assert out == ref, "speculation changed the greedy output"
-        steps = max(s.steps // 3 - 1, 1)
-        print(f"| {name} | {plain:.1f} | {fast:.1f} | {fast / plain:.2f} | {s.drafted // 3} | {s.accepted // 3} | "
-              f"{s.accepted / 3 / steps:.2f} |")
+    heldout = [p["prompt"] for p in json.loads(HELDOUT.read_text(encoding="utf-8"))][:n_prompts]
+    tasks = {"grounded (continue lines given twice)": [f"{POEM[0]}{POEM[1]}\n{POEM[0]}"],
+             "free generation": ["写一首关于秋天的诗"],
+             f"held-out poem prompts ({len(heldout)})": heldout}
+    methods = ["ngram"] + (["mtp"] if batch.has_nextn else [])
+    print(f"\nspeculative decoding on the demo model ({m.backend.name}, threads {threads}, --draft-tokens {k}, "
+          f"greedy, up to {gen} new tokens{'' if batch.has_nextn else '; mtp: this backend does not run NextN'})")
+    print("| task | method | plain tok/s | speculative tok/s | speed-up | drafted | accepted | acceptance | "
+          "accepted / step |\n|---|---|---:|---:|---:|---:|---:|---:|---:|")
+    for name, texts in tasks.items():
+        prompts = [m.chat_format.encode_messages([_user(t)]) for t in texts]
+        runs = 3 if len(prompts) == 1 else 1
+        rate = {}
+        for method in [None] + methods:
+            sched = Scheduler(batch, caps, n_vocab=tok.n_vocab,
+                              speculation=Speculation(method, k) if method else None)
+            outs, best = [], None
+            for _ in range(runs):
+                n_new, took, outs = 0, 0.0, []
+                for prompt in prompts:
+                    sched.forget()
+                    h = sched.submit(Request(prompt, GREEDY, gen, stop_ids=m.chat_format.stop_ids))
+                    h.wait()
+                    n_new, took = n_new + h.timings.new_tokens - 1, took + h.timings.decode_s
+                    outs.append(h.tokens)
+                best = max(best or 0.0, n_new / took if took else 0.0)
+            rate[method] = (best, outs, sched)
+            if method is None:
+                continue
+            assert outs == rate[None][1], f"{method} speculation changed the greedy output"
+            plain, fast = rate[None][0], best
+            steps = max(sched.steps // runs - len(prompts), 1)
+            drafted, accepted = sched.drafted // runs, sched.accepted // runs
+            print(f"| {name} | {method} | {plain:.1f} | {fast:.1f} | {fast / plain:.2f} | {drafted} | {accepted} | "
+                  f"{accepted / max(drafted, 1):.0%} | {accepted / steps:.2f} |")
     m.close()
 
 
@@ -105,11 +122,12 @@ def main(argv=None) -> None:
     ap.add_argument("--draft-tokens", type=int, default=4)
     ap.add_argument("--gen", type=int, default=64)
     ap.add_argument("--runs", type=int, default=9)
+    ap.add_argument("--prompts", type=int, default=8, help="held-out poem prompts to generate from")
     ap.add_argument("--skip-lookup", action="store_true", help="only the step costs")
     a = ap.parse_args(argv)
     step_costs(a.backend, a.size, a.model, a.threads, [1, 2, 4, 8], a.runs)
     if not a.skip_lookup:
-        lookup(a.backend, a.threads, a.draft_tokens, a.gen)
+        drafters(a.backend, a.threads, a.draft_tokens, a.gen, a.prompts)
 
 
 if __name__ == "__main__":

@@ -102,8 +102,8 @@ def template_kwargs(a) -> dict | None:
 def add_spec_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--speculative", choices=[m.value for m in Method], default="off",
                    help="speculative decoding, drafts verified in one batched step (a backend with native batched "
-                        "steps): ngram by prompt lookup, mtp by the checkpoint's NextN layer (glm4_moe on torch); "
-                        "the output is the one without it")
+                        "steps): ngram by prompt lookup, mtp by the checkpoint's NextN layer (the MoE GLMs' and "
+                        "the demo model's, on torch); the output is the one without it")
     p.add_argument("--draft-tokens", type=int, default=4, help="with --speculative: most drafted tokens per step")
 
 

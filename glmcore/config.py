@@ -21,7 +21,8 @@ MAX_CONFIG_BYTES = 16 << 20     # a real config.json is a few KB
 # Far beyond any GLM model, small enough that no product of them overflows 64 bits.
 _INT_RANGES = {"hidden_size": (1, 1 << 16), "num_layers": (1, 1024), "num_heads": (1, 1024),
                "num_kv_heads": (1, 1024), "head_dim": (4, 1024), "ffn_hidden_size": (1, 1 << 18),
-               "vocab_size": (1, 1 << 22), "max_seq_len": (2, 1 << 24), "rotary_dim": (2, 1024)}
+               "vocab_size": (1, 1 << 22), "max_seq_len": (2, 1 << 24), "rotary_dim": (2, 1024),
+               "num_mtp_layers": (0, 16)}
 
 
 @dataclass(frozen=True)
@@ -52,6 +53,9 @@ class ModelConfig:
     rotary_interleaved: bool = True
     arch: str = "glm"           # the glmcore/arch module that parsed it (and lays out its tensors)
     model_type: str = ""        # config.json's model_type: the checkpoint layout the weights are stored in
+    # Multi-token-prediction (NextN) layers stored after the decoder layers (num_nextn_predict_layers): every
+    # MoE GLM's; on a dense checkpoint glmcore's own extension (the demo model's, in mtp.safetensors).
+    num_mtp_layers: int = 0
 
     def __post_init__(self):
         if self.rotary_dim == 0 and isinstance(self.head_dim, int):

@@ -1,7 +1,7 @@
 """The built-in default model: a small ChatGLM3 trained here on classical Chinese poems.
 
-It ships as package data (glmcore/data/demo-chatglm3-poet: config.json, model.safetensors,
-tokenizer.model, tokenizer_config.json and its model card) and is copied on first use into the cache
+It ships as package data (glmcore/data/demo-chatglm3-poet: config.json, model.safetensors, mtp.safetensors
+(a NextN layer trained for it), tokenizer.model, tokenizer_config.json and its model card) and is copied on first use into the cache
 directory in the real on-disk layout, so every backend loads it like a checkpoint from the hub. The
 training script is tools/train_demo.py; the random-weight synthetic checkpoints (glmcore.synth)
 remain for tests and benchmarks.
@@ -18,7 +18,8 @@ from .errors import GlmcoreError
 
 DEMO_NAME = "demo-chatglm3-poet"
 PACKAGED_DIR = Path(__file__).resolve().parent / "data" / DEMO_NAME
-MODEL_FILES = ("config.json", "model.safetensors", "tokenizer.model", "tokenizer_config.json")
+# mtp.safetensors: its NextN layer for speculative decoding (--speculative mtp), beside the checkpoint proper
+MODEL_FILES = ("config.json", "model.safetensors", "mtp.safetensors", "tokenizer.model", "tokenizer_config.json")
 CARD_FILES = ("README.md",)
 
 

@@ -83,9 +83,23 @@ class Weights(Mapping):
         return h.hexdigest()[:16]
 
 
+# A NextN (multi-token-prediction) layer trained for a checkpoint that shipped without one, kept apart so that
+# every other reader of the checkpoint (transformers, llama.cpp's converter) sees it unchanged; read only when
+# config.json declares num_nextn_predict_layers. The demo model's is one (tools/train_demo.py mtp).
+NEXTN_FILE = "mtp.safetensors"
+
+
 def load_weights(model_dir: str | Path, cfg: ModelConfig) -> Weights:
     model_dir = Path(model_dir)
     raw, files = _read_raw(model_dir)
+    side = model_dir / NEXTN_FILE
+    if cfg.num_mtp_layers and side.is_file():
+        nextn = read_safetensors(side)
+        both = sorted(set(nextn) & set(raw))
+        if both:
+            raise CheckpointError(f"{side}: tensor {both[0]} is also in the checkpoint's own weights; keep each "
+                                  f"tensor in one file (remove {NEXTN_FILE} or the copy)")
+        raw, files = {**raw, **nextn}, files + [side]
     module = arch.of(cfg)
     tensors = module.to_canonical(raw, model_dir)
     module.complete(cfg, tensors, model_dir)

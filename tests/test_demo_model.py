@@ -196,3 +196,49 @@ def test_formats_on_trained_weights_meet_the_tighter_rows(backend, opts, demo, h
     key = tolerance_key(options.precision, options.weights)
     metrics = compare(reference_logits, got)
     assert not out_of_bounds(metrics, TRAINED_TOLERANCES[key].bounds()), (key, metrics)
+
+
+def test_nextn_training_forward_is_the_reference_math(demo):
+    """The demo's NextN layer (mtp.safetensors, trained by tools/train_demo.py mtp) is trained with the math the
+    torch backend drafts with: at every position the training forward's logits equal DenseGLM.nextn's."""
+    torch = pytest.importorskip("torch")
+    spec = importlib.util.spec_from_file_location("train_demo", ROOT / "tools" / "train_demo.py")
+    train_demo = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(train_demo)
+    cfg, tok, fmt, weights = demo
+    assert cfg.num_mtp_layers == 1 and "mtp.0.eh_proj.weight" in weights
+    ids = fmt.encode_messages([{"role": "user", "content": PROMPT}]) + tok.encode("\n春风又绿江南岸")
+    w = {k: torch.from_numpy(np.array(weights[k], dtype=np.float32)) for k in weights}
+    pos = torch.arange(len(ids))[None]
+    with torch.no_grad():
+        _, hidden = train_demo.forward(cfg, w, torch.tensor([ids]), pos, hidden=True)
+        mine = train_demo.nextn_forward(cfg, w, w, torch.tensor([ids]), pos, None, hidden)[0, :-1].numpy()
+    b = registry().get("torch")
+    batch = b.load_batch(cfg, weights, b.resolve(LoadOptions(threads=THREADS, capacity=CAPACITY)), 1)
+    try:
+        model, mtp = batch.model, batch.mtp
+        with torch.inference_mode():
+            _, h = model(torch.tensor([ids]), torch.tensor([0]), torch.tensor([0]), torch.tensor([len(ids) - 1]),
+                         batch.k_cache, batch.v_cache)
+            _, x = model.nextn(mtp.layer, torch.tensor([ids[1:]]), torch.tensor([0]), torch.tensor([0]), h[:, :-1],
+                               mtp.k_cache, mtp.v_cache)
+            ref = model.logits(model.norm(mtp.layer, "final_norm", x[0]).to(model.dtype)).numpy()
+    finally:
+        batch.close()
+    assert np.abs(mine - ref).max() <= 1e-4 * np.abs(ref).max()
+    assert (mine.argmax(-1) == ref.argmax(-1)).all()
+
+
+def test_the_nextn_layer_is_kept_apart_from_the_checkpoint():
+    """model.safetensors holds exactly ChatGLM3's tensors (transformers and llama.cpp's converter read it
+    unchanged); the NextN layer lives in mtp.safetensors, read only because config.json declares it."""
+    from glmcore.weights import NEXTN_FILE, read_safetensors
+    raw = json.loads((PACKAGED_DIR / "config.json").read_text())
+    own = set(read_safetensors(PACKAGED_DIR / "model.safetensors"))
+    layers = {int(m.group(1)) for n in own if (m := re.match(r"transformer\.encoder\.layers\.(\d+)\.", n))}
+    assert layers == set(range(raw["num_layers"]))
+    side = set(read_safetensors(PACKAGED_DIR / NEXTN_FILE))
+    assert raw["num_nextn_predict_layers"] == 1 and NEXTN_FILE in MODEL_FILES
+    assert {n.split(".")[3] for n in side} == {str(raw["num_layers"])}
+    assert {"eh_proj.weight", "enorm.weight", "hnorm.weight", "shared_head.norm.weight"} <= \
+        {n.split(".", 4)[4] for n in side}

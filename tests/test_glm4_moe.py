@@ -199,7 +199,7 @@ def test_a_layer_past_the_nextn_layers_belongs_to_another_model(make_tiny, tmp_p
     path = _copy_without(make_tiny("glm4-moe"), tmp_path / "m")
     raw = json.loads((path / "config.json").read_text())
     (path / "config.json").write_text(json.dumps(dict(raw, num_hidden_layers=2)))   # layer 2 and 3 now past it
-    with pytest.raises(CheckpointError, match=r"lies past the 2 decoder layers and 1 NextN layer"):
+    with pytest.raises(CheckpointError, match=r"lie past the 2 decoder layers and 1 NextN layer"):
         load_weights(path, ModelConfig.from_dir(path))
 
 

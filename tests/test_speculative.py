@@ -447,3 +447,73 @@ def test_mtp_first_draft_is_the_nextn_formula(moe):
     batch.reset(3)
     batch.step([(3, ids)])
     assert batch.draft_nextn(3, 42, 1) == [want]
+
+
+def with_nextn(src, out, drop: str | None = None, duplicate: bool = False):
+    """A copy of the dense checkpoint src with a random NextN layer in mtp.safetensors (glmcore's extension, as the
+    demo model has one): drop leaves one tensor out, duplicate stores one of the model's own tensors there too."""
+    import dataclasses
+    import json
+    import shutil
+
+    from glmcore.arch import of
+    from glmcore.arch.glm import chatglm_name, mtp_as_layer
+    from glmcore.config import ModelConfig
+    from glmcore.weights import NEXTN_FILE, read_safetensors, write_safetensors
+    shutil.copytree(src, out)
+    raw = json.loads((out / "config.json").read_text())
+    raw["num_nextn_predict_layers"] = 1
+    (out / "config.json").write_text(json.dumps(raw))
+    cfg = dataclasses.replace(ModelConfig.from_dir(src), num_mtp_layers=1)
+    g = np.random.default_rng(3)
+    side = {chatglm_name(mtp_as_layer(n, cfg)): (g.standard_normal(s.shape) * 0.2).astype(np.float32)
+            for n, s in of(cfg).optional_tensors(cfg).items() if n != drop}
+    if duplicate:
+        name, t = next(iter(read_safetensors(sorted(src.glob("*.safetensors"))[0]).items()))
+        side[name] = np.asarray(t)
+    write_safetensors(out / NEXTN_FILE, side, {"format": "pt"})
+    return out
+
+
+def test_a_dense_checkpoint_drafts_with_its_nextn_layer(make_tiny, tmp_path):
+    """A NextN layer beside a dense (ChatGLM3) checkpoint runs on torch: greedy output with mtp drafts equals
+    plain decoding, and the drafts are being made."""
+    from glmcore.backend import LoadOptions
+    from glmcore.model import load_model
+    m = load_model(with_nextn(make_tiny("chatglm3"), tmp_path / "m"), "torch", LoadOptions(threads=1, capacity=64),
+                   slots=4)
+    try:
+        batch, V, caps = m.scheduler.batch, m.tokenizer.n_vocab, m.backend.capabilities()
+        assert batch.has_nextn
+        ps = [np.random.default_rng(i).integers(5, V, 8 + i).tolist() for i in range(4)]
+        ref = run_all(m.scheduler, ps, 16)
+        m.scheduler.forget()
+        sched = Scheduler(batch, caps, n_vocab=V, speculation=Speculation("mtp", 3))
+        assert run_all(sched, ps, 16) == ref and sched.drafted > 0
+    finally:
+        m.close()
+
+
+@pytest.mark.parametrize("drop, duplicate, message", [
+    ("mtp.0.eh_proj.weight", False, "mtp.0.eh_proj.weight is missing"),
+    (None, True, "is also in the checkpoint's own weights"),
+])
+def test_a_broken_nextn_file_is_refused_with_its_reason(make_tiny, tmp_path, drop, duplicate, message):
+    from glmcore.config import ModelConfig
+    from glmcore.errors import CheckpointError
+    from glmcore.weights import load_weights
+    d = with_nextn(make_tiny("chatglm3"), tmp_path / "m", drop, duplicate)
+    with pytest.raises(CheckpointError, match=message):
+        load_weights(d, ModelConfig.from_dir(d))
+
+
+def test_a_nextn_file_without_its_config_key_is_not_read(make_tiny, tmp_path):
+    import json
+
+    from glmcore.config import ModelConfig
+    from glmcore.weights import load_weights
+    d = with_nextn(make_tiny("chatglm3"), tmp_path / "m")
+    raw = json.loads((d / "config.json").read_text())
+    del raw["num_nextn_predict_layers"]
+    (d / "config.json").write_text(json.dumps(raw))
+    assert not any(n.startswith("mtp.") for n in load_weights(d, ModelConfig.from_dir(d)))

@@ -272,37 +272,69 @@ def init_params(cfg, seed: int):
     return params
 
 
-def forward(cfg, w, ids, pos, doc=None):
+def forward(cfg, w, ids, pos, doc=None, hidden: bool = False):
     """Logits [B, T, vocab] of a batch: the torch reference's math (rms_norm, rotary_tables,
-    apply_rotary, grouped-query attention, SwiGLU) with a causal mask within each document."""
-    import torch
-    import torch.nn.functional as F
-    from plugins.torch_ref.model import apply_rotary, rotary_tables
+    apply_rotary, grouped-query attention, SwiGLU) with a causal mask within each document. hidden: also
+    the final hidden states after the final norm (what the NextN layer drafts from)."""
     from plugins.torch_ref.ops import torch_rms_norm as rms_norm
-    B, T = ids.shape
     x = w["embed.weight"][ids]
+    rope = rope_and_mask(cfg, pos, doc)
+    for i in range(cfg.num_layers):
+        x = block(cfg, w, f"layers.{i}.", x, *rope)
+    h = rms_norm(x, w["final_norm.weight"], cfg.norm_eps)
+    logits = h @ w["lm_head.weight"].T
+    return (logits, h) if hidden else logits
+
+
+def rope_and_mask(cfg, pos, doc):
+    """The rotary rows of positions [B, T] and the causal mask within each document [B, T, T]."""
+    import torch
+    from plugins.torch_ref.model import rotary_tables
+    B, T = pos.shape
     cos, sin = rotary_tables(cfg, pos.reshape(-1))
-    cos, sin = cos.view(B * T, -1), sin.view(B * T, -1)
     causal = torch.ones(T, T, dtype=torch.bool).tril()
     mask = causal[None] if doc is None else causal[None] & (doc[:, :, None] == doc[:, None, :])
+    return cos.view(B * T, -1), sin.view(B * T, -1), mask
+
+
+def block(cfg, w, p: str, x, cos, sin, mask):
+    """One ChatGLM3 block (weights w[p + ...]) on the residual stream x [B, T, hidden]."""
+    import torch.nn.functional as F
+    from plugins.torch_ref.model import apply_rotary
+    from plugins.torch_ref.ops import torch_rms_norm as rms_norm
+    B, T, _ = x.shape
     group = cfg.num_heads // cfg.num_kv_heads
-    for i in range(cfg.num_layers):
-        p = f"layers.{i}."
-        h = rms_norm(x, w[p + "input_norm.weight"], cfg.norm_eps)
-        qkv = h @ w[p + "qkv.weight"].T + w[p + "qkv.bias"]
-        q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
-        q = apply_rotary(q.reshape(B * T, cfg.num_heads, cfg.head_dim), cos, sin).view(B, T, cfg.num_heads, -1)
-        k = apply_rotary(k.reshape(B * T, cfg.num_kv_heads, cfg.head_dim), cos, sin).view(B, T, cfg.num_kv_heads, -1)
-        v = v.reshape(B, T, cfg.num_kv_heads, cfg.head_dim)
-        k = k.repeat_interleave(group, dim=2)
-        v = v.repeat_interleave(group, dim=2)
-        a = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                           attn_mask=mask[:, None])
-        x = x + a.transpose(1, 2).reshape(B, T, cfg.q_size) @ w[p + "attn_out.weight"].T
-        h = rms_norm(x, w[p + "post_attn_norm.weight"], cfg.norm_eps)
-        gate, up = (h @ w[p + "ffn_up.weight"].T).chunk(2, dim=-1)
-        x = x + (F.silu(gate) * up) @ w[p + "ffn_down.weight"].T
-    return rms_norm(x, w["final_norm.weight"], cfg.norm_eps) @ w["lm_head.weight"].T
+    h = rms_norm(x, w[p + "input_norm.weight"], cfg.norm_eps)
+    qkv = h @ w[p + "qkv.weight"].T + w[p + "qkv.bias"]
+    q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
+    q = apply_rotary(q.reshape(B * T, cfg.num_heads, cfg.head_dim), cos, sin).view(B, T, cfg.num_heads, -1)
+    k = apply_rotary(k.reshape(B * T, cfg.num_kv_heads, cfg.head_dim), cos, sin).view(B, T, cfg.num_kv_heads, -1)
+    v = v.reshape(B, T, cfg.num_kv_heads, cfg.head_dim)
+    k = k.repeat_interleave(group, dim=2)
+    v = v.repeat_interleave(group, dim=2)
+    a = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                       attn_mask=mask[:, None])
+    x = x + a.transpose(1, 2).reshape(B, T, cfg.q_size) @ w[p + "attn_out.weight"].T
+    h = rms_norm(x, w[p + "post_attn_norm.weight"], cfg.norm_eps)
+    gate, up = (h @ w[p + "ffn_up.weight"].T).chunk(2, dim=-1)
+    x = x + (F.silu(gate) * up) @ w[p + "ffn_down.weight"].T
+    return x
+
+
+def nextn_forward(cfg, w, m, ids, pos, doc, hidden):
+    """Logits [B, T, vocab] of the NextN layer m (canonical names mtp.0.*) as the torch reference runs it
+    (DenseGLM.nextn): at position p it takes the next token ids[p + 1] (its embedding zeroed at position 0)
+    and the target's final hidden state hidden[p], eh_proj(concat(enorm(e), hnorm(h))) -> one block -> its own
+    final norm -> the model's lm_head; it predicts the token at p + 2. The last position of a row has no next
+    token: it gets id 0 (its output is never used)."""
+    import torch
+    from plugins.torch_ref.ops import torch_rms_norm as rms_norm
+    nxt = torch.cat([ids[:, 1:], torch.zeros_like(ids[:, :1])], dim=1)
+    e = w["embed.weight"][nxt].masked_fill((pos == 0)[..., None], 0.0)
+    joined = torch.cat([rms_norm(e, m["mtp.0.enorm.weight"], cfg.norm_eps),
+                        rms_norm(hidden, m["mtp.0.hnorm.weight"], cfg.norm_eps)], dim=-1)
+    x = block(cfg, m, "mtp.0.layer.", joined @ m["mtp.0.eh_proj.weight"].T, *rope_and_mask(cfg, pos, doc))
+    return rms_norm(x, m["mtp.0.final_norm.weight"], cfg.norm_eps) @ w["lm_head.weight"].T
 
 
 def load_cfg(work: Path):
@@ -441,6 +473,84 @@ def cmd_export(a) -> None:
     size = sum(f.stat().st_size for f in out.iterdir())
     print(f"wrote {out}: {size / 2**20:.2f} MiB")
     np.asarray(0)
+
+
+def cmd_mtp(a) -> None:
+    """Train a NextN (multi-token-prediction) layer for the exported model in --model, its own weights frozen,
+    and write it there as mtp.safetensors (config.json gets num_nextn_predict_layers 1). The layer learns the
+    model's own next-but-one distribution (soft targets: the model's softmax at p + 1 for the NextN output at p,
+    on the replies), which is what greedy speculative acceptance rewards. Init: the block is a copy of the
+    model's last block, eh_proj passes the hidden state through, the head's norm is the model's final norm."""
+    import numpy as np
+    import torch
+    import torch.nn.functional as F
+    from glmcore.arch.glm import chatglm_name, mtp_as_layer
+    from glmcore.config import ModelConfig
+    from glmcore.weights import BF16, load_weights, write_safetensors
+    torch.manual_seed(SEED)
+    torch.set_num_threads(a.threads)
+    work, model = Path(a.work), Path(a.model)
+    cfg = ModelConfig.from_dir(model)
+    if cfg.num_mtp_layers:
+        raise SystemExit(f"{model} has a NextN layer already (num_nextn_predict_layers); export the model again")
+    base = load_weights(model, cfg)
+    w = {k: torch.from_numpy(np.ascontiguousarray(base.f32(k))) for k in base}
+    _, fmt = tokenizer_and_format(model)
+    h = cfg.hidden_size
+    last = f"layers.{cfg.num_layers - 1}."
+    m = {"mtp.0.enorm.weight": torch.ones(h), "mtp.0.hnorm.weight": torch.ones(h),
+         "mtp.0.eh_proj.weight": torch.cat([torch.randn(h, h) * 0.02, torch.eye(h)], dim=1),
+         "mtp.0.final_norm.weight": w["final_norm.weight"].clone(),
+         **{"mtp.0.layer." + k[len(last):]: v.clone() for k, v in w.items() if k.startswith(last)}}
+    m = {k: torch.nn.Parameter(v) for k, v in m.items()}
+    opt = torch.optim.AdamW(list(m.values()), lr=a.lr, betas=(0.9, 0.95), weight_decay=0.0)
+
+    def loss_of(batch):
+        ids, _, msk, pos, doc = batch
+        with torch.no_grad():
+            logits, hidden = forward(cfg, w, ids, pos, doc, hidden=True)
+            teacher = F.softmax(logits[:, 1:], dim=-1)              # the model at p + 1: the token at p + 2
+            greedy = logits[:, 1:].argmax(-1)
+        out = nextn_forward(cfg, w, m, ids, pos, doc, hidden)[:, :-1]
+        mask = msk[:, 1:]                                            # a reply's token at p + 2 (same document)
+        soft = -(teacher * F.log_softmax(out, dim=-1)).sum(-1)
+        agree = (out.argmax(-1) == greedy).float()
+        return (soft * mask).sum() / mask.sum(), (agree * mask).sum() / mask.sum()
+
+    test = pack(build_samples(work, "test", SEED + 999, fmt)[:a.eval_samples], SEQ_LEN)
+    rows = pack(build_samples(work, "train", SEED + 7, fmt), SEQ_LEN)
+    log, t0, step, row = [], time.time(), 0, 0
+    while time.time() - t0 < a.minutes * 60 and row + a.batch <= rows[0].shape[0]:
+        frac = (time.time() - t0) / (a.minutes * 60)
+        lr = a.lr * min(1.0, (step + 1) / a.warmup) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
+        for g in opt.param_groups:
+            g["lr"] = lr
+        loss, agree = loss_of([t[row:row + a.batch] for t in rows])
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(list(m.values()), 1.0)
+        opt.step()
+        step, row = step + 1, row + a.batch
+        if step % a.log_every == 0:
+            rec = {"step": step, "min": round((time.time() - t0) / 60, 2), "lr": lr, "loss": round(float(loss.detach()), 4),
+                   "agree_with_greedy": round(float(agree), 4)}
+            log.append(rec)
+            print(json.dumps(rec), flush=True)
+    with torch.no_grad():
+        held = [loss_of([t[s:s + 16] for t in test]) for s in range(0, test[0].shape[0], 16)]
+    result = {"steps": step, "minutes": round((time.time() - t0) / 60, 1), "threads": a.threads,
+              "heldout_soft_loss": round(float(sum(x[0] for x in held) / len(held)), 4),
+              "heldout_agree_with_greedy": round(float(sum(x[1] for x in held) / len(held)), 4)}
+    print(json.dumps(result), flush=True)
+    names = lambda k: chatglm_name(mtp_as_layer(k, cfg))         # noqa: E731  (layer num_layers in the ChatGLM layout)
+    write_safetensors(model / "mtp.safetensors", {names(k): v.detach().numpy().astype(BF16) for k, v in m.items()},
+                      {"format": "pt"})
+    raw = json.loads((model / "config.json").read_text())
+    raw["num_nextn_predict_layers"] = 1
+    raw.setdefault("glmcore_demo", {})["mtp"] = {**result, "file": "mtp.safetensors", "script": "tools/train_demo.py mtp"}
+    (model / "config.json").write_text(json.dumps(raw, indent=2, ensure_ascii=False) + "\n")
+    (work / "mtp_log.json").write_text(json.dumps({"log": log, "result": result}, indent=1))
+    print(f"wrote {model / 'mtp.safetensors'}")
 
 
 def cmd_plot(a) -> None:
@@ -608,6 +718,16 @@ def main(argv=None) -> None:
     pl = sub.add_parser("plot")
     pl.add_argument("--log", required=True, help="training_log.json")
     pl.add_argument("--out", required=True)
+    mt = sub.add_parser("mtp", help="train a NextN layer for an exported model (speculative decoding)")
+    mt.add_argument("--work", required=True)
+    mt.add_argument("--model", required=True, help="the exported model folder (gets mtp.safetensors)")
+    mt.add_argument("--minutes", type=float, default=20)
+    mt.add_argument("--threads", type=int, default=1)
+    mt.add_argument("--batch", type=int, default=16)
+    mt.add_argument("--lr", type=float, default=1e-3)
+    mt.add_argument("--warmup", type=int, default=50)
+    mt.add_argument("--log-every", type=int, default=20)
+    mt.add_argument("--eval-samples", type=int, default=400)
     ms = sub.add_parser("measure")
     ms.add_argument("--work", required=True)
     ms.add_argument("--model", required=True, help="the exported model folder")
@@ -617,7 +737,7 @@ def main(argv=None) -> None:
     ms.add_argument("--limit", type=int, default=None, help="first N samples/prompts only (a quick check)")
     a = ap.parse_args(argv)
     {"data": cmd_data, "tokenizer": cmd_tokenizer, "train": cmd_train, "export": cmd_export, "plot": cmd_plot,
-     "bench": cmd_bench, "measure": cmd_measure}[a.cmd](a)
+     "bench": cmd_bench, "measure": cmd_measure, "mtp": cmd_mtp}[a.cmd](a)
 
 
 if __name__ == "__main__":

@@ -14,6 +14,8 @@ from pathlib import Path
 
 import numpy as np
 
+from ..errors import CheckpointError
+
 
 class Split(enum.Enum):
     """How one canonical tensor ([out, in] for linear weights) is divided over tensor-parallel ranks."""
@@ -120,3 +122,46 @@ class Architecture:
 
     def describe(self) -> str:
         return f"{self.name} ({self.title})" if self.title else self.name
+
+
+# A NextN layer's own tensors beside its decoder layer (GLM-4.5's names after model.layers.N.) -> canonical
+MTP_NAMES = {"enorm.weight": "enorm.weight", "hnorm.weight": "hnorm.weight", "eh_proj.weight": "eh_proj.weight",
+             "shared_head.norm.weight": "final_norm.weight", "shared_head.head.weight": "head.weight",
+             "embed_tokens.weight": "embed.weight"}
+
+
+def mtp_tensors(cfg, layer: Callable[[str], dict[str, TensorSpec]]) -> dict[str, TensorSpec]:
+    """The NextN layers' tensors: the norms of the embedding and of the hidden state, their projection, one decoder
+    layer (`layer(prefix)`: the architecture's block) and the shared head's norm. Optional, but complete and of the
+    model's width when present; embed/head copies are the model's own where a checkpoint stores them."""
+    h, norm = cfg.hidden_size, TensorSpec((cfg.hidden_size,), role=Role.NORM)
+    t = {}
+    for j in range(cfg.num_mtp_layers):
+        p = f"mtp.{j}."
+        t.update({p + "enorm.weight": norm, p + "hnorm.weight": norm, p + "eh_proj.weight": TensorSpec((h, 2 * h)),
+                  p + "final_norm.weight": norm})
+        t.update(layer(p + "layer."))
+    return t
+
+
+def place_mtp(cfg, tensors: dict[str, np.ndarray], where: Path) -> None:
+    """Move the tensors of layers past the decoder layers (the NextN layers) from layers.N.* to mtp.J.*
+    (J = N - num_layers). A layer index past num_layers + num_nextn_predict_layers belongs to another model."""
+    L = cfg.num_layers
+    for name in [n for n in tensors if n.startswith("layers.")]:
+        i, rest = name[len("layers."):].split(".", 1)
+        j = int(i) - L
+        if j < 0:
+            if rest in MTP_NAMES.values():      # a decoder layer never holds these
+                raise CheckpointError(f"{where}: layer {i} stores NextN tensor {rest}; only the layers after the "
+                                      f"{L} decoder layers are NextN layers, the checkpoint does not match config.json")
+            continue
+        if j >= cfg.num_mtp_layers:
+            raise CheckpointError(f"{where}: the tensors of layer {i} lie past the {L} decoder layers and "
+                                  f"{cfg.num_mtp_layers} NextN layer(s) of config.json; config.json belongs to "
+                                  "another model size")
+        t = tensors.pop(name)
+        tensors[f"mtp.{j}." + (rest if rest in MTP_NAMES.values() else "layer." + rest)] = t
+    for j in range(cfg.num_mtp_layers):   # copies of the model's own embedding and head are not kept twice
+        for own in ("embed.weight", "head.weight"):
+            tensors.pop(f"mtp.{j}.{own}", None)

@@ -16,7 +16,7 @@ import numpy as np
 
 from ..config import ModelConfig
 from ..errors import CheckpointError, ConfigError
-from .base import Architecture, Axis, Role, Split, TensorSpec
+from .base import MTP_NAMES, Architecture, Axis, Role, Split, TensorSpec, mtp_tensors, place_mtp
 
 
 class GlmArchitecture(Architecture):
@@ -42,28 +42,19 @@ class GlmArchitecture(Architecture):
     # ------------------------------------------------------------ layout
 
     def tensors(self, cfg: ModelConfig) -> dict[str, TensorSpec]:
-        """Linear weights are [out, in] as in the checkpoints; the fused qkv holds q rows, then k, then v;
-        ffn_up holds the gate rows, then the up rows (transformers' gate_up_proj: chunk(2), gate first)."""
-        h, qkv = cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size
-        norm = TensorSpec((h,), role=Role.NORM)
+        h, norm = cfg.hidden_size, TensorSpec((cfg.hidden_size,), role=Role.NORM)
         t = {"embed.weight": TensorSpec((cfg.vocab_size, h), Split.VOCAB, role=Role.EMBEDDING)}
         for i in range(cfg.num_layers):
-            p = f"layers.{i}."
-            t[p + "input_norm.weight"] = norm
-            t[p + "qkv.weight"] = TensorSpec((qkv, h), Split.COLUMN, Axis.QKV, role=Role.QUERY_KEY)
-            if cfg.qkv_bias:
-                t[p + "qkv.bias"] = TensorSpec((qkv,), Split.COLUMN, Axis.QKV, role=Role.BIAS)
-            t[p + "attn_out.weight"] = TensorSpec((h, cfg.q_size), Split.ROW, Axis.HEADS)
-            if cfg.post_norms:
-                t[p + "post_self_attn_norm.weight"] = norm     # on the attention output, before the add
-            t[p + "post_attn_norm.weight"] = norm
-            t[p + "ffn_up.weight"] = TensorSpec((2 * cfg.ffn_hidden_size, h), Split.COLUMN, Axis.FFN, blocks=2)
-            t[p + "ffn_down.weight"] = TensorSpec((h, cfg.ffn_hidden_size), Split.ROW, Axis.FFN)
-            if cfg.post_norms:
-                t[p + "post_mlp_norm.weight"] = norm           # on the MLP output, before the add
+            t.update(layer_tensors(cfg, f"layers.{i}."))
         t["final_norm.weight"] = norm
         t["lm_head.weight"] = TensorSpec((cfg.vocab_size, h), Split.VOCAB, role=Role.OUTPUT)
         return t
+
+    def optional_tensors(self, cfg: ModelConfig) -> dict[str, TensorSpec]:
+        """A NextN layer (glmcore's extension for a dense checkpoint: the demo model's, trained here): GLM-4.5's
+        parts -- the norms of the embedding and of the hidden state, their projection, one decoder layer of the
+        model's kind, the shared head's norm -- stored after the decoder layers."""
+        return mtp_tensors(cfg, lambda p: layer_tensors(cfg, p))
 
     def num_params(self, cfg: ModelConfig) -> int:
         h, f, L = cfg.hidden_size, cfg.ffn_hidden_size, cfg.num_layers
@@ -87,12 +78,12 @@ class GlmArchitecture(Architecture):
                 out[_HF_TOP[name]] = t
                 continue
             m = re.fullmatch(r"transformer\.encoder\.layers\.(\d+)\.(.+)", name)
-            if m and m.group(2) in _CHATGLM_LAYER:
-                out[f"layers.{m.group(1)}.{_CHATGLM_LAYER[m.group(2)]}"] = t
+            if m and (canon := _CHATGLM_LAYER.get(m.group(2)) or MTP_NAMES.get(m.group(2))):
+                out[f"layers.{m.group(1)}.{canon}"] = t       # past the decoder layers: a NextN layer (place_mtp)
                 continue
             m = re.fullmatch(r"model\.layers\.(\d+)\.(.+)", name)
-            if m and m.group(2) in _HF_LAYER:
-                out[f"layers.{m.group(1)}.{_HF_LAYER[m.group(2)]}"] = t
+            if m and (canon := _HF_LAYER.get(m.group(2)) or MTP_NAMES.get(m.group(2))):
+                out[f"layers.{m.group(1)}.{canon}"] = t
                 continue
             mq = re.fullmatch(r"model\.layers\.(\d+)\.self_attn\.([qkv])_proj\.(weight|bias)", name) if m else None
             if mq:
@@ -197,11 +188,13 @@ class GlmArchitecture(Architecture):
                                       "tie_word_embeddings false; download the shard that holds it, or set "
                                       "tie_word_embeddings true if the model really shares its embedding")
             tensors["lm_head.weight"] = tensors["embed.weight"]     # ChatGLM exports that dropped a tied copy
+        place_mtp(cfg, tensors, where)
 
     def stored_names(self, cfg: ModelConfig):
         if cfg.model_type in ("glm", "glm4"):
-            return lambda n: {} if n == "lm_head.weight" and cfg.tie_embeddings else hf_names(n, cfg)
-        return lambda n: {chatglm_name(n): None}
+            return lambda n: {} if n == "lm_head.weight" and cfg.tie_embeddings else hf_names(mtp_as_layer(n, cfg),
+                                                                                             cfg)
+        return lambda n: {chatglm_name(mtp_as_layer(n, cfg)): None}
 
     # ------------------------------------------------------------ synthetic checkpoints
 
@@ -212,6 +205,27 @@ class GlmArchitecture(Architecture):
         if family in HF_SIZES:
             return _hf_synthetic_config(family, size, layers, out, tokenizer_from)
         return _chatglm_synthetic_config(family, size, layers, out, tokenizer_from)
+
+
+def layer_tensors(cfg: ModelConfig, p: str) -> dict[str, TensorSpec]:
+    """One dense block's tensors under prefix p. Linear weights are [out, in] as in the checkpoints; the fused
+    qkv holds q rows, then k, then v; ffn_up holds the gate rows, then the up rows (transformers' gate_up_proj:
+    chunk(2), gate first)."""
+    h, qkv = cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size
+    norm = TensorSpec((h,), role=Role.NORM)
+    t = {p + "input_norm.weight": norm,
+         p + "qkv.weight": TensorSpec((qkv, h), Split.COLUMN, Axis.QKV, role=Role.QUERY_KEY)}
+    if cfg.qkv_bias:
+        t[p + "qkv.bias"] = TensorSpec((qkv,), Split.COLUMN, Axis.QKV, role=Role.BIAS)
+    t[p + "attn_out.weight"] = TensorSpec((h, cfg.q_size), Split.ROW, Axis.HEADS)
+    if cfg.post_norms:
+        t[p + "post_self_attn_norm.weight"] = norm     # on the attention output, before the add
+    t[p + "post_attn_norm.weight"] = norm
+    t[p + "ffn_up.weight"] = TensorSpec((2 * cfg.ffn_hidden_size, h), Split.COLUMN, Axis.FFN, blocks=2)
+    t[p + "ffn_down.weight"] = TensorSpec((h, cfg.ffn_hidden_size), Split.ROW, Axis.FFN)
+    if cfg.post_norms:
+        t[p + "post_mlp_norm.weight"] = norm           # on the MLP output, before the add
+    return t
 
 
 # ---------------------------------------------------------------- config.json forms
@@ -238,6 +252,7 @@ def _from_chatglm(raw: dict, model_dir: Path | None) -> ModelConfig:
         linear_bias=raw.get("add_bias_linear", False),
         name=raw.get("_name_or_path", ""),
         arch="glm", model_type="chatglm",
+        num_mtp_layers=raw.get("num_nextn_predict_layers", 0),      # glmcore's extension (the demo's NextN layer)
     )
 
 
@@ -410,8 +425,14 @@ def hf_names(canonical: str, cfg: ModelConfig) -> dict[str, slice | None]:
         q, kv = cfg.q_size, cfg.kv_size
         return {p + f"self_attn.q_proj.{kind}": slice(0, q), p + f"self_attn.k_proj.{kind}": slice(q, q + kv),
                 p + f"self_attn.v_proj.{kind}": slice(q + kv, q + 2 * kv)}
-    inv = {v: k for k, v in _HF_LAYER.items() if "qkv_proj" not in k}
+    inv = {**{v: k for k, v in MTP_NAMES.items()}, **{v: k for k, v in _HF_LAYER.items() if "qkv_proj" not in k}}
     return {p + inv[m.group(2)]: None}
+
+
+def mtp_as_layer(canonical: str, cfg: ModelConfig) -> str:
+    """A NextN layer's canonical name as the layer it is stored as (mtp.J.x -> layers.{num_layers + J}.x)."""
+    m = re.fullmatch(r"mtp\.(\d+)\.(layer\.)?(.+)", canonical)
+    return f"layers.{cfg.num_layers + int(m.group(1))}.{m.group(3)}" if m else canonical
 
 
 def chatglm_name(canonical: str) -> str:
@@ -420,7 +441,7 @@ def chatglm_name(canonical: str) -> str:
         if v == canonical:
             return k
     m = re.fullmatch(r"layers\.(\d+)\.(.+)", canonical)
-    inv = {v: k for k, v in _CHATGLM_LAYER.items()}
+    inv = {**{v: k for k, v in MTP_NAMES.items()}, **{v: k for k, v in _CHATGLM_LAYER.items()}}
     return f"transformer.encoder.layers.{m.group(1)}.{inv[m.group(2)]}"
 
 

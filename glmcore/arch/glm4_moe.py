@@ -22,7 +22,7 @@ import numpy as np
 
 from ..config import ModelConfig
 from ..errors import CheckpointError, ConfigError
-from .base import Architecture, Axis, Role, Split, TensorSpec
+from .base import MTP_NAMES, Architecture, Axis, Role, Split, TensorSpec, mtp_tensors, place_mtp
 from .glm import GGUF_TOP, hf_rope, write_synthetic_tokenizer
 
 # transformers' Glm4MoeConfig defaults, used exactly where config.json leaves a key out.
@@ -49,14 +49,13 @@ class MoeConfig(ModelConfig):
     norm_topk_prob: bool = True
     sparse_layers: tuple[bool, ...] = ()  # per decoder layer: the MoE block (True) or a dense MLP
     qk_norm: bool = False                 # per-head RMSNorm on q and k before the rotary
-    num_mtp_layers: int = 0               # num_nextn_predict_layers stored after the decoder layers
 
     def validated(self, source: str = "config.json") -> "MoeConfig":
         cfg = super().validated(source)
         for f, hi in (("moe_ffn_hidden_size", 1 << 18), ("num_experts", 4096), ("experts_per_token", 4096),
-                      ("num_shared_experts", 64), ("num_groups", 4096), ("topk_groups", 4096), ("num_mtp_layers", 16)):
+                      ("num_shared_experts", 64), ("num_groups", 4096), ("topk_groups", 4096)):
             v = getattr(cfg, f)
-            lo = 0 if f in ("num_shared_experts", "num_mtp_layers") else 1
+            lo = 0 if f == "num_shared_experts" else 1
             if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
                 raise ConfigError(f"{source}: {f} = {v!r} is not an integer in {lo}..{hi}; restore the file from the "
                                   "original checkpoint")
@@ -207,20 +206,9 @@ class Glm4MoeArchitecture(Architecture):
         t["lm_head.weight"] = TensorSpec((cfg.vocab_size, h), Split.VOCAB, role=Role.OUTPUT)
         return t
 
-    def mtp_tensors(self, cfg: MoeConfig) -> dict[str, TensorSpec]:
-        """The NextN layers' tensors: optional (many exports drop them), but complete and of this model's width
-        when present. embed/head copies are the model's own where the checkpoint leaves them out."""
-        h, norm = cfg.hidden_size, TensorSpec((cfg.hidden_size,), role=Role.NORM)
-        t = {}
-        for j in range(cfg.num_mtp_layers):
-            p = f"mtp.{j}."
-            t.update({p + "enorm.weight": norm, p + "hnorm.weight": norm,
-                      p + "eh_proj.weight": TensorSpec((h, 2 * h)), p + "final_norm.weight": norm})
-            t.update(self.layer_tensors(cfg, p + "layer.", True))
-        return t
-
     def optional_tensors(self, cfg) -> dict[str, TensorSpec]:
-        return self.mtp_tensors(cfg)
+        """The NextN layers (many exports drop them): MoE blocks."""
+        return mtp_tensors(cfg, lambda p: self.layer_tensors(cfg, p, True))
 
     # ------------------------------------------------------------ checkpoint names
 
@@ -274,11 +262,6 @@ FUSED_PARTS = {
     "ffn_up.weight": ["mlp.gate_proj.weight", "mlp.up_proj.weight"],
     "shared.ffn_up.weight": ["mlp.shared_experts.gate_proj.weight", "mlp.shared_experts.up_proj.weight"],
 }
-_MTP = {"enorm.weight": "enorm.weight", "hnorm.weight": "hnorm.weight", "eh_proj.weight": "eh_proj.weight",
-        "shared_head.norm.weight": "final_norm.weight", "shared_head.head.weight": "head.weight",
-        "embed_tokens.weight": "embed.weight"}
-
-
 # llama.cpp's names (gguf-py's TensorNameMap for glm4moe/deepseek2) -> canonical, per layer; the NextN layers'
 # own tensors are blk.N.nextn.* (moved to mtp.J.* by place_mtp as for transformers' names)
 GGUF_LAYER = {
@@ -402,7 +385,7 @@ def moe_to_canonical(raw: dict[str, np.ndarray], where: Path, layer: dict[str, s
         p, rest = f"layers.{int(m.group(1))}.", m.group(2)
         if rest.endswith("rotary_emb.inv_freq"):
             continue
-        canon = layer.get(rest) or _expert_name(rest) or _MTP.get(rest)
+        canon = layer.get(rest) or _expert_name(rest) or MTP_NAMES.get(rest)
         if canon is not None:
             out[p + canon] = t
             continue
@@ -459,29 +442,6 @@ def _join_rows(parts: list[np.ndarray]) -> np.ndarray:
     return np.concatenate(parts, axis=0)
 
 
-def place_mtp(cfg: MoeConfig, tensors: dict[str, np.ndarray], where: Path) -> None:
-    """Move the tensors of layers past the decoder layers (the NextN layers) from layers.N.* to mtp.J.*
-    (J = N - num_layers). A layer index past num_layers + num_nextn_predict_layers belongs to another model."""
-    L = cfg.num_layers
-    for name in [n for n in tensors if n.startswith("layers.")]:
-        i, rest = name[len("layers."):].split(".", 1)
-        j = int(i) - L
-        if j < 0:
-            if rest in _MTP.values():      # a decoder layer never holds these
-                raise CheckpointError(f"{where}: layer {i} stores NextN tensor {rest}; only the layers after the "
-                                      f"{L} decoder layers are NextN layers, the checkpoint does not match config.json")
-            continue
-        if j >= cfg.num_mtp_layers:
-            raise CheckpointError(f"{where}: tensor model.layers.{i}.* lies past the {L} decoder layers and "
-                                  f"{cfg.num_mtp_layers} NextN layer(s) of config.json; config.json belongs to "
-                                  "another model size")
-        t = tensors.pop(name)
-        tensors[f"mtp.{j}." + (rest if rest in _MTP.values() else "layer." + rest)] = t
-    for j in range(cfg.num_mtp_layers):   # copies of the model's own embedding and head are not kept twice
-        for own in ("embed.weight", "head.weight"):
-            tensors.pop(f"mtp.{j}.{own}", None)
-
-
 def hf_moe_names(canonical: str, cfg, inv_layer: dict) -> dict[str, slice | None]:
     """The published (transformers / hub) names of a canonical tensor, each with the rows it holds."""
     top = {"embed.weight": "model.embed_tokens.weight", "final_norm.weight": "model.norm.weight",
@@ -493,7 +453,7 @@ def hf_moe_names(canonical: str, cfg, inv_layer: dict) -> dict[str, slice | None
     if kind == "mtp":
         idx += cfg.num_layers
         if not rest.startswith("layer."):
-            inv_mtp = {v: k for k, v in _MTP.items()}
+            inv_mtp = {v: k for k, v in MTP_NAMES.items()}
             return {f"model.layers.{idx}.{inv_mtp[rest]}": None}
         rest = rest[len("layer."):]
     p = f"model.layers.{idx}."
