@@ -237,7 +237,7 @@ def test_reasoning_effort_and_thinking_budget(servers):
                            extra_body={"seed": 2, "max_thinking_tokens": 3})
     assert r.output[0].type == "reasoning" and 1 <= r.usage.output_tokens_details.reasoning_tokens <= 4
     off = c.responses.create(model="glm47", input="hi", max_output_tokens=2,
-                             reasoning={"effort": "none"})
+                             reasoning={"effort": "none"}, include=["reasoning.encrypted_content"])
     fmt = m.chat_format.configured({"enable_thinking": False})
     assert off.usage.input_tokens == len(fmt.encode_messages([as_message({"role": "user", "content": "hi"})]))
 
@@ -261,6 +261,7 @@ def _deep(n: int) -> dict:
     ({"model": "demo", "input": [{"role": "user", "content": [{"type": "input_file", "file_id": "f"}]}]}, 400,
      "input.0.content.0", "unsupported_value"),
     ({"model": "demo", "input": "x", "tools": [{"type": "web_search"}]}, 400, "tools.0.type", "invalid_value"),
+    ({"model": "demo", "input": "x", "include": ["file_search_call.results"]}, 400, "include.0", "invalid_value"),
     ({"model": "demo", "input": "x", "tools": [{"type": "function", "name": "f", "parameters": _deep(20)}]}, 400,
      "tools.0.parameters", "invalid_value"),
     ({"model": "demo", "input": "x", "previous_response_id": "resp_nope"}, 404, "previous_response_id",

@@ -217,6 +217,7 @@ def model_log_softmax(ref, ids):
     batch = ref.scheduler.batch
     batch.reset(0)
     rows = batch.step([(0, list(ids))], all_logits=True)[0]
+    ref.scheduler.forget()          # the slot table did not see this step: the slot starts empty again
     return np.stack([ref_log_softmax(r) for r in rows])
 
 

@@ -24,7 +24,8 @@ from glmcore.errors import GlmcoreError  # noqa: E402
 from glmcore.events import TextDelta, ToolCallDelta, ToolCallEvent  # noqa: E402
 from glmcore.model import load_model  # noqa: E402
 from glmcore.server import _bind, uvicorn_config  # noqa: E402
-from glmcore.server.app import StopStrings, create_app  # noqa: E402
+from glmcore.server.app import create_app  # noqa: E402
+from glmcore.server.exchange import StopStrings  # noqa: E402
 from glmcore.tokenizer import load_tokenizer  # noqa: E402
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "current weather",
@@ -688,7 +689,7 @@ def test_expensive_requests_never_stall_health(own_model, monkeypatch):
     # before expansion or prepared in worker threads, never on the event loop
     import asyncio
 
-    from glmcore.server import app as app_module
+    from glmcore.server import exchange as app_module
     on_loop = []
 
     def parse(cls, body):            # the first step of preparing a request: record whether the loop runs it

@@ -21,10 +21,19 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..backend import KVBlob
-from .slots import common_prefix
 
 BLOCK_TOKENS = 16        # ids per hashed block (vLLM's default block size)
 DEFAULT_CACHE_MIB = 8192  # `glmcore serve --cache-ram`'s default: llama.cpp's (0 turns the cache off)
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading ids a and b share."""
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
 
 
 @dataclass(eq=False)

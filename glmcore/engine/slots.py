@@ -4,16 +4,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import numpy as np
 
 from ..backend import BatchSession, Capabilities
 from ..errors import ContextOverflow, GlmcoreError
+from .prompt_cache import PromptCache, common_prefix
 from .request import RequestState, Slot, WindowPolicy
 
-if TYPE_CHECKING:
-    from .prompt_cache import PromptCache
 
 
 @dataclass(frozen=True)
@@ -31,7 +29,7 @@ class SlotTable:
     With a prompt cache (backends with kv_export), a slot's content is saved there before it is overwritten,
     and a prompt whose prefix the cache holds longer than any slot is restored from it."""
 
-    def __init__(self, batch: BatchSession, caps: Capabilities, cache: "PromptCache | None" = None):
+    def __init__(self, batch: BatchSession, caps: Capabilities, cache: PromptCache | None = None):
         self.batch = batch
         self.can_shift, self.native = caps.can_shift, caps.native_batch
         self.slots = [Slot(i) for i in range(batch.n_slots)]
@@ -141,16 +139,6 @@ class SlotTable:
             self.truncate(slot, 0)
         if self.cache is not None:
             self.cache.clear()
-
-
-def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    """How many leading ids a and b share."""
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 def make_room(slot: Slot, n_new: int, capacity: int, window: WindowPolicy) -> Room:

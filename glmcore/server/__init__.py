@@ -1,6 +1,6 @@
 """`glmcore serve`: an OpenAI-compatible HTTP server over the continuous-batching scheduler.
 
-A thin layer (DESIGN.md): glmcore.server.app turns requests into scheduler Requests and the scheduler's
+A thin layer (DESIGN.md): glmcore.server.exchange turns requests into scheduler Requests and the scheduler's
 tokens into JSON / server-sent events; chat formats and tool-call parsing stay in glmcore.chat. Its web
 stack (FastAPI, uvicorn, prometheus_client) is the optional extra `glmcore[server]`.
 """
@@ -86,7 +86,7 @@ def require_stack() -> None:
 def uvicorn_config(app, read_timeout: float = 30.0, **kw):
     """uvicorn's Config for the app, with a read timeout on request heads: uvicorn has none, so a client that
     drips a header byte every few seconds would hold its connection forever (the body's timeout is the app's,
-    glmcore.server.app.read_body)."""
+    glmcore.server.exchange.read_body)."""
     import uvicorn
     from uvicorn.protocols.http.auto import AutoHTTPProtocol
 

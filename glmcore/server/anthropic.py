@@ -13,9 +13,9 @@ from fastapi import Request
 from pydantic import Field, field_validator
 
 from ..events import FinishReason
-from .app import ChatCompletion, Choice, State, read_body
+from .exchange import ChatCompletion, Choice, State, read_body
 from .blocks import Block, Blocks, Kind, Op, Step, reply_blocks
-from .protocol import MAX_SCHEMA_DEPTH, MAX_STOPS, ApiError, ChatRequest, _Strict, parse, value_depth
+from .protocol import MAX_SCHEMA_DEPTH, MAX_STOPS, ApiError, ChatRequest, Strict, parse, value_depth
 
 ANTHROPIC_PREFIX = "/v1/messages"
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
@@ -29,14 +29,14 @@ def anthropic_error(status: int, body: dict) -> dict:
                                        "message": body["error"]["message"]}}
 
 
-class TextBlock(_Strict):
+class TextBlock(Strict):
     type: Literal["text"]
     text: str
     cache_control: dict | None = None      # a caching hint: this server's prefix reuse needs none
     citations: list | None = None
 
 
-class ToolUseBlock(_Strict):
+class ToolUseBlock(Strict):
     type: Literal["tool_use"]
     id: str
     name: str = Field(min_length=1, max_length=256)
@@ -44,7 +44,7 @@ class ToolUseBlock(_Strict):
     cache_control: dict | None = None
 
 
-class ToolResultBlock(_Strict):
+class ToolResultBlock(Strict):
     type: Literal["tool_result"]
     tool_use_id: str
     content: str | list[TextBlock] | None = None
@@ -52,13 +52,13 @@ class ToolResultBlock(_Strict):
     cache_control: dict | None = None
 
 
-class ThinkingBlock(_Strict):
+class ThinkingBlock(Strict):
     type: Literal["thinking"]
     thinking: str
     signature: str | None = None           # this server signs nothing: what it returns is the thought as written
 
 
-class RedactedThinkingBlock(_Strict):
+class RedactedThinkingBlock(Strict):
     type: Literal["redacted_thinking"]
     data: str
 
@@ -67,12 +67,12 @@ ContentBlock = Annotated[Union[TextBlock, ToolUseBlock, ToolResultBlock, Thinkin
                          Field(discriminator="type")]
 
 
-class MessageParam(_Strict):
+class MessageParam(Strict):
     role: Literal["user", "assistant"]
     content: str | list[ContentBlock]
 
 
-class ToolParam(_Strict):
+class ToolParam(Strict):
     type: Literal["custom"] | None = None
     name: str = Field(min_length=1, max_length=256)
     description: str | None = None
@@ -88,19 +88,19 @@ class ToolParam(_Strict):
         return v
 
 
-class ToolChoiceParam(_Strict):
+class ToolChoiceParam(Strict):
     type: Literal["auto", "any", "tool", "none"]
     name: str | None = Field(None, min_length=1, max_length=256)
     disable_parallel_tool_use: bool | None = None
 
 
-class ThinkingParam(_Strict):
+class ThinkingParam(Strict):
     type: Literal["enabled", "adaptive", "disabled"]      # adaptive: the model's own thought, no budget named
     budget_tokens: int | None = Field(None, ge=0, le=2**31 - 1)
     display: Literal["summarized"] | None = None        # the thought is returned (whole: nothing here sums it up)
 
 
-class CountTokensRequest(_Strict):
+class CountTokensRequest(Strict):
     model: str
     messages: list[MessageParam]
     system: str | list[TextBlock] | None = None
@@ -109,7 +109,7 @@ class CountTokensRequest(_Strict):
     thinking: ThinkingParam | None = None
 
 
-class Metadata(_Strict):
+class Metadata(Strict):
     user_id: str | None = None
 
 

@@ -82,7 +82,7 @@ def arguments_json(arguments: dict) -> str:
 
 
 def reply_blocks(reply) -> list[Block]:
-    """A finished reply's blocks (an app.Reply: its thought, its text, its calls), for a response sent whole."""
+    """A finished reply's blocks (an exchange.Reply: its thought, its text, its calls), for a response sent whole."""
     out = []
     if reply.reasoning:
         out.append(Block(Kind.REASONING, len(out), reply.reasoning))

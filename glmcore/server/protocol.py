@@ -38,11 +38,11 @@ def error_body(message: str, type: str = "invalid_request_error", param: str | N
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
 
 
-class _Strict(BaseModel):
+class Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
 
-class StreamOptions(_Strict):
+class StreamOptions(Strict):
     include_usage: bool = False
 
 
@@ -74,27 +74,27 @@ def parse_arguments(arguments: str | dict, where: str) -> dict:
     return arguments
 
 
-class FunctionCall(_Strict):
+class FunctionCall(Strict):
     name: str = Field(min_length=1, max_length=256)
     arguments: str | dict = "{}"
 
 
-class ToolCallIn(_Strict):
+class ToolCallIn(Strict):
     id: str = ""
     type: Literal["function"] = "function"
     function: FunctionCall
 
 
-class FunctionName(_Strict):
+class FunctionName(Strict):
     name: str = Field(min_length=1, max_length=256)
 
 
-class ToolChoiceFunction(_Strict):
+class ToolChoiceFunction(Strict):
     type: Literal["function"]
     function: FunctionName
 
 
-class FunctionDef(_Strict):
+class FunctionDef(Strict):
     name: str = Field(min_length=1, max_length=256)
     description: str | None = None
     parameters: dict | None = None
@@ -108,12 +108,12 @@ class FunctionDef(_Strict):
         return v
 
 
-class ToolDef(_Strict):
+class ToolDef(Strict):
     type: Literal["function"]
     function: FunctionDef
 
 
-class MessageIn(_Strict):
+class MessageIn(Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[dict] | None = None
     name: str | None = None                # a participant's name; the GLM formats have no place for it
@@ -122,19 +122,19 @@ class MessageIn(_Strict):
     reasoning_content: str | None = None   # a thinking model's reasoning as this server returned it (vLLM's name)
 
 
-class JsonSchemaSpec(_Strict):
+class JsonSchemaSpec(Strict):
     name: str = Field("response", min_length=1, max_length=64)
     description: str | None = None
     schema_: dict | bool = Field(default_factory=dict, alias="schema")
     strict: bool | None = None
 
 
-class ResponseFormat(_Strict):
+class ResponseFormat(Strict):
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaSpec | None = None
 
 
-class StructuredOutputs(_Strict):
+class StructuredOutputs(Strict):
     """vLLM's extension (glmcore.server.outputs): exactly one of these."""
     json_: dict | bool | str | None = Field(None, alias="json")
     regex: str | None = None
@@ -159,7 +159,7 @@ def _is_default(value, default) -> bool:
     return type(value) is type(default) and value == default
 
 
-class _Sampling(_Strict):
+class _Sampling(Strict):
     model: str
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -221,7 +221,7 @@ class CompletionRequest(_Sampling):
 
 
 # vLLM's tokenizer endpoints (glmcore.server.tokenize)
-class TokenizeRequest(_Strict):
+class TokenizeRequest(Strict):
     model: str | None = None
     prompt: str | None = None
     messages: list[MessageIn] | None = None
@@ -235,7 +235,7 @@ class TokenizeRequest(_Strict):
     tool_choice: ClassVar[None] = None        # what tool_setup reads; the template only lists the tools
 
 
-class DetokenizeRequest(_Strict):
+class DetokenizeRequest(Strict):
     model: str | None = None
     tokens: list[int] = Field(max_length=1 << 20)
 
@@ -291,7 +291,7 @@ def _param(data, loc) -> str | None:
     return ".".join(path) or None
 
 
-def parse(cls: type[_Strict], body: bytes) -> _Strict:
+def parse(cls: type[Strict], body: bytes) -> Strict:
     """The request, or an ApiError naming the first field that is wrong."""
     try:
         text = body.decode("utf-8")

@@ -15,21 +15,21 @@ from typing import Any, Literal
 from pydantic import Field, field_validator
 
 from ..events import FinishReason
-from .app import ChatCompletion, Choice, State
+from .exchange import ChatCompletion, Choice, State
 from .blocks import Block, Blocks, Kind, Op, Step, reply_blocks
-from .protocol import ApiError, ChatRequest, FunctionDef, StructuredOutputs, _Strict, parse
+from .protocol import ApiError, ChatRequest, FunctionDef, StructuredOutputs, Strict, parse
 
 RESPONSES_KEPT = 128        # stored responses (each holds its whole conversation): the oldest go first ...
 RESPONSES_CHARS = 64 << 20  # ... and while they hold more characters of JSON than this together
 
 
-class ReasoningSpec(_Strict):
+class ReasoningSpec(Strict):
     effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
     summary: Literal["auto", "concise", "detailed"] | None = None     # the thought is returned whole, not summed up
     generate_summary: Literal["auto", "concise", "detailed"] | None = None
 
 
-class TextFormat(_Strict):
+class TextFormat(Strict):
     type: Literal["text", "json_object", "json_schema"]
     name: str | None = Field(None, min_length=1, max_length=64)
     description: str | None = None
@@ -37,12 +37,12 @@ class TextFormat(_Strict):
     strict: bool | None = None
 
 
-class TextSpec(_Strict):
+class TextSpec(Strict):
     format: TextFormat | None = None
     verbosity: Literal["medium"] | None = None      # only the default: nothing here could make a reply terser
 
 
-class FunctionTool(_Strict):
+class FunctionTool(Strict):
     """Responses' flat function tool: {"type": "function", "name", "description", "parameters", "strict"} (the
     type first: a built-in tool, {"type": "web_search"}, is refused for its type)."""
     type: Literal["function"]
@@ -54,12 +54,12 @@ class FunctionTool(_Strict):
     _shallow = field_validator("parameters")(FunctionDef._shallow.__func__)
 
 
-class ToolChoiceFunctionFlat(_Strict):
+class ToolChoiceFunctionFlat(Strict):
     type: Literal["function"]
     name: str = Field(min_length=1, max_length=256)
 
 
-class ResponsesRequest(_Strict):
+class ResponsesRequest(Strict):
     model: str
     input: str | list[dict]
     instructions: str | None = None
@@ -79,6 +79,9 @@ class ResponsesRequest(_Strict):
     safety_identifier: str | None = None        # an end-user id for the caller's records, as `user`
     prompt_cache_key: str | None = None         # a caching hint: this server's prefix reuse needs none
     truncation: Literal["disabled"] | None = None       # "auto" (dropping old turns to fit) is not done
+    # what Codex-style clients ask for to send a thought back next turn: the reasoning items here carry it in
+    # clear text (nothing is encrypted), and sent back they restore it, so there is nothing more to include
+    include: list[Literal["reasoning.encrypted_content"]] | None = None
     # extensions the chat endpoint has (vLLM's and glmcore's names)
     seed: int | None = Field(None, ge=0, le=2**64 - 1)
     top_k: int | None = Field(None, ge=0, le=2**31 - 1)
