@@ -199,6 +199,8 @@ def test_thinking_budget_and_switch(servers):
      "invalid_request_error", "prefill"),
     ({"model": "demo", "messages": user("x"), "max_tokens": 4, "stop_sequences": list("abcde")}, 400,
      "invalid_request_error", "stop_sequences"),
+    ({"model": "demo", "messages": user("x"), "max_tokens": 4, "output_config": {"effort": "high"}}, 400,
+     "invalid_request_error", "output_config.effort"),
     ({"model": "demo", "messages": user("x"), "max_tokens": 4, "tools": [{"type": "web_search_20250305",
                                                                           "name": "web_search"}]}, 400,
      "invalid_request_error", "tools.0"),
@@ -250,3 +252,16 @@ def test_a_call_cut_off_by_max_tokens(servers):
         final = s.get_final_message()
     assert final.stop_reason == "max_tokens"
     assert [b.text for b in final.content if b.type == "text"] == [r.content[0].text]
+
+
+def test_output_config_format_constrains_the_reply_to_the_schema(servers):
+    """output_config.format (the SDK's structured outputs) goes through the chat path's json_schema grammar: even
+    the random tiny model writes JSON of the schema."""
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8},
+                                               "n": {"type": "integer"}}, "required": ["city", "n"],
+              "additionalProperties": False}
+    r = client(servers["glm4"][2]).messages.create(
+        model="glm4", max_tokens=64, messages=user("weather?"),
+        output_config={"format": {"type": "json_schema", "schema": schema}}, extra_body={"seed": 3, "temperature": 1.0})
+    assert r.stop_reason == "end_turn", r
+    jsonschema.validate(json.loads(r.content[-1].text), schema)

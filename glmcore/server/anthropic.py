@@ -113,6 +113,19 @@ class Metadata(Strict):
     user_id: str | None = None
 
 
+class JsonOutputFormat(Strict):
+    type: Literal["json_schema"]
+    schema_: dict = Field(alias="schema")
+
+    _shallow = field_validator("schema_")(ToolParam._shallow.__func__)
+
+
+class OutputConfig(Strict):
+    """Structured output (`format`, what the SDK's messages.parse sends) through the chat path's response_format
+    grammar. `effort` has no counterpart in a GLM (its thought is on or off, with a budget): not accepted."""
+    format: JsonOutputFormat | None = None
+
+
 class MessagesRequest(CountTokensRequest):
     max_tokens: int = Field(ge=1, le=2**31 - 1)
     stream: bool = False
@@ -122,6 +135,7 @@ class MessagesRequest(CountTokensRequest):
     top_k: int | None = Field(None, ge=0, le=2**31 - 1)
     metadata: Metadata | None = None
     seed: int | None = Field(None, ge=0, le=2**64 - 1)     # glmcore's extension, as on the chat endpoint
+    output_config: OutputConfig | None = None
     cache_control: dict | None = None      # a caching hint: this server's prefix reuse needs none
 
 
@@ -177,6 +191,9 @@ def chat_request(state: State, req: CountTokensRequest) -> ChatRequest:
                             ("user", req.metadata.user_id if req.metadata else None)):
             if value is not None:
                 body[name] = value
+        if req.output_config is not None and req.output_config.format is not None:
+            body["response_format"] = {"type": "json_schema",
+                                       "json_schema": {"name": "output", "schema": req.output_config.format.schema_}}
     if req.tools:
         body["tools"] = [{"type": "function", "function": {"name": t.name, "parameters": t.input_schema} | (
             {"description": t.description} if t.description is not None else {}) | (
