@@ -34,8 +34,8 @@ STRINGS = ["Hello world", " leading space", "trailing space ", "  two  spaces", 
            "line1\nline2\nline3", "1+1=2", "tokenizer test 🙂 你好 123", "end.", "x", "GLM-4.5 and GLM-4.7-Flash"]
 TEXTS = STRINGS[:6] + [""]
 # Conversations for the chat template checks (here against transformers' apply_chat_template, in
-# test_gguf_llamacpp.py against llama-server's /apply-template): (messages, tools, chat_template_kwargs).
-# Tool calls and results only for the templates that take OpenAI's tools (GLM-4.5's XML calls).
+# test_gguf_llamacpp.py against llama-server's /apply-template): (messages, tools, chat_template_kwargs), tools
+# and tool calls in OpenAI's form (the arguments a JSON string).
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "天气 of a city",
            "parameters": {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
                           "required": ["city"]}}}
@@ -65,7 +65,6 @@ CONVERSATIONS = [
     ([{"role": "user", "content": "Weather?"}, _CALL, {"role": "tool", "tool_call_id": "call_0", "content": "{\"t\": 3}"}],
      [WEATHER], {"enable_thinking": True}),
 ]
-PLAIN_CONVERSATIONS = [c for c in CONVERSATIONS if c[1] is None]
 
 
 @pytest.fixture(autouse=True)
