@@ -16,7 +16,8 @@ int8 -> Q8_0, int4 -> Q4_0 (llama.cpp's defaults: Q4_0 keeps the output layer in
 under $GLMCORE_CACHE/converted/llamacpp. Timing is llama-bench's: prompt processing of the prompt length, then
 generation of the new tokens (from an empty context; at these context lengths the KV cache is <1% of a
 token's reads), one repetition per call so a caller can alternate it with its own runs. Peak RSS is the
-llama-bench process's (mapped model pages it touched included).
+llama-bench process's (mapped model pages it touched included). `LlamaServer` runs llama-server (built on demand
+by `build_targets(root, ["llama-server"])`) on the loopback for its chat template rendering.
 """
 from __future__ import annotations
 
