@@ -207,8 +207,7 @@ class LlamaServer:
         deadline = time.monotonic() + self.start_s
         for _ in range(int(self.start_s * 4)):
             if self.proc.poll() is not None:
-                self.__exit__()
-                raise GlmcoreError(f"llama-server exited ({self.proc.returncode}) on start: {self.tail()}")
+                self._fail(f"exited ({self.proc.returncode}) on start")
             try:
                 self.get("/health")
                 return self
@@ -216,21 +215,28 @@ class LlamaServer:
                 if time.monotonic() > deadline:
                     break
                 time.sleep(0.25)
-        self.__exit__()
-        raise GlmcoreError(f"llama-server did not answer /health within {self.start_s:g} s: {self.tail()}")
+        self._fail(f"did not answer /health within {self.start_s:g} s")
 
     def __exit__(self, *exc) -> None:
         if self.proc.poll() is None:
             self.proc.kill()
         self.proc.wait(timeout=30)
+        self.log.close()
 
-    def tail(self) -> str:
+    def _fail(self, why: str):
         self.log.seek(0)
-        return self.log.read().strip()[-800:]
+        tail = self.log.read().strip()[-800:]
+        self.__exit__()
+        raise GlmcoreError(f"llama-server {why}: {tail}")
+
+    @staticmethod
+    def _open(req, timeout: float):
+        import urllib.request
+        # straight to the loopback: an http_proxy in the environment is not asked
+        return urllib.request.build_opener(urllib.request.ProxyHandler({})).open(req, timeout=timeout)
 
     def get(self, path: str) -> dict:
-        import urllib.request
-        with urllib.request.urlopen(self.url + path, timeout=10) as r:
+        with self._open(self.url + path, 10) as r:
             return json.loads(r.read())
 
     def post(self, path: str, body: dict) -> dict:
@@ -238,7 +244,7 @@ class LlamaServer:
         import urllib.request
         req = urllib.request.Request(self.url + path, json.dumps(body).encode(), {"Content-Type": "application/json"})
         try:
-            with urllib.request.urlopen(req, timeout=60) as r:
+            with self._open(req, 60) as r:
                 return json.loads(r.read())
         except urllib.error.HTTPError as e:
             raise GlmcoreError(f"llama-server {path} answered {e.code}: {e.read().decode(errors='replace')[:300]}") \
