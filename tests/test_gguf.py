@@ -64,6 +64,16 @@ CONVERSATIONS = [
      [WEATHER], {"enable_thinking": False}),
     ([{"role": "user", "content": "Weather?"}, _CALL, {"role": "tool", "tool_call_id": "call_0", "content": "{\"t\": 3}"}],
      [WEATHER], {"enable_thinking": True}),
+    # the template reads these spellings of special tokens in the client's text: an earlier reply's inline
+    # thinking is split off, and a user's own /nothink is not written twice
+    ([{"role": "user", "content": "q"}, {"role": "assistant", "content": "<think>old</think>answer"},
+      {"role": "user", "content": "r"}], None, {}),
+    ([{"role": "user", "content": "q /nothink"}], None, {"enable_thinking": False}),
+    # the thinking of a call made after the last user message is kept
+    ([{"role": "user", "content": "w?"}, {**_CALL, "reasoning_content": "I should call it."},
+      {"role": "tool", "tool_call_id": "call_0", "content": "snow"}], [WEATHER], {}),
+    # OpenAI's content parts, which GLM-4.5's template joins itself
+    ([{"role": "user", "content": [{"type": "text", "text": "part one "}, {"type": "text", "text": "two"}]}], None, {}),
 ]
 
 

@@ -176,12 +176,16 @@ def server_tool(llamacpp):
 #   (<|im_start|>user...), which ChatGLM3 never saw. Compared with llama.cpp's built-in `chatglm3` format
 #   (--no-jinja --chat-template chatglm3; it takes no tools), which is the model's own (its build_chat_input).
 SERVER_ARGS = {"chatglm3": ["--no-jinja", "--chat-template", "chatglm3"]}
-COMPARED = {"glm4-moe": {"plain", "tools", "calls"}, "glm4-moe-lite": {"plain", "tools", "calls"},
+# - content parts ([{"type": "text", ...}]): GLM-4.5's template joins them itself (and llama.cpp passes them so);
+#   the older templates take strings only, which glmcore's server joins the parts into before the format sees them.
+COMPARED = {"glm4-moe": {"plain", "tools", "calls", "parts"}, "glm4-moe-lite": {"plain", "tools", "calls", "parts"},
             "glm4-0414": {"plain", "tools"}, "glm4": {"plain"}, "chatglm3": {"plain"}}
 
 
 def _protocol(messages, tools) -> str:
-    """What a conversation asks of a template: plain turns, tools offered, or tool calls and results."""
+    """What a conversation asks of a template: plain turns, tools offered, tool calls and results, content parts."""
+    if any(not isinstance(m.get("content"), (str, type(None))) for m in messages):
+        return "parts"
     if any(m.get("tool_calls") or m["role"] == "tool" for m in messages):
         return "calls"
     return "tools" if tools else "plain"
