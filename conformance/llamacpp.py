@@ -16,7 +16,8 @@ int8 -> Q8_0, int4 -> Q4_0 (llama.cpp's defaults: Q4_0 keeps the output layer in
 under $GLMCORE_CACHE/converted/llamacpp. Timing is llama-bench's: prompt processing of the prompt length, then
 generation of the new tokens (from an empty context; at these context lengths the KV cache is <1% of a
 token's reads), one repetition per call so a caller can alternate it with its own runs. Peak RSS is the
-llama-bench process's (mapped model pages it touched included).
+llama-bench process's (mapped model pages it touched included). `LlamaServer` runs llama-server (built on demand
+by `build_targets(root, ["llama-server"])`) on the loopback for its chat template rendering.
 """
 from __future__ import annotations
 
@@ -158,13 +159,106 @@ def build(sdist: Path, dest: Path, jobs: int = 2) -> Path:
     root = Path(dest) / top / "vendor" / "llama.cpp"
     if not (root / "CMakeLists.txt").is_file():
         raise GlmcoreError(f"{sdist}: no vendor/llama.cpp inside; pass llama-cpp-python's source distribution")
-    nice = ["nice", "-n", "19"] if sys.platform != "win32" else []
-    subprocess.run([*nice, "cmake", "-S", str(root), "-B", str(root / "build"), "-DCMAKE_BUILD_TYPE=Release",
-                    "-DGGML_NATIVE=ON", "-DLLAMA_CURL=OFF", "-DLLAMA_OPENSSL=OFF", "-DLLAMA_BUILD_TESTS=OFF",
-                    "-DLLAMA_BUILD_SERVER=OFF"], check=True)
-    subprocess.run([*nice, "cmake", "--build", str(root / "build"), "--target", *TARGETS, "-j", str(jobs)],
-                   check=True)
+    build_targets(root, TARGETS, jobs)
     return root
+
+
+def build_targets(root: Path, targets, jobs: int = 2, timeout: float | None = None) -> None:
+    """Configure the tree (this CPU, no curl/OpenSSL, the server's target defined but its web UI neither built
+    nor downloaded: nothing is fetched) and build `targets` at the lowest CPU priority, within `timeout` s."""
+    nice = ["nice", "-n", "19"] if sys.platform != "win32" else []
+    steps = [["cmake", "-S", str(root), "-B", str(root / "build"), "-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON",
+              "-DLLAMA_CURL=OFF", "-DLLAMA_OPENSSL=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_SERVER=ON",
+              "-DLLAMA_BUILD_UI=OFF", "-DLLAMA_USE_PREBUILT_UI=OFF"],
+             ["cmake", "--build", str(root / "build"), "--target", *targets, "-j", str(jobs)]]
+    for step in steps:
+        try:
+            r = subprocess.run([*nice, *step], capture_output=True, text=True, timeout=timeout)
+        except subprocess.TimeoutExpired:
+            raise GlmcoreError(f"building llama.cpp's {', '.join(targets)} took over {timeout:g} s; build it once by "
+                               f"hand: {' '.join(step)}") from None
+        if r.returncode:
+            raise GlmcoreError(f"building llama.cpp's {', '.join(targets)} failed (exit {r.returncode}): "
+                               f"{(r.stderr or r.stdout).strip()[-500:]}")
+
+
+# ---------------------------------------------------------------- llama-server, for its chat templates
+
+class LlamaServer:
+    """llama-server on one GGUF, on 127.0.0.1 only, for its endpoints that run no model (/apply-template renders
+    the chat template as its chat completions do; /tokenize): `with LlamaServer(lc, gguf) as s: s.post(...)`.
+    Start-up is polled a bounded number of times; the process is killed on exit."""
+
+    def __init__(self, lc: LlamaCpp, gguf: Path, args=(), start_s: float = 120):
+        self.cmd = [str(lc.tool("llama-server")), "-m", str(gguf), "--host", "127.0.0.1", "--port", "0",
+                    "-c", "512", "-t", "1", "-np", "1", "--no-warmup", "--no-webui", *args]
+        self.start_s = start_s
+
+    def __enter__(self) -> "LlamaServer":
+        import socket
+        import time
+        with socket.socket() as s:          # a free port on the loopback (llama-server takes no port 0)
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        self.cmd[self.cmd.index("--port") + 1] = str(port)
+        self.url = f"http://127.0.0.1:{port}"
+        self.log = tempfile.TemporaryFile("w+")
+        self.proc = subprocess.Popen(self.cmd, stdout=self.log, stderr=subprocess.STDOUT, text=True)
+        deadline = time.monotonic() + self.start_s
+        for _ in range(int(self.start_s * 4)):
+            if self.proc.poll() is not None:
+                self._fail(f"exited ({self.proc.returncode}) on start")
+            try:
+                self.get("/health")
+                return self
+            except OSError:
+                if time.monotonic() > deadline:
+                    break
+                time.sleep(0.25)
+        self._fail(f"did not answer /health within {self.start_s:g} s")
+
+    def __exit__(self, *exc) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait(timeout=30)
+        self.log.close()
+
+    def _fail(self, why: str):
+        self.log.seek(0)
+        tail = self.log.read().strip()[-800:]
+        self.__exit__()
+        raise GlmcoreError(f"llama-server {why}: {tail}")
+
+    @staticmethod
+    def _open(req, timeout: float):
+        import urllib.request
+        # straight to the loopback: an http_proxy in the environment is not asked
+        return urllib.request.build_opener(urllib.request.ProxyHandler({})).open(req, timeout=timeout)
+
+    def get(self, path: str) -> dict:
+        with self._open(self.url + path, 10) as r:
+            return json.loads(r.read())
+
+    def post(self, path: str, body: dict) -> dict:
+        import urllib.error
+        import urllib.request
+        req = urllib.request.Request(self.url + path, json.dumps(body).encode(), {"Content-Type": "application/json"})
+        try:
+            with self._open(req, 60) as r:
+                return json.loads(r.read())
+        except urllib.error.HTTPError as e:
+            raise GlmcoreError(f"llama-server {path} answered {e.code}: {e.read().decode(errors='replace')[:300]}") \
+                from None
+
+    def apply_template(self, messages: list[dict], tools=None, **kwargs) -> str:
+        """The prompt text llama-server's chat completions would feed the model (its /apply-template)."""
+        body = {"messages": messages, **({"tools": tools} if tools else {}), **kwargs}
+        return self.post("/apply-template", body)["prompt"]
+
+    def tokenize(self, text: str, add_special: bool = True) -> list[int]:
+        """The ids of a rendered prompt as llama-server feeds them: special tokens parsed, BOS added where the
+        vocabulary asks for one."""
+        return self.post("/tokenize", {"content": text, "add_special": add_special, "parse_special": True})["tokens"]
 
 
 # ---------------------------------------------------------------- the converter, with our vocabulary

@@ -474,14 +474,28 @@ class TemplateFormat(ChatFormat):
     def _encode(self, messages, tools, add_generation_prompt, skip: str = "") -> list[int]:
         """The rendered prompt's ids, the special tokens the template writes matched, and those spelled in the
         client's text (a user typing "<|assistant|>") kept as text, as the native tokenizers keep them: each is
-        rendered as a marker that no text holds, and encoded as plain text. skip: a rendered opening to drop."""
+        rendered as a marker that no text holds, and encoded as plain text. skip: a rendered opening to drop.
+
+        Except a spelling the template reads: GLM-4.5's splits an assistant's "<think>…</think>" off its content
+        and writes no second /nothink after a user's. A marker would change what it renders, so such a spelling
+        is left as written and means to the prompt what it means to the template (transformers' rendering)."""
         names = sorted(self.tok.special_ids, key=len, reverse=True)
-        if not names:
-            return self.tok.encode_rendered(self.render(messages, tools, add_generation_prompt)[len(skip):])
+        render = lambda text=lambda s: s: self.render(messages, tools, add_generation_prompt, text=text)
         mark = f"glmcoretext{secrets.token_hex(8)}x"
-        spelled = re.compile("|".join(map(re.escape, names)))
-        rendered = self.render(messages, tools, add_generation_prompt,
-                               text=lambda s: spelled.sub(lambda m: f"{mark}{names.index(m.group(0))}x", s))
+
+        def marked(kept: list[str]) -> str:
+            spelled = re.compile("|".join(map(re.escape, kept)))
+            return render(lambda s: spelled.sub(lambda m: f"{mark}{names.index(m.group(0))}x", s))
+
+        def unmarked(text: str) -> str:
+            return re.sub(f"{mark}(\\d+)x", lambda m: names[int(m.group(1))], text)
+
+        rendered = marked(names) if names else render()
+        if mark in rendered and unmarked(rendered) != (plain := render()):
+            kept = [n for n in names if f"{mark}{names.index(n)}x" in rendered and unmarked(marked([n])) == plain]
+            rendered = marked(kept) if kept else plain
+            if unmarked(rendered) != plain:         # the kept ones together still change it: none kept
+                rendered = plain
         if not rendered.startswith(skip):
             raise ChatError("this chat template does not render a conversation as its opening plus the turns")
         ids, parts = [], re.split(f"{mark}(\\d+)x", rendered[len(skip):])

@@ -4,6 +4,7 @@ line. Files are written by gguf-py's GGUFWriter (tests/gguf_kit.py), never by a 
 from __future__ import annotations
 
 import dataclasses
+import json
 import struct
 from pathlib import Path
 
@@ -32,6 +33,48 @@ STRINGS = ["Hello world", " leading space", "trailing space ", "  two  spaces", 
            "$5.00 & €3,50", "a\u200bzero width", "   ", "!!!???...", "— em dash – en dash", "«quotes» “curly”",
            "line1\nline2\nline3", "1+1=2", "tokenizer test 🙂 你好 123", "end.", "x", "GLM-4.5 and GLM-4.7-Flash"]
 TEXTS = STRINGS[:6] + [""]
+# Conversations for the chat template checks (here against transformers' apply_chat_template, in
+# test_gguf_llamacpp.py against llama-server's /apply-template): (messages, tools, chat_template_kwargs), tools
+# and tool calls in OpenAI's form (the arguments a JSON string).
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "天气 of a city",
+           "parameters": {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
+                          "required": ["city"]}}}
+_CALL = {"role": "assistant", "content": "", "tool_calls": [
+    {"id": "call_0", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "北京", "days": 2}'}}]}
+CONVERSATIONS = [
+    ([{"role": "user", "content": "你好"}], None, {}),
+    ([{"role": "system", "content": "You are brief."}, {"role": "user", "content": "Hello world"}], None, {}),
+    ([{"role": "user", "content": "1+1?"}, {"role": "assistant", "content": "2"},
+      {"role": "user", "content": "写一首关于春天的诗"}], None, {}),
+    ([{"role": "system", "content": "be kind"}, {"role": "user", "content": "a"}, {"role": "assistant", "content": "b"},
+      {"role": "user", "content": "c\nd"}, {"role": "assistant", "content": "e"}, {"role": "user", "content": "f"}],
+     None, {}),
+    ([{"role": "user", "content": "hi"}], None, {"enable_thinking": False}),
+    ([{"role": "user", "content": "x"}, {"role": "assistant", "content": "y", "reasoning_content": "think x"},
+      {"role": "user", "content": "z"}], None, {"enable_thinking": False}),
+    ([{"role": "user", "content": "Weather in 北京?"}], [WEATHER], {}),
+    ([{"role": "user", "content": "Weather in 北京?"}, _CALL,
+      {"role": "tool", "tool_call_id": "call_0", "content": "晴 25°C"}], [WEATHER], {}),
+    ([{"role": "system", "content": "use tools"}, {"role": "user", "content": "Two cities"},
+      {"role": "assistant", "content": "Checking both.", "tool_calls": [
+          {"id": "a", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}},
+          {"id": "b", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Rome"}'}}]},
+      {"role": "tool", "tool_call_id": "a", "content": "rain"}, {"role": "tool", "tool_call_id": "b", "content": "sun"},
+      {"role": "assistant", "content": "Paris rain, Rome sun."}, {"role": "user", "content": "thanks"}],
+     [WEATHER], {"enable_thinking": False}),
+    ([{"role": "user", "content": "Weather?"}, _CALL, {"role": "tool", "tool_call_id": "call_0", "content": "{\"t\": 3}"}],
+     [WEATHER], {"enable_thinking": True}),
+    # the template reads these spellings of special tokens in the client's text: an earlier reply's inline
+    # thinking is split off, and a user's own /nothink is not written twice
+    ([{"role": "user", "content": "q"}, {"role": "assistant", "content": "<think>old</think>answer"},
+      {"role": "user", "content": "r"}], None, {}),
+    ([{"role": "user", "content": "q /nothink"}], None, {"enable_thinking": False}),
+    # the thinking of a call made after the last user message is kept
+    ([{"role": "user", "content": "w?"}, {**_CALL, "reasoning_content": "I should call it."},
+      {"role": "tool", "tool_call_id": "call_0", "content": "snow"}], [WEATHER], {}),
+    # OpenAI's content parts, which GLM-4.5's template joins itself
+    ([{"role": "user", "content": [{"type": "text", "text": "part one "}, {"type": "text", "text": "two"}]}], None, {}),
+]
 
 
 @pytest.fixture(autouse=True)
@@ -307,3 +350,29 @@ def test_two_ranks_open_the_gguf_too(files, capsys):
     alone = capsys.readouterr().out
     assert main(args + ["--tp", "2"]) == 0
     assert capsys.readouterr().out == alone
+
+
+def test_glm45_gguf_template_renders_as_transformers(files):
+    """A GGUF holding GLM-4.5's real chat template (the synthetic glm4-moe checkpoint's): glmcore's prompt (text
+    and ids) for each conversation is transformers' apply_chat_template on the checkpoint's tokenizer with the
+    same template (the reference for GLM-4.5's hub files), tools, tool calls/results and thinking on/off."""
+    from transformers import PreTrainedTokenizerFast
+
+    from glmcore.chat import chat_format_for
+    from glmcore.tokenizer import load_tokenizer
+    d, ggufs = files["glm4-moe"]
+    template = gguf.GGUFReader(ggufs["F32"]).fields["tokenizer.chat_template"].contents()
+    assert template == (Path(__file__).parents[1] / "glmcore" / "data" / "glm45_chat_template.jinja").read_text()
+    c = open_gguf(ggufs["F32"])
+    fmt = chat_format_for(load_tokenizer(c.tokenizer_dir, c.config.family))
+    reference = PreTrainedTokenizerFast.from_pretrained(d)
+    for messages, tools, kwargs in CONVERSATIONS:
+        ours = fmt.configured(kwargs)
+        theirs = dict(tools=tools, chat_template=template, add_generation_prompt=True, **kwargs)
+        # the template iterates a call's arguments: transformers takes them as a dict (the OpenAI JSON string
+        # parsed, as vLLM, llama.cpp and glmcore do)
+        parsed = [{**m, "tool_calls": [{**c, "function": {**c["function"], "arguments": json.loads(
+            c["function"]["arguments"])}} for c in m["tool_calls"]]} if "tool_calls" in m else m for m in messages]
+        text = reference.apply_chat_template(parsed, tokenize=False, **theirs)
+        assert ours.render(messages, tools) == text, messages
+        assert ours.encode_messages(messages, tools) == reference.apply_chat_template(parsed, **theirs)["input_ids"]

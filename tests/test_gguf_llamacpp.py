@@ -1,8 +1,10 @@
 """GGUFs made by llama.cpp's own tools (issue 40): its convert_hf_to_gguf.py and llama-quantize on the synthetic
-checkpoints, read by glmcore as their safetensors source is; the tokenizer's ids equal to llama-tokenize's.
+checkpoints, read by glmcore as their safetensors source is; the tokenizer's ids equal to llama-tokenize's; the chat
+prompt equal to what llama-server renders from the file's template (its /apply-template).
 
 Runs only where $GLMCORE_LLAMACPP names a built llama.cpp tree (conformance/llamacpp.py says how to build one,
-with the targets llama-quantize and llama-tokenize); CI has none, and tests/test_gguf.py covers the same reader
+with the targets llama-quantize and llama-tokenize; llama-server is built into that tree by the test when missing:
+about 10 minutes on 2 cores); CI has none, and tests/test_gguf.py covers the same reader
 on files gguf-py's writer lays out as the converter does.
 """
 from __future__ import annotations
@@ -19,7 +21,7 @@ import pytest
 
 from glmcore.gguf import open_gguf
 from glmcore.tokenizer import load_tokenizer
-from test_gguf import STRINGS
+from test_gguf import CONVERSATIONS, STRINGS
 
 pytestmark = pytest.mark.slow
 
@@ -143,3 +145,72 @@ def test_k_quant_files_run_within_the_int4_row(llamacpp, small, qtype, kinds):
     q = _quantize(llamacpp, f32, qtype)
     assert kinds <= {t.tensor_type.name for t in gguf.GGUFReader(q).tensors}
     assert not out_of_bounds(compare(_logits(d, "torch"), _logits(q, "torch")), TOLERANCES["int4"].bounds())
+
+
+@pytest.fixture(scope="module")
+def server_tool(llamacpp):
+    """llama-server, built once into the tree if missing (bounded; the time is printed for the report)."""
+    import time
+    from glmcore_conformance.llamacpp import build_targets
+    if not llamacpp.tool("llama-server").exists():
+        t0 = time.monotonic()
+        build_targets(llamacpp.root, ["llama-server"], timeout=3600)
+        print(f"built llama-server in {time.monotonic() - t0:.0f} s")
+    return llamacpp
+
+
+# What llama.cpp renders for each family's GGUF (llama-server's default --jinja: the file's template through its own
+# Jinja engine, with bos_token/eos_token, enable_thinking and OpenAI's tools; the leading BOS text stripped where
+# the vocabulary adds BOS, [gMASK] for GLM-4-0414/4.5, and added back by /tokenize), and what is compared:
+# - glm4-moe, glm4-moe-lite (GLM-4.5's template): every conversation, tool calls/results and thinking on/off.
+# - glm4-0414: plain conversations and tools offered. Its template writes a call as an assistant turn with the tool
+#   name as `metadata` and a result as role "observation"; llama.cpp keeps neither (OpenAI tool_calls and role
+#   "tool" reach a template that ignores them, `metadata` is dropped), so a call and its result vanish from its
+#   prompt. glmcore writes them as the template does (transformers' apply_chat_template on the template-native
+#   messages): glmcore is right there, llama.cpp is not.
+# - glm4 (GLM-4-9B-chat, chatglm arch): plain conversations. Its template reads tools from a message's own
+#   `tools` key, which OpenAI's request cannot carry: llama.cpp renders no tools and "<|tool|>" (plain text, no
+#   GLM-4 role) for results; glmcore writes the template's tools system turn and <|observation|>, as the model
+#   was trained.
+# - chatglm3: the checkpoint ships no template, so neither does the GGUF, and llama-server's default is then ChatML
+#   (<|im_start|>user...), which ChatGLM3 never saw. Compared with llama.cpp's built-in `chatglm3` format
+#   (--no-jinja --chat-template chatglm3; it takes no tools), which is the model's own (its build_chat_input).
+SERVER_ARGS = {"chatglm3": ["--no-jinja", "--chat-template", "chatglm3"]}
+# - content parts ([{"type": "text", ...}]): GLM-4.5's template joins them itself (and llama.cpp passes them so);
+#   the older templates take strings only, which glmcore's server joins the parts into before the format sees them.
+COMPARED = {"glm4-moe": {"plain", "tools", "calls", "parts"}, "glm4-moe-lite": {"plain", "tools", "calls", "parts"},
+            "glm4-0414": {"plain", "tools"}, "glm4": {"plain"}, "chatglm3": {"plain"}}
+
+
+def _protocol(messages, tools) -> str:
+    """What a conversation asks of a template: plain turns, tools offered, tool calls and results, content parts."""
+    if any(not isinstance(m.get("content"), (str, type(None))) for m in messages):
+        return "parts"
+    if any(m.get("tool_calls") or m["role"] == "tool" for m in messages):
+        return "calls"
+    return "tools" if tools else "plain"
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_chat_template_rendered_as_llama_server(server_tool, converted, family):
+    """llama-server's /apply-template on llama.cpp's own GGUF (the prompt its chat completions feed the model), then
+    its /tokenize (BOS and special tokens as it feeds them), against glmcore's prompt ids for the same GGUF."""
+    from glmcore.chat import chat_format_for
+    from glmcore_conformance.llamacpp import LlamaServer
+    _, f32 = converted[family]
+    c = open_gguf(f32)
+    tok = load_tokenizer(c.tokenizer_dir, c.config.family)
+    fmt = chat_format_for(tok)
+    if family in SERVER_ARGS:       # why llama.cpp's built-in format: the file names none
+        assert "tokenizer.chat_template" not in gguf.GGUFReader(f32).fields
+    cases = [case for case in CONVERSATIONS if _protocol(*case[:2]) in COMPARED[family]]
+    assert len(cases) >= 6
+    wrong = []
+    with LlamaServer(server_tool, f32, SERVER_ARGS.get(family, [])) as server:
+        for messages, tools, kwargs in cases:
+            prompt = server.apply_template(messages, tools, chat_template_kwargs=kwargs)
+            theirs = server.tokenize(prompt)
+            ours = fmt.configured(kwargs).encode_messages(messages, tools)
+            if ours != theirs:
+                wrong.append((messages, prompt, tok.decode(ours, skip_special=False)))
+    assert not wrong, (len(wrong), wrong[:2])

@@ -434,3 +434,21 @@ def test_serve_flag_sets_the_default_budget(glm46, monkeypatch, args, want):
     from glmcore.errors import GlmcoreError
     with pytest.raises(GlmcoreError, match="--max-thinking-tokens -2"):
         server.ServeOptions(max_thinking_tokens=-2).check()
+
+
+def test_spellings_the_template_reads_mean_what_they_mean_to_it(glm46):
+    """A user's "<|assistant|>" stays text, while the /nothink and inline <think>…</think> that GLM-4.5's template
+    reads in the client's text are left as written for it (no second /nothink; the earlier reply's thinking split
+    off), in the same prompt."""
+    fmt = _fmt(glm46).configured({"enable_thinking": False})
+    tok = fmt.tok
+    messages = [{"role": "user", "content": "a <|assistant|> b"},
+                {"role": "assistant", "content": "<think>old</think>answer"},
+                {"role": "user", "content": "<|user|> q /nothink"}]
+    ids = fmt.encode_messages(messages)
+    text = tok.decode(ids, skip_special=False)
+    assert text.count("/nothink") == 2 and "old" not in text        # one per user turn
+    assert "<think></think>\nanswer" in text
+    spelled = tok.encode("<|assistant|>")
+    assert len(spelled) > 1 and any(ids[i:i + len(spelled)] == spelled for i in range(len(ids)))
+    assert ids.count(tok.special_ids["<|user|>"]) == 2 and ids.count(tok.special_ids["/nothink"]) == 2
