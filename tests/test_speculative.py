@@ -326,8 +326,17 @@ def test_run_with_prompt_lookup_prints_what_plain_decoding_prints(tmp_path, caps
     assert main(common + ["--speculative", "ngram", "--draft-tokens", "3"]) == 0
     out, err = capsys.readouterr()
     assert out == plain_out and "| drafted " in err
-    assert main(["run", "--backend", "cpu_int4", "--prompt", "hi", "--speculative", "mtp"]) == 2
-    assert "--speculative mtp needs a checkpoint with a multi-token-prediction (NextN) layer" in capsys.readouterr().err
+    assert main(common + ["--speculative", "mtp", "--draft-tokens", "2"]) == 0    # the demo's NextN layer
+    out, err = capsys.readouterr()
+    assert out == plain_out and "| drafted " in err
+
+
+def test_mtp_without_a_nextn_layer_is_refused_with_the_reason(make_tiny, capsys):
+    from glmcore.cli import main
+    assert main(["run", "--model", str(make_tiny("glm4")), "--backend", "cpu_int4", "--prompt", "hi",
+                 "--speculative", "mtp"]) == 2
+    assert "--speculative mtp cannot run: the checkpoint has no multi-token-prediction (NextN) layer" in \
+        capsys.readouterr().err
 
 
 class Echo:
