@@ -233,7 +233,7 @@ class Int4BatchSession(BatchSession):
         ids = np.ascontiguousarray(ids, dtype=np.int32)
         states = np.ascontiguousarray(states, dtype=np.float32)
         logits, x = np.empty(self.cfg.vocab_size, np.float32), np.empty(self.cfg.hidden_size, np.float32)
-        rc = self._lib.glmi4_draft(self._alive(), slot, int(start), ids.size, ids.ctypes.data, states.ctypes.data,
+        rc = self._lib.glmi4_draft(self._alive(), self._slot(slot), int(start), ids.size, ids.ctypes.data, states.ctypes.data,
                                    logits.ctypes.data, x.ctypes.data)
         if rc != 0:
             raise BackendError(f"cpu_int4: NextN draft failed (code {rc})")
