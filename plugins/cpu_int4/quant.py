@@ -247,8 +247,6 @@ NEXTN = "mtp.0."     # the NextN layer the speculative drafter runs (the first; 
 
 def nextn_refusal(cfg: ModelConfig, present: bool) -> str | None:
     """Why a checkpoint's NextN layer is not run (None: it is packed and run); present: its tensors are there."""
-    if getattr(cfg, "num_mtp_layers", 0) and hasattr(cfg, "kv_lora_rank"):
-        return "cpu_int4 does not run a NextN layer with latent attention (glm4_moe_lite) yet; use --backend torch"
     if not getattr(cfg, "num_mtp_layers", 0) or not present:
         return ("the checkpoint has no multi-token-prediction (NextN) layer (or an older cpu_int4 packed it without "
                 "one: convert it again)")

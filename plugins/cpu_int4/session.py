@@ -103,7 +103,7 @@ class Int4BatchSession(BatchSession):
         for i in range(cfg.num_layers):
             fill(layers[i], f"layers.{i}.", bool(sparse_layers and sparse_layers[i]))
         nextn = None
-        if self.meta["nextn"] and not mla:     # a NextN layer of a MoE GLM is an MoE layer (as torch_ref's)
+        if self.meta["nextn"]:     # a NextN layer of a MoE GLM is an MoE layer (as torch_ref's)
             nextn = native.NextN(ptr(NEXTN + "enorm.weight"), ptr(NEXTN + "hnorm.weight"),
                                  ptr(NEXTN + "final_norm.weight"), mat(NEXTN + "eh_proj.weight"))
             fill(nextn.layer, NEXTN + "layer.", bool(sparse_layers))

@@ -109,7 +109,7 @@ typedef struct {
 /* A multi-token-prediction (NextN) layer: at position i it takes the embedding of the next token (zero at
  * position 0) and the target's final normed hidden state there, eh_proj(concat(enorm(e), hnorm(h))) [hidden]
  * [2 hidden] -> one decoder layer of the model's kind (its own KV cache: layer n_layers of each slot's ring) ->
- * its own final norm -> the model's output layer. Dense or MoE layers only (not latent attention). */
+ * its own final norm -> the model's output layer. */
 typedef struct glmi4_nextn {
     const float *enorm, *hnorm, *final_norm;
     glmi4_mat eh_proj;
@@ -2436,7 +2436,6 @@ void *glmi4_create(const glmi4_spec *spec, char *err, int errlen) {
     const int NH = s->n_heads, qkvn = NH * s->head_dim + 2 * s->n_kv * s->head_dim, qw = s->nope + s->rot_dim;
     int any_sparse = 0;
     const glmi4_nextn *N = s->nextn;
-    if (N && s->mla) FAIL("a NextN layer with latent attention is not supported");
     m->kv_layers = s->n_layers + (N != NULL);
     m->layers = calloc((size_t)m->kv_layers, sizeof(glmi4_layer));
     if (!m->layers) FAIL("out of memory");
@@ -2535,11 +2534,11 @@ void *glmi4_create(const glmi4_spec *spec, char *err, int errlen) {
         m->hq = xalloc(per_head * hkp);
         m->hdx = xalloc(per_head * (hkp / QK) * 4);
         m->hxs = xalloc(per_head * (hkp / QK) * 4);
-        m->uk = calloc((size_t)s->n_layers * NH, sizeof(glmi4_mat));
-        m->uv = calloc((size_t)s->n_layers * NH, sizeof(glmi4_mat));
+        m->uk = calloc((size_t)m->kv_layers * NH, sizeof(glmi4_mat));
+        m->uv = calloc((size_t)m->kv_layers * NH, sizeof(glmi4_mat));
         fail = fail || !m->scores || !m->rowbuf || !m->qa || !m->kva || !m->qf || !m->qlat || !m->olat || !m->vout ||
                !m->hq || !m->hdx || !m->hxs || !m->uk || !m->uv;
-        for (int l = 0; !fail && l < s->n_layers; l++)
+        for (int l = 0; !fail && l < m->kv_layers; l++)
             for (int h = 0; h < NH; h++) {     /* each head's rows of the stacked per-head matrices */
                 const glmi4_layer *L = &m->layers[l];
                 glmi4_mat *k = &m->uk[(size_t)l * NH + h], *v = &m->uv[(size_t)l * NH + h];
