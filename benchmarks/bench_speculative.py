@@ -2,7 +2,7 @@
 sequence, logits of every position) against a one-token decode step, on a model of real width; (2) prompt
 lookup's and the demo model's NextN layer's acceptance and decode speed against plain decoding, on an
 input-grounded task (the demo model asked to continue lines it was given twice), on free generation and on
-held-out poem prompts (mtp where the backend runs the NextN layer: torch).
+held-out poem prompts (mtp where the backend runs the NextN layer: torch, cpu_int4).
 
     python benchmarks/bench_speculative.py --backend cpu_int4 --size 1b [--model DIR] [--threads 2]
 

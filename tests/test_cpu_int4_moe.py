@@ -159,14 +159,20 @@ def test_window_shift_matches_the_reference(make_tiny, cache, family, kv_dtype):
 
 
 @pytest.mark.parametrize("family", MOE_FAMILIES)
-def test_packed_file_keeps_the_nextn_layer_out_and_counts_active_bytes(make_tiny, cache, family):
-    """The NextN (MTP) layer is loaded with the checkpoint but not packed into the decoder; the router stays fp32;
-    latent attention's kv_b is packed as its two absorbed halves; a decode step reads the chosen experts only."""
+def test_packed_file_holds_the_nextn_layer_apart_and_counts_active_bytes(make_tiny, cache, family):
+    """The NextN (MTP) layer is packed apart from the decoder (mtp.0.*: the speculative drafter runs it) and not
+    counted in what a decode step reads; the router stays fp32; latent attention's kv_b is packed as its two
+    absorbed halves; a decode step reads the chosen experts only."""
     _, cfg, w = checkpoint(make_tiny, family)
     assert any(n.startswith("mtp.") for n in w)
     with load_batch(cfg, w, cache) as batch:
         t, stats = batch.meta["tensors"], batch.info()
-        assert not any(n.startswith("mtp.") or n.startswith(f"layers.{cfg.num_layers}.") for n in t)
+        assert not any(n.startswith(f"layers.{cfg.num_layers}.") for n in t)
+        nextn = {n for n in t if n.startswith("mtp.")}
+        assert batch.has_nextn and nextn
+        assert t["mtp.0.eh_proj.weight"]["kind"] == "tiles" and t["mtp.0.enorm.weight"]["kind"] == "f32"
+        assert t["mtp.0.layer.router.weight"]["kind"] == "f32" and "mtp.0.layer.experts.0.ffn_up.weight" in t
+        t = {n: v for n, v in t.items() if n not in nextn}
         assert t["layers.1.router.weight"]["kind"] == "f32"
         if family == "glm4-moe-lite":
             assert "layers.0.kv_b.weight" not in t and t["layers.0.kv_b_uk.weight"]["n"] == \

@@ -326,8 +326,17 @@ def test_run_with_prompt_lookup_prints_what_plain_decoding_prints(tmp_path, caps
     assert main(common + ["--speculative", "ngram", "--draft-tokens", "3"]) == 0
     out, err = capsys.readouterr()
     assert out == plain_out and "| drafted " in err
-    assert main(["run", "--backend", "cpu_int4", "--prompt", "hi", "--speculative", "mtp"]) == 2
-    assert "--speculative mtp needs a checkpoint with a multi-token-prediction (NextN) layer" in capsys.readouterr().err
+    assert main(common + ["--speculative", "mtp", "--draft-tokens", "2"]) == 0    # the demo's NextN layer
+    out, err = capsys.readouterr()
+    assert out == plain_out and "| drafted " in err
+
+
+def test_mtp_without_a_nextn_layer_is_refused_with_the_reason(make_tiny, capsys):
+    from glmcore.cli import main
+    assert main(["run", "--model", str(make_tiny("glm4")), "--backend", "cpu_int4", "--prompt", "hi",
+                 "--speculative", "mtp"]) == 2
+    assert "--speculative mtp cannot run: the checkpoint has no multi-token-prediction (NextN) layer" in \
+        capsys.readouterr().err
 
 
 class Echo:
@@ -407,10 +416,15 @@ def test_mtp_greedy_speculation_equals_plain_decoding(moe):
 def test_mtp_drafts_do_not_depend_on_how_the_sequence_was_fed(moe):
     """The NextN cache caught up step by step (prefill, decodes, a cut verification, a copied prefix)
     drafts what it drafts over the same ids prefilled at once: each position saw the same id and state."""
-    batch, V = moe.scheduler.batch, moe.tokenizer.n_vocab
     moe.scheduler.forget()
-    g = np.random.default_rng(5)
-    ids = g.integers(5, V, 30).tolist()
+    check_drafts_do_not_depend_on_feeding(moe.scheduler.batch, moe.tokenizer.n_vocab)
+
+
+def check_drafts_do_not_depend_on_feeding(batch, V):
+    """Slots 0-2 of batch: drafts after a step-by-step history (prefill, a draft, decodes, a cut verification,
+    a copied prefix) equal those after the same ids prefilled at once."""
+    ids = np.random.default_rng(5).integers(5, V, 30).tolist()
+    batch.reset(0)
     batch.step([(0, ids[:12])])
     batch.draft_nextn(0, ids[12], 3)
     batch.step([(0, ids[12:14])])

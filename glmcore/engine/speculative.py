@@ -55,9 +55,11 @@ class Speculation:
             return NgramDrafter()
         if self.method is Method.MTP:
             if not batch.has_nextn:
-                raise GlmcoreError("--speculative mtp needs a checkpoint with a multi-token-prediction (NextN) layer "
+                why = getattr(batch, "nextn_refusal", None)      # the backend's own reason, where it gives one
+                raise GlmcoreError(why and f"--speculative mtp cannot run: {why}; use --speculative ngram" or
+                                   "--speculative mtp needs a checkpoint with a multi-token-prediction (NextN) layer "
                                    "(glm4_moe: num_nextn_predict_layers, the mtp tensors kept) on a backend that runs "
-                                   "it (torch); use --speculative ngram")
+                                   "it (torch, cpu_int4); use --speculative ngram")
             return MtpDrafter(batch)
         return None
 

@@ -14,7 +14,9 @@ router in fp32 as transformers' route(), and per step the tokens grouped by expe
 read once (all experts of a projection in one parallel region); glm4_moe_lite (GLM-4.7-Flash) with latent
 attention, kv_b absorbed into the query and the output (packed as its two per-head halves), and a latent KV
 cache of kv_lora_rank + qk_rope_head_dim values per token and layer, shifted in place on its rope part.
-The NextN (MTP) layer of a checkpoint is not packed: the decoder never runs it.
+A checkpoint's NextN (MTP) layer is packed beside the model (eh_proj and its decoder layer int4, norms f32) and
+run by the speculative drafter (--speculative mtp): its KV cache is one more layer of each slot's ring (slid and
+copied with it), fed with the target's final normed hidden states, which a step hands back only then.
 
 Options (LoadOptions.extra, `--opt key=value`): group_size 32|64|128 (32), sym true|false (true),
 scale_dtype f16|bf16 (f16), embed_bits 4|8 (4), head_bits 4|8 (8), linear_bits 4|8 (4), kv_dtype f16|f32 (f16),

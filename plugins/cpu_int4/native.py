@@ -28,7 +28,7 @@ from glmcore.errors import BackendError
 
 HERE = Path(__file__).resolve().parent
 SOURCE = HERE / "csrc" / "glmi4.c"
-ABI = 9
+ABI = 10
 ISAS = ("plain", "avx2", "avxvnni", "avx512vnni")    # in order of preference (glmi4.c ISA_NAMES)
 CFLAGS = ["-O3", "-std=c11", "-fPIC", "-shared", "-pthread"]
 
@@ -60,6 +60,11 @@ class Layer(C.Structure):
                 ("kv_uk", Mat), ("kv_uv", Mat)]
 
 
+class NextN(C.Structure):
+    _fields_ = [("enorm", C.c_void_p), ("hnorm", C.c_void_p), ("final_norm", C.c_void_p), ("eh_proj", Mat),
+                ("layer", Layer)]
+
+
 class Spec(C.Structure):
     _fields_ = [("hidden", C.c_int32), ("n_layers", C.c_int32), ("n_heads", C.c_int32), ("n_kv", C.c_int32),
                 ("head_dim", C.c_int32), ("ffn", C.c_int32), ("vocab", C.c_int32), ("capacity", C.c_int32),
@@ -70,7 +75,7 @@ class Spec(C.Structure):
                 ("top_k", C.c_int32), ("n_groups", C.c_int32), ("topk_groups", C.c_int32), ("norm_topk", C.c_int32),
                 ("moe_ffn", C.c_int32), ("shared_ffn", C.c_int32), ("routed_scaling", C.c_float),
                 ("mla", C.c_int32), ("q_lora", C.c_int32), ("kv_lora", C.c_int32), ("nope", C.c_int32),
-                ("v_dim", C.c_int32)]
+                ("v_dim", C.c_int32), ("nextn", C.POINTER(NextN))]
 
 
 def _declare(lib) -> None:
@@ -81,7 +86,8 @@ def _declare(lib) -> None:
         "glmi4_kernel_calls": (U64, [I]), "glmi4_best_isa": (I, []),
         "glmi4_create": (P, [C.POINTER(Spec), C.c_char_p, I]), "glmi4_destroy": (None, [P]),
         "glmi4_kv_len": (I, [P, I]), "glmi4_reset": (None, [P, I]),
-        "glmi4_step": (I, [P, P, P, P, I, P, I]), "glmi4_shift": (I, [P, I, I, I]),
+        "glmi4_step": (I, [P, P, P, P, I, P, I, P]),
+        "glmi4_draft": (I, [P, I, I, I, P, P, P, P]), "glmi4_shift": (I, [P, I, I, I]),
         "glmi4_copy_prefix": (I, [P, I, I, I]), "glmi4_kv_bytes": (C.c_longlong, [P, I]),
         "glmi4_kv_export": (I, [P, I, I, P]), "glmi4_kv_import": (I, [P, I, I, P]),
         "glmi4_quant_act": (I, [I, P, I, I, I, P, P, P]),

@@ -30,7 +30,7 @@ from glmcore.config import ModelConfig
 from glmcore.errors import BackendError, GlmcoreError
 
 FORMAT = "glmcore-cpu_int4"
-VERSION = 2
+VERSION = 3       # 3: the NextN layer packed where the checkpoint has one (2: never; still read)
 SCALE_DTYPES = {"f16": np.dtype(np.float16), "bf16": np.dtype(ml_dtypes.bfloat16)}
 ROWS = 16     # rows per tile
 QK = 32       # inputs per activation block
@@ -242,12 +242,28 @@ def _packed_source(cfg, weights, name: str):
     return weights[name]
 
 
-def packed_layout(cfg: ModelConfig, o: QuantOptions) -> dict[str, dict]:
+NEXTN = "mtp.0."     # the NextN layer the speculative drafter runs (the first; GLM-4.5 ships one)
+
+
+def nextn_refusal(cfg: ModelConfig, present: bool) -> str | None:
+    """Why a checkpoint's NextN layer is not run (None: it is packed and run); present: its tensors are there."""
+    if not getattr(cfg, "num_mtp_layers", 0) or not present:
+        return ("the checkpoint has no multi-token-prediction (NextN) layer (or an older cpu_int4 packed it without "
+                "one: convert it again)")
+    return None
+
+
+def packed_layout(cfg: ModelConfig, o: QuantOptions, nextn: bool = False) -> dict[str, dict]:
     """Every tensor of the packed file: kind, shape, offset (64-byte aligned), size. 1-D tensors and MoE routers
-    stay fp32 (the router chooses the experts: transformers runs it in fp32); the other matrices are tiles."""
+    stay fp32 (the router chooses the experts: transformers runs it in fp32); the other matrices are tiles.
+    nextn: the checkpoint's first NextN layer too (mtp.0.*: eh_proj and its decoder layer like the others)."""
+    from glmcore import arch
     from glmcore.weights import canonical_shapes
     shapes = {}
-    for name, shape in canonical_shapes(cfg).items():
+    own = canonical_shapes(cfg)
+    if nextn:
+        own.update({n: t.shape for n, t in arch.of(cfg).optional_tensors(cfg).items() if n.startswith(NEXTN)})
+    for name, shape in own.items():
         if name.endswith("kv_b.weight"):
             p = name[: -len("kv_b.weight")]
             shapes.update(zip((p + k for k in KV_B_PARTS), _kv_b_shapes(cfg)))
@@ -308,7 +324,8 @@ def write_packed(cfg: ModelConfig, weights, o: QuantOptions, out: Path, progress
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    lay = packed_layout(cfg, o)
+    nextn = nextn_refusal(cfg, NEXTN + "eh_proj.weight" in weights) is None
+    lay = packed_layout(cfg, o, nextn)
     total = max(i["offset"] + i["nbytes"] for i in lay.values())
     names = [n for n in lay if lay[n]["kind"] != "raw"]
     t0 = time.perf_counter()
@@ -351,7 +368,7 @@ def write_packed(cfg: ModelConfig, weights, o: QuantOptions, out: Path, progress
             if progress and (i + 1 == len(names) or name.endswith("ffn_down.weight") and ".experts." not in name):
                 progress(f"quantizing {_bar(i + 1, len(names))} {name}")
     stats = packed_stats(cfg, lay, total)
-    meta = {"format": FORMAT, "version": VERSION, "fingerprint": fingerprint, "options": asdict(o),
+    meta = {"format": FORMAT, "version": VERSION, "fingerprint": fingerprint, "nextn": nextn, "options": asdict(o),
             "config": cfg.to_dict(), "tensors": lay, "stats": stats}
     os.replace(tmp, out / "weights.bin")
     (out / "meta.json").write_text(json.dumps(meta, indent=1))
@@ -363,6 +380,7 @@ def write_packed(cfg: ModelConfig, weights, o: QuantOptions, out: Path, progress
 
 
 def packed_stats(cfg: ModelConfig, lay: dict, total: int) -> dict:
+    lay = {k: v for k, v in lay.items() if not k.startswith(NEXTN)}      # decoding never reads the NextN layer
     tiles = {k: v for k, v in lay.items() if v["kind"] == "tiles" and k != "lm_head.weight"}
     lin_bytes = sum(v["nbytes"] for v in tiles.values())
     lin_params = sum(v["n"] * v["k"] for v in tiles.values())
@@ -419,7 +437,7 @@ def read_packed(path: Path, cfg: ModelConfig | None = None) -> tuple[dict, np.me
     except (OSError, UnicodeDecodeError, ValueError, RecursionError):
         raise BackendError(f"{path}: not a cpu_int4 packed model (meta.json missing or corrupt); "
                            "re-run `glmcore convert --backend cpu_int4`") from None
-    if not isinstance(meta, dict) or meta.get("format") != FORMAT or meta.get("version") != VERSION:
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT or meta.get("version") not in (2, VERSION):
         raise BackendError(f"{path}: packed with another version of cpu_int4 (or not a packed model); "
                            "convert the model again")
     try:
@@ -427,14 +445,15 @@ def read_packed(path: Path, cfg: ModelConfig | None = None) -> tuple[dict, np.me
             meta["options"].setdefault("linear_bits", 4)    # packed before linear_bits existed: int4 layers
         o = QuantOptions.from_extra(meta["options"])
         packed_cfg = _config_of(meta["config"]).validated(f"{path / 'meta.json'} config")
-        ok = asdict(o) == meta["options"] and json.loads(json.dumps(packed_cfg.to_dict())) == meta["config"]
+        ok = asdict(o) == meta["options"] and json.loads(json.dumps(packed_cfg.to_dict())) == meta["config"] \
+            and meta.setdefault("nextn", False) in (True, False)
     except (KeyError, TypeError, AttributeError, GlmcoreError):
         ok = False
     if not ok:
         raise BackendError(f"{path}: meta.json has invalid options or config; convert the model again")
     if cfg is not None and packed_cfg != cfg:
         raise BackendError(f"{path}: packed from a different model (config differs); convert this model again")
-    layout = packed_layout(packed_cfg, o)
+    layout = packed_layout(packed_cfg, o, meta["nextn"])
     total = max(i["offset"] + i["nbytes"] for i in layout.values())
     if meta.get("tensors") != layout or not isinstance(meta.get("stats"), dict) \
             or meta["stats"].get("file_bytes") != total:

@@ -19,7 +19,7 @@ from glmcore.config import ModelConfig
 from glmcore.errors import BackendError, GlmcoreError
 
 from . import native
-from .quant import QuantOptions, read_packed
+from .quant import NEXTN, QuantOptions, nextn_refusal, read_packed
 
 MAX_BATCH = 128      # tokens per native chunk of a step (bounds the work buffers)
 
@@ -49,6 +49,9 @@ class Int4BatchSession(BatchSession):
         self._h = self._lib.glmi4_create(C.byref(self._spec), err, len(err))
         if not self._h:
             raise BackendError(f"cpu_int4: {err.value.decode(errors='replace')}")
+        self.nextn = NextNState(n_slots, self.capacity, cfg.hidden_size) if self._nextn_struct else None
+        # why --speculative mtp cannot run here (None: it can)
+        self.nextn_refusal = None if self.nextn else nextn_refusal(cfg, self.meta["nextn"])
 
     # ------------------------------------------------------------ wiring the mapped file to the C structs
 
@@ -69,11 +72,10 @@ class Int4BatchSession(BatchSession):
             return native.make_mat(None, i["n"], i["k"], i["bits"], i["group"], i["asym"], o.scale_dtype,
                                    base=ptr(name))
 
-        layers = (native.Layer * cfg.num_layers)()
         self._expert_tables = []            # the per-layer expert arrays the C structs point into
-        for i in range(cfg.num_layers):
-            p = f"layers.{i}."
-            L = layers[i]
+
+        def fill(L, p: str, sparse: bool):
+            """Layer struct L over the packed tensors of the decoder layer named p."""
             L.input_norm, L.post_norm = ptr(p + "input_norm.weight"), ptr(p + "post_attn_norm.weight")
             L.qkv_bias = ptr(p + "qkv.bias")
             L.post_self_attn_norm, L.post_mlp_norm = ptr(p + "post_self_attn_norm.weight"), ptr(p + "post_mlp_norm.weight")
@@ -85,7 +87,7 @@ class Int4BatchSession(BatchSession):
                 L.kv_a, L.kv_a_bias, L.kv_a_norm = mat(p + "kv_a.weight"), ptr(p + "kv_a.bias"), ptr(p + "kv_a_norm.weight")
                 L.kv_uk, L.kv_uv = mat(p + "kv_b_uk.weight"), mat(p + "kv_b_uv.weight")
                 L.attn_out_bias = ptr(p + "attn_out.bias")
-            if sparse_layers and sparse_layers[i]:
+            if sparse:
                 L.sparse = 1
                 L.router, L.router_bias = ptr(p + "router.weight"), ptr(p + "router.bias")
                 up = (native.Mat * cfg.num_experts)(*[mat(p + f"experts.{e}.ffn_up.weight") for e in range(cfg.num_experts)])
@@ -96,6 +98,16 @@ class Int4BatchSession(BatchSession):
                 L.shared_up, L.shared_down = mat(p + "shared.ffn_up.weight"), mat(p + "shared.ffn_down.weight")
             else:
                 L.ffn_up, L.ffn_down = mat(p + "ffn_up.weight"), mat(p + "ffn_down.weight")
+
+        layers = (native.Layer * cfg.num_layers)()
+        for i in range(cfg.num_layers):
+            fill(layers[i], f"layers.{i}.", bool(sparse_layers and sparse_layers[i]))
+        nextn = None
+        if self.meta["nextn"]:     # a NextN layer of a MoE GLM is an MoE layer (as torch_ref's)
+            nextn = native.NextN(ptr(NEXTN + "enorm.weight"), ptr(NEXTN + "hnorm.weight"),
+                                 ptr(NEXTN + "final_norm.weight"), mat(NEXTN + "eh_proj.weight"))
+            fill(nextn.layer, NEXTN + "layer.", bool(sparse_layers))
+        self._nextn_struct = nextn
         kp = -(-cfg.hidden_size // o.group_size) * o.group_size
         emb = native.Emb(ptr("embed.scales"), ptr("embed.mins"), ptr("embed.q"),
                          cfg.vocab_size, cfg.hidden_size, kp, o.embed_bits, o.group_size,
@@ -113,7 +125,7 @@ class Int4BatchSession(BatchSession):
             n_slots=self.n_slots, rot_dim=cfg.rotary_dim, norm_eps=cfg.norm_eps, rope_cos=self._cos.ctypes.data,
             rope_sin=self._sin.ctypes.data, inv_freq=self._inv.ctypes.data, embed=emb,
             final_norm=ptr("final_norm.weight"), head=mat("lm_head.weight"), layers=layers,
-            rope_neox=int(not cfg.rotary_interleaved), **moe, **latent)
+            rope_neox=int(not cfg.rotary_interleaved), nextn=C.pointer(nextn) if nextn else None, **moe, **latent)
         return spec, layers
 
     # ------------------------------------------------------------ the BatchSession contract
@@ -147,10 +159,15 @@ class Int4BatchSession(BatchSession):
         ids32 = np.ascontiguousarray(np.concatenate(parts), dtype=np.int32)
         slots32 = np.array(slots, np.int32)
         out = np.empty((ids32.size if all_logits else len(parts), V), np.float32)
+        starts = [self.kv_len(s) for s in slots] if self.nextn else None
+        hidden = np.empty((ids32.size, self.cfg.hidden_size), np.float32) if self.nextn else None
         rc = self._lib.glmi4_step(h, ids32.ctypes.data, slots32.ctypes.data, counts.ctypes.data, len(parts),
-                                  out.ctypes.data, int(all_logits))
+                                  out.ctypes.data, int(all_logits), hidden.ctypes.data if self.nextn else None)
         if rc != 0:
             raise BackendError(f"cpu_int4: forward step failed (code {rc})")
+        if self.nextn:
+            for slot, start, arr, rows in zip(slots, starts, parts, np.split(hidden, np.cumsum(counts)[:-1])):
+                self.nextn.fed(slot, start, arr, rows)
         return np.split(out, np.cumsum(counts)[:-1]) if all_logits else out
 
     def _where(self, slot: int) -> str:
@@ -158,6 +175,8 @@ class Int4BatchSession(BatchSession):
 
     def reset(self, slot: int) -> None:
         self._lib.glmi4_reset(self._alive(), self._slot(slot))
+        if self.nextn:
+            self.nextn.lens[slot] = 0
 
     def shift(self, slot: int, n_keep: int, n_discard: int) -> None:
         h, slot = self._alive(), self._slot(slot)
@@ -167,6 +186,8 @@ class Int4BatchSession(BatchSession):
                                f"exceeds the {n} cached tokens")
         if self._lib.glmi4_shift(h, slot, int(n_keep), int(n_discard)) != 0:
             raise BackendError("cpu_int4: window shift failed")
+        if self.nextn:
+            self.nextn.shift(slot, n, int(n_keep), int(n_discard))
 
     def copy_prefix(self, src: int, dst: int, n: int) -> None:
         h, src, dst = self._alive(), self._slot(src), self._slot(dst)
@@ -175,6 +196,48 @@ class Int4BatchSession(BatchSession):
             raise GlmcoreError(f"cpu_int4: cannot copy {n} positions from slot {src}, which holds {have}")
         if self._lib.glmi4_copy_prefix(h, src, dst, int(n)) != 0:
             raise BackendError("cpu_int4: copying a prefix failed")
+        if self.nextn:
+            self.nextn.copy_prefix(src, dst, int(n))
+
+    # ------------------------------------------------------------ the NextN (MTP) drafter
+
+    @property
+    def has_nextn(self) -> bool:
+        return self.nextn is not None
+
+    def draft_nextn(self, slot: int, token: int, k: int) -> list[int]:
+        """k greedy drafts after `token` (sampled, not yet fed) from the packed NextN layer, as torch_ref's: it first
+        catches up on the positions the target fed since its last draft (each with the next fed token and the
+        target's hidden state there), then chains on its own output. Drafts past the ring's end are not made."""
+        slot, m = self._slot(slot), self.nextn
+        if m is None:
+            raise GlmcoreError(f"cpu_int4: --speculative mtp cannot run: {self.nextn_refusal}")
+        n = self.kv_len(slot)
+        if n < 1:
+            raise GlmcoreError(f"cpu_int4: slot {slot} holds no tokens to draft after; prefill it first")
+        if not 0 <= int(token) < self.cfg.vocab_size:
+            raise GlmcoreError(f"token id {token} is outside the vocabulary (0..{self.cfg.vocab_size - 1})")
+        done = min(m.lens[slot], n - 1)
+        ids = np.append(m.ids[slot, done + 1:n], int(token))
+        drafts, state = [], m.hidden[slot, done:n]
+        for j in range(min(int(k), self.capacity - n + 1)):     # chained drafts: past n, overwritten by the next catch-up
+            logits, state = self.nextn_logits(slot, done if j == 0 else n + j - 1, ids, state)
+            m.lens[slot] = n           # positions < n now hold what the target's own tokens and states give
+            drafts.append(int(np.argmax(logits)))
+            ids, state = [drafts[-1]], state[None]
+        return drafts
+
+    def nextn_logits(self, slot: int, start: int, ids, states: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The NextN layer over positions start.. of slot (ids: the token after each, states: the hidden state at
+        each): the last position's logits [vocab] and its layer output [hidden] (what a chained draft takes)."""
+        ids = np.ascontiguousarray(ids, dtype=np.int32)
+        states = np.ascontiguousarray(states, dtype=np.float32)
+        logits, x = np.empty(self.cfg.vocab_size, np.float32), np.empty(self.cfg.hidden_size, np.float32)
+        rc = self._lib.glmi4_draft(self._alive(), self._slot(slot), int(start), ids.size, ids.ctypes.data, states.ctypes.data,
+                                   logits.ctypes.data, x.ctypes.data)
+        if rc != 0:
+            raise BackendError(f"cpu_int4: NextN draft failed (code {rc})")
+        return logits, x
 
     def export_prefix(self, slot: int, n: int) -> KVBlob:
         """The slot's first n positions as the C cache holds them (K/V rows or latent rows, f16 or f32)."""
@@ -185,11 +248,15 @@ class Int4BatchSession(BatchSession):
         out = np.empty(self._lib.glmi4_kv_bytes(h, int(n)), np.uint8)
         if self._lib.glmi4_kv_export(h, slot, int(n), out.ctypes.data) != 0:
             raise BackendError("cpu_int4: exporting a KV prefix failed")
-        return KVBlob(int(n), (out,))
+        if self.nextn is None:
+            return KVBlob(int(n), (out,))
+        m = self.nextn        # what the NextN layer drafts from travels too (its cache rows are in `out`)
+        return KVBlob(int(n), (out, m.ids[slot, :n].copy(), m.hidden[slot, :n].copy(),
+                               np.array([max(min(m.lens[slot], n - 1), 0)])))
 
     def import_prefix(self, slot: int, blob: KVBlob) -> None:
         h = self._alive()
-        self.check_blob(slot, blob, 1)
+        self.check_blob(slot, blob, 1 if self.nextn is None else 4)
         data = blob.parts[0]
         if data.dtype != np.uint8 or data.size != self._lib.glmi4_kv_bytes(h, blob.n):
             raise BackendError(f"cpu_int4: a KV blob of {data.nbytes} bytes is not {blob.n} positions of this "
@@ -197,6 +264,13 @@ class Int4BatchSession(BatchSession):
         data = np.ascontiguousarray(data)
         if self._lib.glmi4_kv_import(h, int(slot), blob.n, data.ctypes.data) != 0:
             raise BackendError("cpu_int4: importing a KV prefix failed")
+        if self.nextn is not None:
+            ids, hidden, held = blob.parts[1:]
+            if ids.shape != (blob.n,) or hidden.shape != (blob.n, self.cfg.hidden_size) or held.shape != (1,):
+                raise BackendError("cpu_int4: a KV blob's NextN state does not fit this model; it was exported by "
+                                   "another model")
+            self.nextn.fed(slot, 0, ids, hidden)
+            self.nextn.lens[slot] = int(held[0])
 
     def close(self) -> None:
         if getattr(self, "_h", None):
@@ -218,6 +292,35 @@ class Int4BatchSession(BatchSession):
                 "quantization": self.quant.label(), "file_bytes": s["file_bytes"], "slots": self.n_slots,
                 "bytes_per_token": s["bytes_per_token"], "bits_per_weight": round(s["bits_per_weight"], 3),
                 "linear_bits_per_weight": round(s["linear_bits_per_weight"], 3), "packed": str(self.packed_dir)}
+
+
+class NextNState:
+    """The NextN layer's side of a batch session (its KV cache is a layer of each slot's ring in the C model): per
+    slot the fed ids and the target's final hidden states by position, and how many positions its cache holds."""
+
+    def __init__(self, n_slots: int, capacity: int, hidden: int):
+        self.ids = np.zeros((n_slots, capacity), np.int32)
+        self.hidden = np.zeros((n_slots, capacity, hidden), np.float32)
+        self.lens = [0] * n_slots
+
+    def fed(self, slot: int, start: int, ids: np.ndarray, hidden: np.ndarray) -> None:
+        self.ids[slot, start:start + ids.size], self.hidden[slot, start:start + ids.size] = ids, hidden
+
+    def copy_prefix(self, src: int, dst: int, n: int) -> None:
+        """Position i of the NextN cache needs the target's id at i + 1: n kept positions keep n - 1 of it."""
+        if src != dst:
+            self.ids[dst, :n], self.hidden[dst, :n] = self.ids[src, :n], self.hidden[src, :n]
+        self.lens[dst] = max(min(self.lens[src], n - 1), 0)
+
+    def shift(self, slot: int, n: int, n_keep: int, n_discard: int) -> None:
+        """The target dropped positions n_keep..n_keep+n_discard-1 of n: the ids and states move down with it. The
+        NextN cache keeps only the sinks before n_keep - 1 (position n_keep - 1 paired with a dropped id); the next
+        draft recomputes the rest from the kept states, so the drafts stay a function of what the target holds."""
+        if n_discard:
+            keep = slice(n_keep + n_discard, n)
+            self.ids[slot, n_keep:n - n_discard] = self.ids[slot, keep].copy()
+            self.hidden[slot, n_keep:n - n_discard] = self.hidden[slot, keep].copy()
+            self.lens[slot] = max(min(self.lens[slot], n_keep - 1), 0)
 
 
 class Int4Session(SlotSession):

@@ -48,7 +48,7 @@
 #define GLMI4_X86 0
 #endif
 
-#define GLMI4_ABI 9
+#define GLMI4_ABI 10
 #define QK 32          /* activation block: one int8 scale per 32 inputs */
 #define TILE 16        /* output rows per packed tile */
 #define PREFETCH 4096   /* decode streams weights: prefetch this far ahead into L1 (measured: +40% on one core) */
@@ -106,6 +106,16 @@ typedef struct {
     glmi4_mat q_a, q_b, kv_a, kv_uk, kv_uv;
 } glmi4_layer;
 
+/* A multi-token-prediction (NextN) layer: at position i it takes the embedding of the next token (zero at
+ * position 0) and the target's final normed hidden state there, eh_proj(concat(enorm(e), hnorm(h))) [hidden]
+ * [2 hidden] -> one decoder layer of the model's kind (its own KV cache: layer n_layers of each slot's ring) ->
+ * its own final norm -> the model's output layer. */
+typedef struct glmi4_nextn {
+    const float *enorm, *hnorm, *final_norm;
+    glmi4_mat eh_proj;
+    glmi4_layer layer;
+} glmi4_nextn;
+
 typedef struct {
     int32_t hidden, n_layers, n_heads, n_kv, head_dim, ffn, vocab, capacity;
     int32_t kv_f16, max_batch, nthreads, isa;
@@ -126,6 +136,7 @@ typedef struct {
     float routed_scaling;
     /* latent attention (mla != 0): head_dim = nope + rot_dim, the cache holds kv_lora + rot_dim per token */
     int32_t mla, q_lora, kv_lora, nope, v_dim;
+    const struct glmi4_nextn *nextn;    /* the checkpoint's NextN (MTP) layer, or NULL: not loaded */
 } glmi4_spec;
 
 /* ------------------------------------------------------------------ small helpers */
@@ -1456,7 +1467,8 @@ typedef struct model model;
 
 struct model {
     glmi4_spec s;
-    glmi4_layer *layers;       /* own copy of the layer table */
+    glmi4_layer *layers;       /* own copy of the layer table; with a NextN layer, it is layers[n_layers] */
+    int kv_layers;             /* cached layers per slot: n_layers, plus the NextN layer's */
     int isa;
     int *base, *len;           /* per slot, a ring buffer: position i lives at (base + i) % capacity */
     int *tslot, *tpos, *trow;  /* per token of the chunk in flight: its slot, position; rows wanting logits */
@@ -1489,7 +1501,7 @@ struct model {
 /* element offset of position p (physical) of a cache row in a slot's region */
 static inline size_t kv_off(const model *m, int slot, int layer, int kvh, int p) {
     const glmi4_spec *s = &m->s;
-    return ((((size_t)slot * s->n_layers + layer) * m->kvh + kvh) * s->capacity + p) * m->kvw;
+    return ((((size_t)slot * m->kv_layers + layer) * m->kvh + kvh) * s->capacity + p) * m->kvw;
 }
 
 static inline int phys(const model *m, int slot, int i) {
@@ -2323,37 +2335,74 @@ static void moe_block(model *m, const glmi4_layer *L, int T) {
     }
 }
 
-/* T tokens (of any slots; m->tslot/tpos say where each goes) through every layer; then the logits of the
- * R tokens listed in rows, into R consecutive rows of logits. Each token writes its K/V before attention
- * reads the cache, so a token sees its own slot's positions 0..pos: earlier chunks, earlier tokens of
- * this one, itself. Every weight matrix (every chosen expert) is read once for all T tokens. */
-static void forward_chunk(model *m, const int32_t *ids, int T, const int *rows, int R, float *logits) {
+/* The T tokens in m->x through decoder layer l (the NextN layer: l = n_layers), in place. */
+static void layer_forward(model *m, int l, int T) {
     const glmi4_spec *s = &m->s;
+    const glmi4_layer *L = &m->layers[l];
     const int H = s->hidden;
-    const int nbx = m->ldq / QK;
-    for (int t = 0; t < T; t++) embed_row(&s->embed, ids[t], m->x + (size_t)t * H);
-    for (int l = 0; l < s->n_layers; l++) {
-        const glmi4_layer *L = &m->layers[l];
-        if (s->mla) attn_mla(m, L, l, T);
-        else attn_gqa(m, L, l, T);
-        run_rows(m, &(rows_job){.kind = ROW_NORM, .T = T, .w = L->post_norm, .src = m->x, .lds = H, .dst = m->h,
-                                .ldd = m->ldq}, L->sparse ? &L->exp_up[0] : &L->ffn_up);
-        if (L->sparse) {
-            moe_block(m, L, T);
-            continue;
-        }
-        run_gemm(m->pool, m->isa, &L->ffn_up, T, m->aq, m->adx, m->axs, m->ldq, m->ff, 2 * s->ffn, NULL, 0);
-        run_rows(m, &(rows_job){.kind = ROW_SILU, .T = T, .src = m->ff, .lds = 2 * s->ffn, .F = s->ffn}, &L->ffn_down);
-        sublayer_out(m, &L->ffn_down, T, L->post_mlp_norm);
+    if (s->mla) attn_mla(m, L, l, T);
+    else attn_gqa(m, L, l, T);
+    run_rows(m, &(rows_job){.kind = ROW_NORM, .T = T, .w = L->post_norm, .src = m->x, .lds = H, .dst = m->h,
+                            .ldd = m->ldq}, L->sparse ? &L->exp_up[0] : &L->ffn_up);
+    if (L->sparse) {
+        moe_block(m, L, T);
+        return;
     }
-    if (R == 0) return;
+    run_gemm(m->pool, m->isa, &L->ffn_up, T, m->aq, m->adx, m->axs, m->ldq, m->ff, 2 * s->ffn, NULL, 0);
+    run_rows(m, &(rows_job){.kind = ROW_SILU, .T = T, .src = m->ff, .lds = 2 * s->ffn, .F = s->ffn}, &L->ffn_down);
+    sublayer_out(m, &L->ffn_down, T, L->post_mlp_norm);
+}
+
+/* The logits of the R rows of m->x listed in rows, normed by final_norm, into R consecutive rows of logits. */
+static void head_rows(model *m, const float *final_norm, const int *rows, int R, float *logits) {
+    const glmi4_spec *s = &m->s;
+    const int H = s->hidden, nbx = m->ldq / QK;
     for (int r = 0; r < R; r++) {
         float *tmp = m->h + (size_t)r * m->ldq;
-        rmsnorm(m->x + (size_t)rows[r] * H, s->final_norm, H, s->norm_eps, tmp);
+        rmsnorm(m->x + (size_t)rows[r] * H, final_norm, H, s->norm_eps, tmp);
         pick_quant(m->isa)(tmp, s->head.k, s->head.k_pad, s->head.group, m->aq + (size_t)r * m->ldq,
                            m->adx + (size_t)r * nbx, m->axs + (size_t)r * nbx);
     }
     run_gemm(m->pool, m->isa, &s->head, R, m->aq, m->adx, m->axs, m->ldq, logits, s->vocab, NULL, 0);
+}
+
+/* T tokens (of any slots; m->tslot/tpos say where each goes) through every layer; then the logits of the
+ * R tokens listed in rows, into R consecutive rows of logits, and (hidden != NULL: a NextN layer drafts from
+ * them) every token's final normed hidden state [T][hidden]. Each token writes its K/V before attention
+ * reads the cache, so a token sees its own slot's positions 0..pos: earlier chunks, earlier tokens of
+ * this one, itself. Every weight matrix (every chosen expert) is read once for all T tokens. */
+static void forward_chunk(model *m, const int32_t *ids, int T, const int *rows, int R, float *logits, float *hidden) {
+    const glmi4_spec *s = &m->s;
+    const int H = s->hidden;
+    for (int t = 0; t < T; t++) embed_row(&s->embed, ids[t], m->x + (size_t)t * H);
+    for (int l = 0; l < s->n_layers; l++) layer_forward(m, l, T);
+    if (hidden)
+        for (int t = 0; t < T; t++)
+            rmsnorm(m->x + (size_t)t * H, s->final_norm, H, s->norm_eps, hidden + (size_t)t * H);
+    if (R) head_rows(m, s->final_norm, rows, R, logits);
+}
+
+/* T positions start.. of slot's NextN cache (T <= max_batch): ids[t] the token after position start + t,
+ * hidden[t] the target's final normed hidden state at it (or, chained, the NextN layer's own output). */
+static void nextn_chunk(model *m, int slot, int start, const int32_t *ids, const float *hidden, int T) {
+    const glmi4_spec *s = &m->s;
+    const glmi4_nextn *N = s->nextn;
+    const int H = s->hidden;
+    for (int t = 0; t < T; t++) {
+        float *joined = m->h + (size_t)t * m->ldq, *e = m->x + (size_t)t * H;
+        m->tslot[t] = slot;
+        m->tpos[t] = start + t;
+        if (start + t == 0) {             /* nothing precedes position 0: its embedding is zero, so is its norm */
+            memset(joined, 0, sizeof(float) * (size_t)H);
+        } else {
+            embed_row(&s->embed, ids[t], e);
+            rmsnorm(e, N->enorm, H, s->norm_eps, joined);
+        }
+        rmsnorm(hidden + (size_t)t * H, N->hnorm, H, s->norm_eps, joined + H);
+    }
+    run_rows(m, &(rows_job){.kind = ROW_COPY, .T = T, .src = m->h, .lds = m->ldq}, &N->eh_proj);
+    run_gemm(m->pool, m->isa, &N->eh_proj, T, m->aq, m->adx, m->axs, m->ldq, m->x, H, NULL, 0);
+    layer_forward(m, s->n_layers, T);
 }
 
 /* ------------------------------------------------------------------ public API */
@@ -2386,12 +2435,19 @@ void *glmi4_create(const glmi4_spec *spec, char *err, int errlen) {
     m->isa = s->isa;
     const int NH = s->n_heads, qkvn = NH * s->head_dim + 2 * s->n_kv * s->head_dim, qw = s->nope + s->rot_dim;
     int any_sparse = 0;
-    m->layers = calloc((size_t)s->n_layers, sizeof(glmi4_layer));
+    const glmi4_nextn *N = s->nextn;
+    m->kv_layers = s->n_layers + (N != NULL);
+    m->layers = calloc((size_t)m->kv_layers, sizeof(glmi4_layer));
     if (!m->layers) FAIL("out of memory");
     int kmax = s->head.k_pad, hkp = 0;
 #define KMAX(W) do { kmax = (W).k_pad > kmax ? (W).k_pad : kmax; } while (0)
-    for (int l = 0; l < s->n_layers; l++) {
-        const glmi4_layer *L = &s->layers[l];
+    if (N) {
+        if (!N->enorm || !N->hnorm || !N->final_norm || !mat_ok(&N->eh_proj, s->hidden, 2 * s->hidden))
+            FAIL("the NextN layer's packed weights do not match the model shape");
+        KMAX(N->eh_proj);
+    }
+    for (int l = 0; l < m->kv_layers; l++) {
+        const glmi4_layer *L = l < s->n_layers ? &s->layers[l] : &N->layer;
         m->layers[l] = *L;
         int ok = L->input_norm && L->post_norm;
         if (s->mla) {
@@ -2449,7 +2505,7 @@ void *glmi4_create(const glmi4_spec *spec, char *err, int errlen) {
     m->kv_elt = s->kv_f16 ? 2 : 4;
     m->kvh = s->mla ? 1 : s->n_kv;
     m->kvw = s->mla ? s->kv_lora + s->rot_dim : s->head_dim;
-    const size_t kvn = (size_t)s->n_slots * s->n_layers * m->kvh * s->capacity * m->kvw;
+    const size_t kvn = (size_t)s->n_slots * m->kv_layers * m->kvh * s->capacity * m->kvw;
     m->base = calloc((size_t)s->n_slots, sizeof(int));
     m->len = calloc((size_t)s->n_slots, sizeof(int));
     m->tslot = calloc(T, sizeof(int));
@@ -2478,11 +2534,11 @@ void *glmi4_create(const glmi4_spec *spec, char *err, int errlen) {
         m->hq = xalloc(per_head * hkp);
         m->hdx = xalloc(per_head * (hkp / QK) * 4);
         m->hxs = xalloc(per_head * (hkp / QK) * 4);
-        m->uk = calloc((size_t)s->n_layers * NH, sizeof(glmi4_mat));
-        m->uv = calloc((size_t)s->n_layers * NH, sizeof(glmi4_mat));
+        m->uk = calloc((size_t)m->kv_layers * NH, sizeof(glmi4_mat));
+        m->uv = calloc((size_t)m->kv_layers * NH, sizeof(glmi4_mat));
         fail = fail || !m->scores || !m->rowbuf || !m->qa || !m->kva || !m->qf || !m->qlat || !m->olat || !m->vout ||
                !m->hq || !m->hdx || !m->hxs || !m->uk || !m->uv;
-        for (int l = 0; !fail && l < s->n_layers; l++)
+        for (int l = 0; !fail && l < m->kv_layers; l++)
             for (int h = 0; h < NH; h++) {     /* each head's rows of the stacked per-head matrices */
                 const glmi4_layer *L = &m->layers[l];
                 glmi4_mat *k = &m->uk[(size_t)l * NH + h], *v = &m->uv[(size_t)l * NH + h];
@@ -2561,9 +2617,10 @@ void glmi4_reset(void *handle, int slot) {
 /* One step over n_entries entries: entry e appends counts[e] ids (concatenated in ids, in entry order) to
  * slot slots[e]; at most one entry per slot. The tokens of all entries go through the layers together,
  * max_batch at a time. logits: NULL, [n_entries][vocab] (each entry's last position) or, all,
- * [sum counts][vocab]. Nothing is appended when an argument is refused. */
+ * [sum counts][vocab]. hidden: NULL, or [sum counts][hidden], every token's final normed hidden state (what a
+ * NextN layer drafts from). Nothing is appended when an argument is refused. */
 int glmi4_step(void *handle, const int32_t *ids, const int32_t *slots, const int32_t *counts, int n_entries,
-               float *logits, int all) {
+               float *logits, int all, float *hidden) {
     model *m = handle;
     const glmi4_spec *s = &m->s;
     if (n_entries < 1) return E_ARG;
@@ -2593,10 +2650,34 @@ int glmi4_step(void *handle, const int32_t *ids, const int32_t *slots, const int
             if (last) { e++; off = 0; }
         }
         float *out = logits && R ? logits + (size_t)first * s->vocab : NULL;
-        forward_chunk(m, ids + done, T, rows, out ? R : 0, out);
+        forward_chunk(m, ids + done, T, rows, out ? R : 0, out, hidden ? hidden + (size_t)done * s->hidden : NULL);
         done += T;
     }
     for (int i = 0; i < n_entries; i++) m->len[slots[i]] += counts[i];
+    return E_OK;
+}
+
+/* The NextN layer over positions start..start+T-1 of slot's ring (its own cache layer; positions may lie past
+ * the slot's length: chained drafts): ids [T] the tokens after those positions, hidden [T][hidden] the states
+ * there. logits [vocab]: the last position's; x_out [hidden]: its layer output before the final norm (the
+ * state a chained draft takes). Chunks of max_batch positions, each cached before the next attends. */
+int glmi4_draft(void *handle, int slot, int start, int T, const int32_t *ids, const float *hidden, float *logits,
+                float *x_out) {
+    model *m = handle;
+    const glmi4_spec *s = &m->s;
+    if (!s->nextn) return E_ARG;
+    if (!slot_ok(m, slot) || T < 1 || start < 0) return E_ARG;
+    if (start + T > s->capacity) return E_OVERFLOW;
+    for (int t = 0; t < T; t++)
+        if (ids[t] < 0 || ids[t] >= s->vocab) return E_TOKEN;
+    int done = 0, n = 0;
+    for (; done < T; done += n) {
+        n = imin(s->max_batch, T - done);
+        nextn_chunk(m, slot, start + done, ids + done, hidden + (size_t)done * s->hidden, n);
+    }
+    const int last = n - 1;
+    memcpy(x_out, m->x + (size_t)last * s->hidden, sizeof(float) * (size_t)s->hidden);
+    head_rows(m, s->nextn->final_norm, &last, 1, logits);
     return E_OK;
 }
 
@@ -2607,7 +2688,7 @@ int glmi4_copy_prefix(void *handle, int src, int dst, int n) {
     if (!slot_ok(m, src) || !slot_ok(m, dst) || n < 0 || n > m->len[src]) return E_ARG;
     if (src != dst) {
         const size_t rowb = (size_t)m->kvw * m->kv_elt;
-        for (int l = 0; l < s->n_layers; l++)
+        for (int l = 0; l < m->kv_layers; l++)
             for (int kh = 0; kh < m->kvh; kh++) {
                 /* the source's ring may wrap: copy in at most two runs; dst starts unwrapped (base 0) */
                 const int p0 = phys(m, src, 0), first = imin(n, s->capacity - p0);
@@ -2626,10 +2707,11 @@ int glmi4_copy_prefix(void *handle, int src, int dst, int n) {
 }
 
 /* The prompt cache's copy of a slot's first n positions, in the cache's own elements: [K, then V unless the
- * attention is latent][layer][cache row][n][row width]. glmi4_kv_bytes(h, n) is its size. */
+ * attention is latent][cached layer (the NextN layer's last, where one is loaded)][cache row][n][row width].
+ * glmi4_kv_bytes(h, n) is its size. */
 long long glmi4_kv_bytes(void *handle, int n) {
     const model *m = handle;
-    return (long long)(m->vc ? 2 : 1) * m->s.n_layers * m->kvh * n * m->kvw * (long long)m->kv_elt;
+    return (long long)(m->vc ? 2 : 1) * m->kv_layers * m->kvh * n * m->kvw * (long long)m->kv_elt;
 }
 
 /* copy the first n positions of a slot out (to_slot 0) or in (to_slot 1; the slot then holds exactly them) */
@@ -2641,7 +2723,7 @@ static int kv_transfer(model *m, int slot, int n, char *buf, int to_slot) {
     const int p0 = phys(m, slot, 0), first = imin(n, s->capacity - p0);   /* the ring may wrap: two runs */
     void *caches[2] = {m->kc, m->vc};
     for (int c = 0; c < 2 && caches[c]; c++)
-        for (int l = 0; l < s->n_layers; l++)
+        for (int l = 0; l < m->kv_layers; l++)
             for (int kh = 0; kh < m->kvh; kh++, buf += rowb * n) {
                 char *a = (char *)caches[c] + kv_off(m, slot, l, kh, p0) * m->kv_elt;
                 char *b = (char *)caches[c] + kv_off(m, slot, l, kh, 0) * m->kv_elt;
@@ -2672,7 +2754,7 @@ static void shift_task(void *arg, int tid, int nth) {
     const glmi4_spec *s = &m->s;
     const int at = s->mla ? s->kv_lora : 0;      /* where the rotated dims start in a cache row */
     float row[1024];
-    for (int l = tid; l < s->n_layers; l += nth)
+    for (int l = tid; l < m->kv_layers; l += nth)
         for (int kh = 0; kh < m->kvh; kh++)
             for (int i = j->n_keep; i < m->len[j->slot]; i++) {
                 const size_t off = kv_off(m, j->slot, l, kh, phys(m, j->slot, i)) + at;
@@ -2692,7 +2774,7 @@ int glmi4_shift(void *handle, int slot, int n_keep, int n_discard) {
         return E_ARG;
     if (n_discard == 0) return E_OK;
     const size_t rowb = (size_t)m->kvw * m->kv_elt;
-    for (int l = 0; l < s->n_layers; l++)
+    for (int l = 0; l < m->kv_layers; l++)
         for (int kh = 0; kh < m->kvh; kh++)
             for (int i = n_keep - 1; i >= 0; i--) {      /* descending: source and target may overlap */
                 const size_t src = kv_off(m, slot, l, kh, phys(m, slot, i)) * m->kv_elt;
