@@ -944,3 +944,14 @@ def test_device_runtime_on_hardware(model, cache_dir):
     host = load(cfg, w, cache_dir, "f16", capacity=dev.capacity)
     ids = list(range(1, 17))
     assert_close(dev.prefill(ids, all_logits=True), host.prefill(ids, all_logits=True), "f16")
+
+
+@pytest.mark.parametrize("parts", [[{"group": "embed"}], [{"name": 3}], [{"name": "../../x"}], ["embedding"]])
+def test_a_manifest_whose_parts_are_not_plain_names_is_stale(tmp_path, parts):
+    """The cache entry's manifest is untrusted: a part without a name, or named by a path, makes it stale (rebuilt),
+    never a KeyError or a file opened outside the entry (found by tests/test_fuzz.py's mutations)."""
+    import json
+
+    from glmcore_plugins.tpu_bm1684x.export import MANIFEST, is_current, read_manifest
+    (tmp_path / MANIFEST).write_text(json.dumps({"key": {"k": 1}, "parts": parts}))
+    assert read_manifest(tmp_path) is None and not is_current(tmp_path, {"k": 1})

@@ -8,6 +8,7 @@ in-memory proto, so the biggest parts also get a TorchScript twin for it: see gr
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -32,7 +33,11 @@ def read_manifest(parts_dir: Path) -> dict | None:
         m = json.loads((Path(parts_dir) / MANIFEST).read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, ValueError, RecursionError):
         return None
-    return m if isinstance(m, dict) and isinstance(m.get("parts", []), list) else None   # else: rebuilt
+    parts = m.get("parts", []) if isinstance(m, dict) else None
+    # else rebuilt: a part is named by a plain file stem (never a path: the loader opens parts_dir / name.onnx)
+    ok = isinstance(parts, list) and all(isinstance(p, dict) and isinstance(p.get("name"), str)
+                                         and re.fullmatch(r"[A-Za-z0-9_-]+", p["name"]) for p in parts)
+    return m if ok else None
 
 
 def is_current(parts_dir: Path, key: dict) -> bool:
