@@ -226,7 +226,8 @@ def seeded_tokens(s: Session, sc: Script, vocab: int, can_shift: bool) -> list[i
 
 def batch_ops(take) -> list[tuple]:
     """Mixed steps over 4 slots: slots of different lengths, a chunk prefilled while others decode, a
-    slot freed and reused, a prefix copied between slots, a window shift in one slot."""
+    slot freed and reused, a prefix copied between slots, a window shift in one slot, a prefix restored
+    as the prompt cache restores one (export_prefix, import_prefix) into a slot that held another."""
     one = lambda: take(1)           # noqa: E731 -- a decode token
     return [
         ("step", [(0, take(12)), (1, take(7)), (2, take(20))]),
@@ -237,6 +238,7 @@ def batch_ops(take) -> list[tuple]:
         ("step", [(3, take(4)), (0, one()), (1, one())]),
         ("shift", 2, 4, 8),
         ("step", [(2, one()), (3, one()), (1, one())]),
+        ("restore", 1, 0, 10),
         ("step", [(2, one()), (0, one())]),
     ]
 
@@ -256,10 +258,12 @@ def batch_mixed(bs: BatchSession, sc: Script, vocab: int, caps: Capabilities) ->
         elif op[0] == "reset":
             bs.reset(op[1])
             held[op[1]] = []
-        elif op[0] == "copy":
+        elif op[0] in ("copy", "restore"):
             _, src, dst, n = op
             held[dst] = held[src][:n]
-            if caps.native_batch:
+            if op[0] == "restore" and caps.kv_export:
+                bs.import_prefix(dst, bs.export_prefix(src, n))
+            elif caps.native_batch:
                 bs.copy_prefix(src, dst, n)
             else:
                 bs.reset(dst)
@@ -293,7 +297,7 @@ def batch_mixed_reference(s: Session, sc: Script, vocab: int, in_place) -> dict[
             elif op[0] == "reset" and op[1] == slot:
                 s.reset()
                 held = []
-            elif op[0] == "copy" and op[2] == slot:
+            elif op[0] in ("copy", "restore") and op[2] == slot:
                 held = _slot_ids(sc, op[1], i)[:op[3]]
                 s.reset()
                 s.prefill(held)
@@ -318,7 +322,7 @@ def _slot_ids(sc: Script, slot: int, before: int) -> list[int]:
             held += [t for sl, ids in op[1] if sl == slot for t in ids]
         elif op[0] == "reset" and op[1] == slot:
             held = []
-        elif op[0] == "copy" and op[2] == slot:
+        elif op[0] in ("copy", "restore") and op[2] == slot:
             held = _slot_ids(sc, op[1], before)[:op[3]]
     return held
 

@@ -231,6 +231,24 @@ def test_catches_a_cache_that_forgets_on_append():
     assert "kv_len" in failure.error            # the contract check names what went wrong
 
 
+class ImportsLengthOnly(TorchBackend):
+    """Declares kv_export, but its import_prefix sets the slot's length without writing the rows: the slot keeps the
+    KV of what it held before (the right length, the wrong content)."""
+    name = "imports_length_only"
+
+    def load_batch(self, config, weights, options, n_slots):
+        batch = super().load_batch(config, weights, options, n_slots)
+        batch.import_prefix = lambda slot, blob: batch.lens.__setitem__(slot, blob.n)
+        return batch
+
+
+def test_catches_a_prefix_import_that_keeps_the_old_rows():
+    """batch_mixed restores a prefix as the prompt cache does (export_prefix, import_prefix) into a slot that held
+    other ids: the rows after it tell a broken import from a real one."""
+    v = verdicts(suite([ImportsLengthOnly()], ["chatglm3"]))
+    assert v.pop("batch_mixed") is False and all(v.values()), v
+
+
 def test_catches_a_shift_without_rerotation_and_passes_a_correct_one():
     broken = suite([Toy("shift_bug", ShiftWithoutRerotation, can_shift=True)], ["glm4"])
     v = verdicts(broken)
