@@ -167,10 +167,16 @@ class BatchSession(_Closable, ABC):
 
     has_nextn: bool = False       # draft_nextn works: the backend runs the checkpoint's NextN (MTP) layer
 
+    def start_nextn(self) -> None:
+        """Keep from now on what draft_nextn drafts from (per slot the fed ids and the target's final hidden states,
+        the NextN layer's own cache): the mtp drafter calls it before the first step. Until then a loaded NextN
+        layer costs the session no memory and its steps no work. Backends that set has_nextn implement it."""
+        raise NotImplementedError
+
     def draft_nextn(self, slot: int, token: int, k: int) -> list[int]:
         """Speculative decoding's MTP drafter: k greedy drafts for slot after `token` (sampled, not yet fed),
-        from the checkpoint's multi-token-prediction layer over the slot's hidden states. Optional; backends
-        that implement it set has_nextn."""
+        from the checkpoint's multi-token-prediction layer over the slot's hidden states (kept since
+        start_nextn). Optional; backends that implement it set has_nextn."""
         raise NotImplementedError
 
     def copy_prefix(self, src: int, dst: int, n: int) -> None:

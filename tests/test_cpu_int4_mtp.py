@@ -23,6 +23,7 @@ HELDOUT = Path(__file__).parent / "data" / "demo_heldout_prompts.json"      # po
 def model(request, make_tiny):
     d = DEMO if request.param == "demo" else make_tiny(request.param)
     m = load_model(d, "cpu_int4", LoadOptions(threads=1, capacity=96), slots=8)
+    m.scheduler.batch.start_nextn()      # as the mtp drafter does: the tests below also draft by hand
     yield m
     m.close()
 
@@ -99,6 +100,8 @@ def test_the_nextn_layer_computes_torchs_on_the_same_checkpoint(make_tiny, famil
     m = load_model(d, "cpu_int4", LoadOptions(threads=1, capacity=64, extra={"linear_bits": 8, "embed_bits": 8}),
                    slots=1)
     tb, cb = ref.scheduler.batch, m.scheduler.batch
+    tb.start_nextn()
+    cb.start_nextn()
     try:
         want, got = [], []
         for p in prompts(m, 8):

@@ -215,6 +215,7 @@ def test_nextn_training_forward_is_the_reference_math(demo):
         mine = train_demo.nextn_forward(cfg, w, w, torch.tensor([ids]), pos, None, hidden)[0, :-1].numpy()
     b = registry().get("torch")
     batch = b.load_batch(cfg, weights, b.resolve(LoadOptions(threads=THREADS, capacity=CAPACITY)), 1)
+    batch.start_nextn()
     try:
         model, mtp = batch.model, batch.mtp
         with torch.inference_mode():

@@ -85,8 +85,11 @@ def load(backend, make_tiny, family, cache_dir, slots=2, capacity=128):
     cfg = ModelConfig.from_dir(d)
     weights = "int4" if backend == "cpu_int4" else "f32"
     with contextlib.redirect_stderr(io.StringIO()):
-        return b, b.load_batch(cfg, load_weights(d, cfg), LoadOptions("f32", weights, capacity, threads=1,
-                                                                      cache_dir=cache_dir), slots)
+        batch = b.load_batch(cfg, load_weights(d, cfg), LoadOptions("f32", weights, capacity, threads=1,
+                                                                    cache_dir=cache_dir), slots)
+    if batch.has_nextn:       # as the mtp drafter does: its state is kept, and must travel with a restored prefix
+        batch.start_nextn()
+    return b, batch
 
 
 def tolerance(family):
@@ -117,7 +120,7 @@ def test_restored_slot_equals_a_cold_prefill(make_tiny, int4_cache, backend, fam
     batch.reset(0)
     batch.step([(0, prefix)])
     batch.import_prefix(1, saved)
-    if batch.has_nextn:     # torch on glm4_moe: the NextN drafter's state (its cache, ids, hidden states) travels too
+    if batch.has_nextn:     # the MoE GLMs: the NextN drafter's state (its cache, ids, hidden states) travels too
         assert batch.draft_nextn(1, more[0], 3) == batch.draft_nextn(0, more[0], 3)
     toks = [[], []]
     for _ in range(6):

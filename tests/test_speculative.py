@@ -394,6 +394,7 @@ def moe(make_tiny):
     from glmcore.backend import LoadOptions
     from glmcore.model import load_model
     m = load_model(make_tiny("glm4-moe"), "torch", LoadOptions(threads=1, capacity=96), slots=16)
+    m.scheduler.batch.start_nextn()      # as the mtp drafter does: the tests below also draft by hand
     yield m
     m.close()
 
@@ -531,3 +532,26 @@ def test_a_nextn_file_without_its_config_key_is_not_read(make_tiny, tmp_path):
     del raw["num_nextn_predict_layers"]
     (d / "config.json").write_text(json.dumps(raw))
     assert not any(n.startswith("mtp.") for n in load_weights(d, ModelConfig.from_dir(d)))
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpu_int4"])
+def test_a_nextn_layer_costs_nothing_until_the_mtp_drafter_starts_it(backend):
+    """The demo model ships a NextN layer: run plainly, the session keeps no hidden states for it (memory and a
+    copy per step); the mtp drafter turns that on before its first step; drafting by hand before is refused."""
+    from glmcore.backend import LoadOptions
+    from glmcore.errors import BackendError
+    from glmcore.model import load_model
+    m = load_model(None, backend, LoadOptions(threads=1, capacity=64), slots=1)
+    try:
+        batch = m.scheduler.batch
+        state = lambda: getattr(batch, "mtp" if backend == "torch" else "nextn")     # noqa: E731
+        assert batch.has_nextn
+        batch.step([(0, [5, 6, 7])])
+        assert state() is None
+        with pytest.raises(BackendError, match="before start_nextn"):
+            batch.draft_nextn(0, 8, 2)
+        m.scheduler.forget()
+        Scheduler(batch, m.backend.capabilities(), n_vocab=m.tokenizer.n_vocab, speculation=Speculation("mtp", 2))
+        assert state() is not None
+    finally:
+        m.close()

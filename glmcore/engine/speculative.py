@@ -60,6 +60,7 @@ class Speculation:
                                    "--speculative mtp needs a checkpoint with a multi-token-prediction (NextN) layer "
                                    "(glm4_moe: num_nextn_predict_layers, the mtp tensors kept) on a backend that runs "
                                    "it (torch, cpu_int4); use --speculative ngram")
+            batch.start_nextn()
             return MtpDrafter(batch)
         return None
 

@@ -49,9 +49,9 @@ class Int4BatchSession(BatchSession):
         self._h = self._lib.glmi4_create(C.byref(self._spec), err, len(err))
         if not self._h:
             raise BackendError(f"cpu_int4: {err.value.decode(errors='replace')}")
-        self.nextn = NextNState(n_slots, self.capacity, cfg.hidden_size) if self._nextn_struct else None
+        self.nextn: NextNState | None = None      # what the NextN layer drafts from, kept once start_nextn is called
         # why --speculative mtp cannot run here (None: it can)
-        self.nextn_refusal = None if self.nextn else nextn_refusal(cfg, self.meta["nextn"])
+        self.nextn_refusal = None if self._nextn_struct else nextn_refusal(cfg, self.meta["nextn"])
 
     # ------------------------------------------------------------ wiring the mapped file to the C structs
 
@@ -203,7 +203,14 @@ class Int4BatchSession(BatchSession):
 
     @property
     def has_nextn(self) -> bool:
-        return self.nextn is not None
+        return self._nextn_struct is not None
+
+    def start_nextn(self) -> None:
+        """From now on the step hands back the final hidden states (only then: a NULL pointer otherwise)."""
+        if self._nextn_struct is None:
+            raise GlmcoreError(f"cpu_int4: --speculative mtp cannot run: {self.nextn_refusal}")
+        if self.nextn is None:
+            self.nextn = NextNState(self.n_slots, self.capacity, self.cfg.hidden_size)
 
     def draft_nextn(self, slot: int, token: int, k: int) -> list[int]:
         """k greedy drafts after `token` (sampled, not yet fed) from the packed NextN layer, as torch_ref's: it first
@@ -211,7 +218,9 @@ class Int4BatchSession(BatchSession):
         target's hidden state there), then chains on its own output. Drafts past the ring's end are not made."""
         slot, m = self._slot(slot), self.nextn
         if m is None:
-            raise GlmcoreError(f"cpu_int4: --speculative mtp cannot run: {self.nextn_refusal}")
+            self.start_nextn()         # refuses without a NextN layer
+            raise BackendError("cpu_int4: draft_nextn before start_nextn: the hidden states it drafts from were "
+                               "not kept")
         n = self.kv_len(slot)
         if n < 1:
             raise GlmcoreError(f"cpu_int4: slot {slot} holds no tokens to draft after; prefill it first")

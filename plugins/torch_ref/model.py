@@ -49,20 +49,29 @@ class TorchRefBatch(BatchSession):
         self.k_cache = [torch.zeros(k_shape) for _ in range(cfg.num_layers)]
         self.v_cache = [torch.zeros(v_shape) for _ in range(cfg.num_layers)]
         self.lens = [0] * n_slots
-        self.mtp = None
-        if getattr(cfg, "num_mtp_layers", 0) and "mtp.0.eh_proj.weight" in weights and tp is LOCAL:
-            self.mtp = NextNState(NextN(self.model, weights, 0, cpu, torch.float32), k_shape, v_shape,
-                                  n_slots, self.capacity, cfg.hidden_size)
+        self.nextn_layer = NextN(self.model, weights, 0, cpu, torch.float32) \
+            if cfg.num_mtp_layers and "mtp.0.eh_proj.weight" in weights and tp is LOCAL else None
+        self.mtp: NextNState | None = None        # what the NextN layer drafts from, kept once start_nextn is called
 
     @property
     def has_nextn(self) -> bool:
-        return self.mtp is not None
+        return self.nextn_layer is not None
+
+    def start_nextn(self) -> None:
+        if self.nextn_layer is None:
+            raise BackendError("this checkpoint has no NextN layer to draft with")
+        if self.mtp is None:
+            k_shape, v_shape = self.model.cache_shapes(self.n_slots, self.capacity)
+            self.mtp = NextNState(self.nextn_layer, k_shape, v_shape, self.n_slots, self.capacity,
+                                  self.cfg.hidden_size)
 
     @torch.inference_mode()
     def draft_nextn(self, slot: int, token: int, k: int) -> list[int]:
         """k greedy drafts after `token` (sampled, not yet fed) from the checkpoint's NextN layer: it first
         catches up on the positions the target fed since its last draft (each with the next fed token and
         the target's hidden state there), then chains on its own output."""
+        if self.mtp is None:
+            raise BackendError("draft_nextn before start_nextn: the hidden states it drafts from were not kept")
         m, n = self.mtp, self.lens[slot]
         done = min(m.lens[slot], n - 1)
         ids = torch.cat([m.ids[slot, done + 1:n], torch.tensor([int(token)])])[None]
