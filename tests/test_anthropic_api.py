@@ -258,10 +258,11 @@ def test_output_config_format_constrains_the_reply_to_the_schema(servers):
     """output_config.format (the SDK's structured outputs) goes through the chat path's json_schema grammar: even
     the random tiny model writes JSON of the schema."""
     schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8},
-                                               "n": {"type": "integer"}}, "required": ["city", "n"],
+                                               "n": {"type": "integer", "minimum": 0, "maximum": 9}},
+              "required": ["city", "n"],
               "additionalProperties": False}
     r = client(servers["glm4"][2]).messages.create(
-        model="glm4", max_tokens=64, messages=user("weather?"),
+        model="glm4", max_tokens=120, messages=user("weather?"),     # bounded: the schema's longest reply fits
         output_config={"format": {"type": "json_schema", "schema": schema}}, extra_body={"seed": 3, "temperature": 1.0})
     assert r.stop_reason == "end_turn", r
     jsonschema.validate(json.loads(r.content[-1].text), schema)
