@@ -151,22 +151,15 @@ class GlmArchitecture(Architecture):
     def gguf_to_canonical(self, cfg: ModelConfig, parts: dict, where: Path) -> dict:
         from ..gguf import stack
         out, qkv = {}, {}
-        for name, part in parts.items():
-            if name in GGUF_TOP:
-                out[GGUF_TOP[name]] = stack(where, name, [part])
+        what = "GGUF architecture chatglm/glm4"
+        for name, p, rest, part in gguf_layer_parts(parts, where, out, what):
+            if rest in _GGUF_LAYER:
+                out[p + _GGUF_LAYER[rest]] = stack(where, name, [part])
                 continue
-            if name == "rope_freqs.weight":         # a buffer some converters write; the rotary is computed
-                continue
-            m = re.fullmatch(r"blk\.(\d+)\.(.+)", name)
-            if m and m.group(2) in _GGUF_LAYER:
-                out[f"layers.{int(m.group(1))}.{_GGUF_LAYER[m.group(2)]}"] = stack(where, name, [part])
-                continue
-            mq = re.fullmatch(r"attn_([qkv])\.(weight|bias)", m.group(2)) if m else None
-            if mq:
-                qkv.setdefault((int(m.group(1)), mq.group(2)), {})[mq.group(1)] = part
-                continue
-            raise CheckpointError(f"{where}: unknown tensor {name!r} for GGUF architecture chatglm/glm4; the file is "
-                                  "not a GLM model llama.cpp wrote")
+            mq = re.fullmatch(r"attn_([qkv])\.(weight|bias)", rest)
+            if mq is None:
+                raise unknown_gguf_tensor(where, name, what)
+            qkv.setdefault((int(p.split(".")[1]), mq.group(2)), {})[mq.group(1)] = part
         for (layer, kind), q_k_v in qkv.items():      # llama.cpp keeps transformers' split q/k/v: fuse it back
             if set(q_k_v) != {"q", "k", "v"} or f"layers.{layer}.qkv.{kind}" in out:
                 raise CheckpointError(f"{where}: layer {layer} has {sorted(q_k_v)} of attn_q/k/v.{kind}"
@@ -385,10 +378,31 @@ _HF_LAYER = {
 }
 _HF_TOP = {"model.embed_tokens.weight": "embed.weight", "model.norm.weight": "final_norm.weight",
            "lm_head.weight": "lm_head.weight"}
-# llama.cpp's names (gguf-py's TensorNameMap for chatglm/glm4) -> canonical; attn_q/k/v are fused in code.
 # llama.cpp's names of the tensors outside the layers (every GLM layout)
 GGUF_TOP = {"token_embd.weight": "embed.weight", "output_norm.weight": "final_norm.weight",
              "output.weight": "lm_head.weight"}
+
+
+def gguf_layer_parts(parts: dict, where: Path, out: dict, what: str):
+    """llama.cpp's tensors outside the layers into out (canonical), rope_freqs skipped (a buffer some converters
+    write; the rotary is computed); yields (name, "layers.N.", rest, part) for each blk.N.rest. Any other name is
+    a CheckpointError naming `what` (the GGUF architecture)."""
+    from ..gguf import stack
+    for name, part in parts.items():
+        if name in GGUF_TOP:
+            out[GGUF_TOP[name]] = stack(where, name, [part])
+        elif name != "rope_freqs.weight":
+            m = re.fullmatch(r"blk\.(\d+)\.(.+)", name)
+            if m is None:
+                raise unknown_gguf_tensor(where, name, what)
+            yield name, f"layers.{int(m.group(1))}.", m.group(2), part
+
+
+def unknown_gguf_tensor(where: Path, name: str, what: str) -> CheckpointError:
+    return CheckpointError(f"{where}: unknown tensor {name!r} for {what}; the file is not a GLM model llama.cpp wrote")
+
+
+# llama.cpp's names (gguf-py's TensorNameMap for chatglm/glm4) -> canonical; attn_q/k/v are fused in code.
 _GGUF_LAYER = {
     "attn_norm.weight": "input_norm.weight",
     "attn_qkv.weight": "qkv.weight",

@@ -23,7 +23,7 @@ import numpy as np
 from ..config import ModelConfig
 from ..errors import CheckpointError, ConfigError
 from .base import MTP_NAMES, Architecture, Axis, Role, Split, TensorSpec, mtp_tensors, place_mtp
-from .glm import GGUF_TOP, hf_rope, write_synthetic_tokenizer
+from .glm import gguf_layer_parts, hf_rope, unknown_gguf_tensor, write_synthetic_tokenizer
 
 # transformers' Glm4MoeConfig defaults, used exactly where config.json leaves a key out.
 DEFAULTS = {"vocab_size": 151552, "hidden_size": 4096, "intermediate_size": 10944, "num_hidden_layers": 46,
@@ -322,17 +322,7 @@ def moe_gguf_to_canonical(parts: dict, where: Path, layer: dict[str, str], fused
     rows, each expert of the stacked [experts, out, in] tensors its own canonical tensor."""
     from ..gguf import GGUFPart, stack
     out, grouped = {}, {}
-    for name, part in parts.items():
-        if name in GGUF_TOP:
-            out[GGUF_TOP[name]] = stack(where, name, [part])
-            continue
-        if name == "rope_freqs.weight":         # a buffer some converters write; the rotary is computed
-            continue
-        m = re.fullmatch(r"blk\.(\d+)\.(.+)", name)
-        if m is None:
-            raise CheckpointError(f"{where}: unknown tensor {name!r} for a MoE GLM GGUF; the file is not a GLM model "
-                                  "llama.cpp wrote")
-        p, rest = f"layers.{int(m.group(1))}.", m.group(2)
+    for name, p, rest, part in gguf_layer_parts(parts, where, out, "a MoE GLM GGUF"):
         if rest in layer:
             out[p + layer[rest]] = stack(where, name, [part])
         elif rest in GGUF_EXPERTS:
@@ -346,8 +336,7 @@ def moe_gguf_to_canonical(parts: dict, where: Path, layer: dict[str, str], fused
         else:
             into = next((c for c, names in fused.items() if rest in names), None)
             if into is None:
-                raise CheckpointError(f"{where}: unknown tensor {name!r} for a MoE GLM GGUF; the file is not a GLM "
-                                      "model llama.cpp wrote")
+                raise unknown_gguf_tensor(where, name, "a MoE GLM GGUF")
             grouped.setdefault(p + into, {})[fused[into].index(rest)] = part
     for canon, got in grouped.items():
         need = 2 if ".experts." in canon and canon.endswith("ffn_up.weight") else \
