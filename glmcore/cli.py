@@ -511,13 +511,17 @@ def cmd_make_model(a) -> int:
     from .synth import make_model
     if not 0 <= a.seed < 2**64:
         raise GlmcoreError(f"invalid --seed {a.seed}: use an integer from 0 to 2**64-1")
+    if a.generated_weights and (a.shards is not None or a.format != "safetensors"):
+        raise GlmcoreError("--generated-weights writes no weight files: drop --shards/--format")
     try:
         cfg = make_model(a.family, a.size, a.out, fmt=a.format, shards=a.shards, seed=a.seed,
-                         tokenizer_from=a.tokenizer_from, dtype=a.dtype, progress=progress, layers=a.layers)
+                         tokenizer_from=a.tokenizer_from, dtype=a.dtype, progress=progress, layers=a.layers,
+                         generated=a.generated_weights)
     except OSError as e:            # the output directory cannot be written (a read-only or virtual filesystem)
         raise GlmcoreError(f"--out {a.out}: cannot write the checkpoint there ({e.strerror or e}); choose "
                            "another directory") from None
-    print(f"wrote {a.family} {a.size} ({cfg.num_params() / 1e6:.1f}M parameters, random weights) to {a.out}")
+    how = "weights generated when read, none on disk" if a.generated_weights else "random weights"
+    print(f"wrote {a.family} {a.size} ({cfg.num_params() / 1e6:.1f}M parameters, {how}) to {a.out}")
     return 0
 
 
@@ -620,6 +624,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="seed of the random weights")
     p.add_argument("--dtype", choices=["f32", "f16", "bf16"], help="default f32 for tiny/small, bf16 otherwise")
     p.add_argument("--tokenizer-from", help="copy the tokenizer files of a real checkpoint directory")
+    p.add_argument("--generated-weights", action="store_true",
+                   help="write no weight files: glmcore makes the weights from --seed whenever it reads the model "
+                        "(for shapes that do not fit on the disk; `glmcore convert --backend cpu_int4` streams them "
+                        "into the packed form one tensor at a time). Other programs cannot read such a checkpoint")
     p.set_defaults(fn=cmd_make_model)
 
     p = sub.add_parser("convert", help="write a backend's converted model (IR, ONNX parts, packed int4)")

@@ -47,7 +47,10 @@ class Checkpoint:
     gguf: object = None             # glmcore.gguf.GGUFCheckpoint
 
     def weights(self):
-        return self.gguf.weights if self.gguf is not None else load_weights(self.path, self.config)
+        if self.gguf is not None:
+            return self.gguf.weights
+        from .synth import generated_weights
+        return generated_weights(self.path, self.config) or load_weights(self.path, self.config)
 
 
 def open_checkpoint(model) -> Checkpoint:

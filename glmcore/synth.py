@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -16,14 +16,17 @@ from . import arch
 from .arch import Role
 from .config import ModelConfig
 from .errors import GlmcoreError
-from .weights import BF16, write_safetensors
+from .weights import BF16, Weights, write_safetensors
 
 DTYPES = {"f32": np.dtype("<f4"), "f16": np.dtype("<f2"), "bf16": BF16}
 
 
 def make_model(family: str, size: str, out: str | Path, fmt: str = "safetensors", shards: int | None = None,
                seed: int = 0, tokenizer_from: str | Path | None = None, dtype: str | None = None,
-               progress: Callable[[str], None] | None = None, layers: int | None = None) -> ModelConfig:
+               progress: Callable[[str], None] | None = None, layers: int | None = None,
+               generated: bool = False) -> ModelConfig:
+    """generated: write no weight files; the weights are made from the seed whenever the checkpoint is read
+    (GeneratedWeights), for shapes whose weights do not fit on the disk."""
     if family not in arch.synthetic_families():
         raise GlmcoreError(f"unknown family {family!r}; choose {', '.join(arch.synthetic_families())}")
     sizes = arch.for_family(family).sizes(family)
@@ -40,25 +43,85 @@ def make_model(family: str, size: str, out: str | Path, fmt: str = "safetensors"
     # or interrupted run leaves nothing behind.
     cfg: list[ModelConfig] = []
     build_once(new_output_dir(out), lambda tmp: cfg.append(_write_model(family, size, tmp, fmt, shards, seed,
-                                                                       tokenizer_from, dtype, progress, layers)),
+                                                                       tokenizer_from, dtype, progress, layers,
+                                                                       generated)),
                complete=lambda p: False)
     return cfg[0]
 
 
 def _write_model(family, size, out: Path, fmt, shards, seed, tokenizer_from, dtype, progress,
-                 layers: int | None = None) -> ModelConfig:
+                 layers: int | None = None, generated: bool = False) -> ModelConfig:
     """The family's architecture module writes the tokenizer files and says config.json; the weights are
-    its canonical tensors under the checkpoint names of that layout."""
+    its canonical tensors under the checkpoint names of that layout (or, generated, none: made when read)."""
     raw = arch.for_family(family).synthetic_config(family, size, layers, out, tokenizer_from)
+    dtype = dtype or ("f32" if size in ("tiny", "small") else "bf16")
     raw["glmcore_synthetic"] = {"family": family, "size": size, "seed": seed, "note": "random weights"}
+    if generated:
+        raw["glmcore_synthetic"].update(weights=GENERATED, dtype=dtype,
+                                        note="random weights, made from the seed when read (no weight files)")
     (out / "config.json").write_text(json.dumps(raw, indent=2, ensure_ascii=False) + "\n")
     cfg = ModelConfig.from_dir(out)
-    return _write_weights(cfg, out, size, fmt, shards, seed, dtype, progress)
+    return cfg if generated else _write_weights(cfg, out, size, fmt, shards, seed, dtype, progress)
+
+
+GENERATED = "generated"
+
+
+class GeneratedWeights(Weights):
+    """The canonical tensors of a synthetic checkpoint written without weight files (`make-model
+    --generated-weights`): each is made when read, exactly as make-model would have stored it (same seed, same
+    dtype), and is not kept. A model whose weights do not fit on the disk (GLM-4.7-Flash at full depth) is then
+    converted by streaming: `glmcore convert --backend cpu_int4` reads one tensor at a time."""
+
+    def __init__(self, cfg: ModelConfig, seed: int, dtype: str, path: Path):
+        module = arch.of(cfg)
+        self._specs = {**module.tensors(cfg), **module.optional_tensors(cfg)}
+        self._tied = not module.stored_names(cfg)("lm_head.weight")
+        self._seed, self._dtype = seed, DTYPES[dtype]
+        super().__init__({}, [path / "config.json"], cfg)
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        src = "embed.weight" if self._tied and name == "lm_head.weight" else name
+        return init_tensor(src, self._specs[src], self.config, self._seed).astype(self._dtype)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._specs)
+
+    def __len__(self) -> int:
+        return len(self._specs)
+
+    def __contains__(self, name) -> bool:
+        return name in self._specs
+
+    @property
+    def dtype(self) -> np.dtype:
+        return self._dtype
+
+    def fingerprint(self) -> str:
+        import hashlib
+        blob = json.dumps({"config": self.config.to_dict(), "seed": self._seed, "dtype": self._dtype.name,
+                           "weights": GENERATED}, sort_keys=True)
+        return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def generated_weights(model_dir: Path, cfg: ModelConfig) -> GeneratedWeights | None:
+    """The weights of a checkpoint made with --generated-weights (None for any other checkpoint)."""
+    try:
+        mark = json.loads((Path(model_dir) / "config.json").read_text(encoding="utf-8")).get("glmcore_synthetic")
+    except (OSError, UnicodeDecodeError, ValueError, AttributeError):
+        return None             # the config reader has said what is wrong with it already, or will
+    if not isinstance(mark, dict) or mark.get("weights") != GENERATED:
+        return None
+    seed, dtype = mark.get("seed"), mark.get("dtype")
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**64 or dtype not in DTYPES:
+        raise GlmcoreError(f"{model_dir / 'config.json'}: glmcore_synthetic needs an integer seed and a dtype of "
+                           f"{', '.join(DTYPES)} to generate its weights; make the model again")
+    return GeneratedWeights(cfg, seed, dtype, Path(model_dir))
 
 
 def _write_weights(cfg: ModelConfig, out: Path, size, fmt, shards, seed, dtype, progress) -> ModelConfig:
     """The canonical tensors under their checkpoint names: names(canonical) -> {stored name: rows or None}."""
-    np_dtype = DTYPES[dtype or ("f32" if size in ("tiny", "small") else "bf16")]
+    np_dtype = DTYPES[dtype]
     module = arch.of(cfg)
     names = module.stored_names(cfg)
     specs = {**module.tensors(cfg), **module.optional_tensors(cfg)}     # a synthetic model has its NextN layers
