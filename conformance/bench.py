@@ -46,10 +46,12 @@ from pathlib import Path
 import numpy as np
 
 from glmcore.backend import Backend, LoadOptions, registry
+from glmcore.cli import add_spec_args, speculation
 from glmcore.config import FAMILIES, ModelConfig
 from glmcore.cpuinfo import cpu_name
 from glmcore.errors import GlmcoreError
 from glmcore.model import resolve_backend
+from glmcore.scheduler import Speculation
 
 from .memory import peak_rss, reset_peak
 
@@ -155,23 +157,25 @@ def bytes_per_token(backend: Backend, config: ModelConfig, options: LoadOptions,
 
 # ---------------------------------------------------------------- the worker (one per backend)
 
-def _worker(conn, name: str, model_dir: str, options: dict) -> None:
+def _worker(conn, name: str, model_dir: str, options: dict, speculation: tuple[str, int]) -> None:
     """Load one backend and answer ("run", prompt, gen) requests until ("stop",)."""
     try:
         from glmcore.cache import cache_root
+        from glmcore.model import open_checkpoint
         from glmcore.sampling import SamplingParams
-        from glmcore.scheduler import Request, Scheduler
-        from glmcore.weights import load_weights
+        from glmcore.scheduler import Request, Scheduler, Speculation
         from glmcore.parallel import follower_pids, tensor_parallel
         backend = tensor_parallel(registry().get(name), options.get("tp", 1))
-        config = ModelConfig.from_dir(model_dir)
+        checkpoint = open_checkpoint(model_dir)
+        config = checkpoint.config
         opts = backend.resolve(LoadOptions(**options))
         if opts.cache_dir is None:
             opts.cache_dir = cache_root() / "converted"
         t0 = time.perf_counter()
-        batch = backend.load_batch(config, load_weights(model_dir, config), opts, 1)
+        batch = backend.load_batch(config, checkpoint.weights(), opts, 1)
         load_s = time.perf_counter() - t0
-        scheduler = Scheduler(batch, backend.capabilities(), n_vocab=config.vocab_size)
+        scheduler = Scheduler(batch, backend.capabilities(), n_vocab=config.vocab_size,
+                              speculation=Speculation(*speculation))
         ranks = ["self", *follower_pids()]      # tensor parallel: every rank's memory counts
         conn.send(("ready", {"backend": backend.name, "load_s": load_s, "precision": opts.precision,
                              "weights": opts.weights,
@@ -195,19 +199,20 @@ def _worker(conn, name: str, model_dir: str, options: dict) -> None:
             n = sum(1 for _ in handle)
             t = handle.timings
             conn.send(("result", {"ttft_s": t.ttft_s, "prefill_tps": t.prefill_tps, "decode_tps": t.decode_tps,
-                                  "new_tokens": n, "peak_rss": max(peak_rss(p) for p in ranks),
+                                  "new_tokens": n, "drafted": t.drafted, "accepted": t.accepted, "peak_rss": max(peak_rss(p) for p in ranks),
                                   "peak_rss_ranks": [peak_rss(p) for p in ranks], "rss_per_run": per_run}))
         except Exception as e:
             conn.send(("error", f"{type(e).__name__}: {e}", isinstance(e, GlmcoreError)))
 
 
 class Worker:
-    def __init__(self, name: str, model_dir: Path, options: LoadOptions):
+    def __init__(self, name: str, model_dir: Path, options: LoadOptions, speculation: Speculation):
         ctx = mp.get_context("spawn")    # a fresh interpreter: no inherited memory, no forked thread pools
         self.name = name
         self.conn, child = ctx.Pipe()
         opts = {k: v for k, v in asdict(options).items() if k != "cache_dir"}
-        self.proc = ctx.Process(target=_worker, args=(child, name, str(model_dir), opts), daemon=True)
+        spec = (speculation.method.value, speculation.draft_tokens)
+        self.proc = ctx.Process(target=_worker, args=(child, name, str(model_dir), opts, spec), daemon=True)
         self.proc.start()
         child.close()
 
@@ -261,6 +266,8 @@ class Result:
     bytes_source: str
     ceiling_tps: float
     reached: float
+    drafted: int = 0            # speculative decoding: tokens drafted in a run (the median run)
+    accepted: int = 0           # ... and accepted by the target
     runs: list = field(default_factory=list)
 
 
@@ -284,9 +291,11 @@ def model_dir_for(model: str | None, size: str | None, family: str | None = None
 
 def bench(backends: list[tuple[str, LoadOptions]], model_dir: Path, prompt_len: int = 128, gen: int = 64,
           runs: int = 3, warmup: int = 1, threads: int | None = None, bandwidth: float | None = None,
-          progress=lambda msg: None, llamacpp=None) -> dict:
+          progress=lambda msg: None, llamacpp=None, speculation: Speculation | None = None) -> dict:
     """Run each (backend name, options) in its own worker, alternating, and return the figures; with
-    `llamacpp` (glmcore_conformance.llamacpp.LlamaCpp), llama.cpp on the same checkpoint in the same rounds."""
+    `llamacpp` (glmcore_conformance.llamacpp.LlamaCpp), llama.cpp on the same checkpoint in the same rounds;
+    with `speculation`, every backend decodes with it (its runs count drafted and accepted tokens)."""
+    speculation = speculation or Speculation()
     from .models import open_model, TokenSource
     if prompt_len < 1 or gen < 2 or runs < 1 or warmup < 0:
         raise GlmcoreError("--prompt-len must be >= 1, --gen >= 2, --runs >= 1, --warmup >= 0")
@@ -306,7 +315,7 @@ def bench(backends: list[tuple[str, LoadOptions]], model_dir: Path, prompt_len: 
             opts.capacity = opts.capacity or prompt_len + gen
             opts.threads = threads
             progress(f"bench: loading {name}")
-            workers.append((Worker(name, model_dir, opts), opts))
+            workers.append((Worker(name, model_dir, opts, speculation), opts))
         infos = [w.ready() for w, _ in workers]
         ggufs = _llamacpp_models(llamacpp, model_dir, {i["weights"] for i in infos}, progress)
         lc_runs: dict = {w: [] for w in ggufs}
@@ -346,9 +355,11 @@ def bench(backends: list[tuple[str, LoadOptions]], model_dir: Path, prompt_len: 
         reached = statistics.median(x["decode_tps"] * nbytes / bw for x, bw in zip(rs, around))
         out.append(Result(info["backend"], info["precision"], info["weights"], info["load_s"], med("ttft_s") * 1000,
                           med("prefill_tps"), med("decode_tps"), med("peak_rss") / 2**20,
-                          all(x["rss_per_run"] for x in rs), nbytes, source, ceiling, reached, rs))
+                          all(x["rss_per_run"] for x in rs), nbytes, source, ceiling, reached,
+                          int(med("drafted")), int(med("accepted")), rs))
     return {"model": str(model_dir), "family": config.family, "params": config.num_params(),
             "prompt_len": prompt_len, "gen": gen, "runs": runs, "warmup": warmup, "threads": threads,
+            "speculation": {"method": speculation.method.value, "draft_tokens": speculation.draft_tokens},
             "bandwidth": bandwidth, "bandwidth_probes": probes, "machine": machine(), "kv_len": kv_len,
             "date": time.strftime("%Y-%m-%d"), "results": [asdict(r) for r in out],
             "llamacpp": {w: {"type": ggufs[w].parent.name, "runs": rs,
@@ -401,6 +412,11 @@ def format_bench(data: dict) -> str:
                      f"read per decode token ({r['bytes_source']}, KV at {data['kv_len']} tokens) at "
                      f"{data['bandwidth'] / 1e9:.1f} GB/s -> ceiling {r['ceiling_tps']:.1f} tok/s; "
                      f"reached {100 * r['reached']:.0f}% (the median round against the bandwidth around it)")
+    spec = data.get("speculation") or {"method": "off"}
+    for r in data["results"] if spec["method"] != "off" else ():
+        lines.append(f"speculative {spec['method']} (up to {spec['draft_tokens']} drafts a step) {r['backend']}: "
+                     f"drafted {r['drafted']}, accepted {r['accepted']} "
+                     f"({100 * r['accepted'] / max(r['drafted'], 1):.0f}%) of {data['gen']} generated tokens")
     for ref in lc.values():
         lines.append(f"llama.cpp {ref['type']} (same checkpoint, llama-bench, median of {len(ref['runs'])}): prefill "
                      f"{ref['prefill_tps']:.1f} tok/s, decode {ref['decode_tps']:.1f} tok/s, peak RSS "
@@ -448,6 +464,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "of the whole batch, ms per decode step and aggregate decode tok/s (e.g. 1,4,8,16,32,48)")
     ap.add_argument("--no-llamacpp", action="store_true", help="leave out the llama.cpp comparison even where "
                     "$GLMCORE_LLAMACPP names a build")
+    add_spec_args(ap)
     return ap
 
 
@@ -460,6 +477,8 @@ def main(argv: list[str] | None = None) -> int:
     if a.vs:
         resolve_backend(a.vs)
     model_dir, _ = model_dir_for(a.model, a.size, a.family)
+    if a.batch and a.speculative != "off":
+        raise GlmcoreError("--speculative times one sequence's decoding; drop --batch (or --speculative)")
     if a.batch:
         from .batchbench import batch_bench, format_batch, parse_sizes
         data = batch_bench(a.backend, model_dir, LoadOptions(a.precision, a.weights, threads=a.threads,
@@ -476,7 +495,7 @@ def main(argv: list[str] | None = None) -> int:
     from .llamacpp import find
     data = bench(pairs, model_dir, a.prompt_len, a.gen, a.runs, a.warmup, a.threads,
                  progress=lambda m: print(m, file=sys.stderr, flush=True),
-                 llamacpp=None if a.no_llamacpp else find())
+                 llamacpp=None if a.no_llamacpp else find(), speculation=speculation(a))
     print(json.dumps(data, indent=2) if a.json else format_bench(data))
     return 0
 

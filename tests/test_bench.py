@@ -117,7 +117,26 @@ def test_bandwidth_probe_keeps_its_buffer_between_rounds():
     assert probe.buf is None
 
 
+@needs_torch
+def test_bench_counts_drafted_and_accepted_tokens(capsys):
+    """--speculative mtp on the demo model (its trained NextN layer): each run reports what it drafted and the
+    target accepted, and still makes exactly --gen tokens."""
+    demo = ROOT / "glmcore" / "data" / "demo-chatglm3-poet"
+    rc = cli_main(["bench", "--backend", "torch", "--model", str(demo), "--prompt-len", "16", "--gen", "24",
+                   "--runs", "1", "--warmup", "0", "--threads", "1", "--speculative", "mtp", "--draft-tokens", "2",
+                   "--json", "--no-llamacpp"])
+    out = capsys.readouterr()
+    assert rc == 0, out.err
+    data = json.loads(out.out)
+    (r,) = data["results"]
+    assert data["speculation"] == {"method": "mtp", "draft_tokens": 2}
+    assert r["runs"][0]["new_tokens"] == 24
+    assert 0 < r["drafted"] <= 2 * 24 and 0 <= r["accepted"] <= r["drafted"]
+    assert f"drafted {r['drafted']}, accepted {r['accepted']}" in format_bench(data)
+
+
 @pytest.mark.parametrize("args, message", [
+    (["--backend", "torch", "--size", "tiny", "--batch", "1,2", "--speculative", "ngram"], "drop --batch"),
     (["--backend", "nope", "--size", "tiny"], "unknown backend 'nope'"),
     (["--backend", "torch", "--size", "tiny", "--gen", "1"], "--gen >= 2"),
     (["--backend", "torch", "--model", "/nonexistent"], "not a checkpoint directory"),
