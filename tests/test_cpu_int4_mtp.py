@@ -11,6 +11,7 @@ import pytest
 
 from glmcore.backend import LoadOptions
 from glmcore.engine import Speculation, WindowPolicy
+from glmcore.errors import BackendError
 from glmcore.model import load_model
 from glmcore.scheduler import Scheduler
 from glmcore_conformance.metrics import compare, out_of_bounds
@@ -155,5 +156,29 @@ def test_the_window_slides_during_mtp_speculation():
         batch.nextn.lens[0] = 0                       # recompute every position from the same states and ids
         assert batch.draft_nextn(0, ids[28], 3) == slid
         assert np.array_equal(batch.nextn.hidden[0, :18], kept)
+    finally:
+        m.close()
+
+
+def test_the_nextn_ring_layer_is_reserved_only_for_drafting():
+    """A packed NextN layer costs each slot's KV ring one more layer only once start_nextn asks for it (the mtp
+    drafter, when the scheduler is made); after tokens were fed it is refused in one line, not lost KV."""
+    m = load_model(DEMO, "cpu_int4", LoadOptions(threads=1, capacity=32), slots=2)
+    try:
+        batch, L = m.scheduler.batch, m.config.num_layers
+        assert batch.has_nextn
+        plain = batch._lib.glmi4_kv_bytes(batch._h, 1)
+        batch.start_nextn()
+        assert batch._lib.glmi4_kv_bytes(batch._h, 1) * L == plain * (L + 1)
+        batch.step([(0, [5, 6, 7])])
+        batch.start_nextn()              # already started: nothing to do
+        assert batch.kv_len(0) == 3
+    finally:
+        m.close()
+    m = load_model(DEMO, "cpu_int4", LoadOptions(threads=1, capacity=32), slots=1)
+    try:
+        m.scheduler.batch.step([(0, [5, 6, 7])])
+        with pytest.raises(BackendError, match="start_nextn after tokens were fed"):
+            m.scheduler.batch.start_nextn()
     finally:
         m.close()

@@ -44,11 +44,9 @@ class Int4BatchSession(BatchSession):
         self.packed_dir = Path(packed_dir)
         self._cos, self._sin, self._inv = rope_tables(cfg, self.capacity)
         self._spec, self._layers = self._build_spec()
-        err = C.create_string_buffer(512)
         self._lib = native.lib()
-        self._h = self._lib.glmi4_create(C.byref(self._spec), err, len(err))
-        if not self._h:
-            raise BackendError(f"cpu_int4: {err.value.decode(errors='replace')}")
+        self._h = None
+        self._create()
         self.nextn: NextNState | None = None      # what the NextN layer drafts from, kept once start_nextn is called
         # why --speculative mtp cannot run here (None: it can)
         self.nextn_refusal = None if self._nextn_struct else nextn_refusal(cfg, self.meta["nextn"])
@@ -125,8 +123,19 @@ class Int4BatchSession(BatchSession):
             n_slots=self.n_slots, rot_dim=cfg.rotary_dim, norm_eps=cfg.norm_eps, rope_cos=self._cos.ctypes.data,
             rope_sin=self._sin.ctypes.data, inv_freq=self._inv.ctypes.data, embed=emb,
             final_norm=ptr("final_norm.weight"), head=mat("lm_head.weight"), layers=layers,
-            rope_neox=int(not cfg.rotary_interleaved), nextn=C.pointer(nextn) if nextn else None, **moe, **latent)
+            # the NextN layer (and its ring layer in every slot) only once start_nextn asks for it
+            rope_neox=int(not cfg.rotary_interleaved), nextn=None, **moe, **latent)
         return spec, layers
+
+    def _create(self) -> None:
+        """The C model for self._spec (a new one: every slot's ring starts empty)."""
+        if self._h:
+            self._lib.glmi4_destroy(self._h)
+            self._h = None
+        err = C.create_string_buffer(512)
+        self._h = self._lib.glmi4_create(C.byref(self._spec), err, len(err))
+        if not self._h:
+            raise BackendError(f"cpu_int4: {err.value.decode(errors='replace')}")
 
     # ------------------------------------------------------------ the BatchSession contract
 
@@ -206,10 +215,17 @@ class Int4BatchSession(BatchSession):
         return self._nextn_struct is not None
 
     def start_nextn(self) -> None:
-        """From now on the step hands back the final hidden states (only then: a NULL pointer otherwise)."""
+        """From now on the step hands back the final hidden states (only then: a NULL pointer otherwise), and each
+        slot's ring has a layer for the NextN layer's KV: the C model is made again with it, so this comes before
+        any token is fed (the mtp drafter calls it when the scheduler is made). Without it nothing is reserved."""
         if self._nextn_struct is None:
             raise GlmcoreError(f"cpu_int4: --speculative mtp cannot run: {self.nextn_refusal}")
         if self.nextn is None:
+            if any(self.kv_len(s) for s in range(self.n_slots)):
+                raise BackendError("cpu_int4: start_nextn after tokens were fed; start the NextN drafter before "
+                                   "the first step (load the model with --speculative mtp)")
+            self._spec.nextn = C.pointer(self._nextn_struct)
+            self._create()
             self.nextn = NextNState(self.n_slots, self.capacity, self.cfg.hidden_size)
 
     def draft_nextn(self, slot: int, token: int, k: int) -> list[int]:
