@@ -234,7 +234,8 @@ class Int4BatchSession(BatchSession):
         target's hidden state there), then chains on its own output. Drafts past the ring's end are not made."""
         slot, m = self._slot(slot), self.nextn
         if m is None:
-            self.start_nextn()         # refuses without a NextN layer
+            if self._nextn_struct is None:
+                raise GlmcoreError(f"cpu_int4: --speculative mtp cannot run: {self.nextn_refusal}")
             raise BackendError("cpu_int4: draft_nextn before start_nextn: the hidden states it drafts from were "
                                "not kept")
         n = self.kv_len(slot)
