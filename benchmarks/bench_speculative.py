@@ -17,22 +17,23 @@ import time
 from pathlib import Path
 
 from glmcore.backend import LoadOptions
-from glmcore.config import ModelConfig
-from glmcore.model import load_model, resolve_backend
+from glmcore.model import load_model, open_checkpoint, resolve_backend
+from glmcore.options import parse_opts
 from glmcore.sampling import SamplingParams
 from glmcore.scheduler import Request, Scheduler, Speculation
-from glmcore.weights import load_weights
 from glmcore_conformance.bench import model_dir_for
 
 GREEDY = SamplingParams(temperature=0)
 
 
-def step_costs(backend_name: str, size: str, model: str | None, threads: int, ks: list[int], runs: int) -> None:
+def step_costs(backend_name: str, size: str, model: str | None, threads: int, ks: list[int], runs: int,
+               extra: dict | None = None) -> None:
     model_dir, _ = model_dir_for(model, size)
     backend = resolve_backend(backend_name)
-    cfg = ModelConfig.from_dir(model_dir)
-    opts = backend.resolve(LoadOptions(threads=threads, capacity=512))
-    batch = backend.load_batch(cfg, load_weights(model_dir, cfg), opts, 1)
+    checkpoint = open_checkpoint(model_dir)
+    cfg = checkpoint.config
+    opts = backend.resolve(LoadOptions(threads=threads, capacity=512, extra=extra or {}))
+    batch = backend.load_batch(cfg, checkpoint.weights(), opts, 1)
     prompt = [(11 + 13 * j) % cfg.vocab_size for j in range(256)]
     batch.step([(0, prompt)])
     n = len(prompt)
@@ -124,8 +125,10 @@ def main(argv=None) -> None:
     ap.add_argument("--runs", type=int, default=9)
     ap.add_argument("--prompts", type=int, default=8, help="held-out poem prompts to generate from")
     ap.add_argument("--skip-lookup", action="store_true", help="only the step costs")
+    ap.add_argument("--opt", action="append", default=[], metavar="KEY=VALUE",
+                    help="backend option for the step costs, e.g. packed=DIR (a converted model of --model)")
     a = ap.parse_args(argv)
-    step_costs(a.backend, a.size, a.model, a.threads, [1, 2, 4, 8], a.runs)
+    step_costs(a.backend, a.size, a.model, a.threads, [1, 2, 4, 8], a.runs, parse_opts(a.opt))
     if not a.skip_lookup:
         drafters(a.backend, a.threads, a.draft_tokens, a.gen, a.prompts)
 

@@ -49,8 +49,7 @@ class Checkpoint:
     def weights(self):
         if self.gguf is not None:
             return self.gguf.weights
-        from .synth import generated_weights
-        return generated_weights(self.path, self.config) or load_weights(self.path, self.config)
+        return load_weights(self.path, self.config)
 
 
 def open_checkpoint(model) -> Checkpoint:

@@ -6,20 +6,16 @@ sharded safetensors or PyTorch .bin with the real index file and tensor names, a
 from __future__ import annotations
 
 import json
-import zlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 
 from . import arch
-from .arch import Role
 from .config import ModelConfig
 from .errors import GlmcoreError
-from .weights import BF16, Weights, write_safetensors
-
-DTYPES = {"f32": np.dtype("<f4"), "f16": np.dtype("<f2"), "bf16": BF16}
-
+from .generated import DTYPES, GENERATED, init_tensor
+from .weights import BF16, write_safetensors
 
 def make_model(family: str, size: str, out: str | Path, fmt: str = "safetensors", shards: int | None = None,
                seed: int = 0, tokenizer_from: str | Path | None = None, dtype: str | None = None,
@@ -62,61 +58,6 @@ def _write_model(family, size, out: Path, fmt, shards, seed, tokenizer_from, dty
     (out / "config.json").write_text(json.dumps(raw, indent=2, ensure_ascii=False) + "\n")
     cfg = ModelConfig.from_dir(out)
     return cfg if generated else _write_weights(cfg, out, size, fmt, shards, seed, dtype, progress)
-
-
-GENERATED = "generated"
-
-
-class GeneratedWeights(Weights):
-    """The canonical tensors of a synthetic checkpoint written without weight files (`make-model
-    --generated-weights`): each is made when read, exactly as make-model would have stored it (same seed, same
-    dtype), and is not kept. A model whose weights do not fit on the disk (GLM-4.7-Flash at full depth) is then
-    converted by streaming: `glmcore convert --backend cpu_int4` reads one tensor at a time."""
-
-    def __init__(self, cfg: ModelConfig, seed: int, dtype: str, path: Path):
-        module = arch.of(cfg)
-        self._specs = {**module.tensors(cfg), **module.optional_tensors(cfg)}
-        self._tied = not module.stored_names(cfg)("lm_head.weight")
-        self._seed, self._dtype = seed, DTYPES[dtype]
-        super().__init__({}, [path / "config.json"], cfg)
-
-    def __getitem__(self, name: str) -> np.ndarray:
-        src = "embed.weight" if self._tied and name == "lm_head.weight" else name
-        return init_tensor(src, self._specs[src], self.config, self._seed).astype(self._dtype)
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._specs)
-
-    def __len__(self) -> int:
-        return len(self._specs)
-
-    def __contains__(self, name) -> bool:
-        return name in self._specs
-
-    @property
-    def dtype(self) -> np.dtype:
-        return self._dtype
-
-    def fingerprint(self) -> str:
-        import hashlib
-        blob = json.dumps({"config": self.config.to_dict(), "seed": self._seed, "dtype": self._dtype.name,
-                           "weights": GENERATED}, sort_keys=True)
-        return hashlib.sha256(blob.encode()).hexdigest()[:16]
-
-
-def generated_weights(model_dir: Path, cfg: ModelConfig) -> GeneratedWeights | None:
-    """The weights of a checkpoint made with --generated-weights (None for any other checkpoint)."""
-    try:
-        mark = json.loads((Path(model_dir) / "config.json").read_text(encoding="utf-8")).get("glmcore_synthetic")
-    except (OSError, UnicodeDecodeError, ValueError, AttributeError):
-        return None             # the config reader has said what is wrong with it already, or will
-    if not isinstance(mark, dict) or mark.get("weights") != GENERATED:
-        return None
-    seed, dtype = mark.get("seed"), mark.get("dtype")
-    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**64 or dtype not in DTYPES:
-        raise GlmcoreError(f"{model_dir / 'config.json'}: glmcore_synthetic needs an integer seed and a dtype of "
-                           f"{', '.join(DTYPES)} to generate its weights; make the model again")
-    return GeneratedWeights(cfg, seed, dtype, Path(model_dir))
 
 
 def _write_weights(cfg: ModelConfig, out: Path, size, fmt, shards, seed, dtype, progress) -> ModelConfig:
@@ -162,31 +103,6 @@ def cached_model(family: str, size: str, seed: int = 0, purpose: str = "models")
     return build_once(cache_root() / purpose / f"{family}-{size}-seed{seed}",
                       lambda tmp: _write_model(family, size, tmp, "safetensors", None, seed, None, None, None),
                       complete=lambda p: (p / "config.json").is_file())
-
-
-def init_tensor(name: str, spec, cfg: ModelConfig, seed: int) -> np.ndarray:
-    """Deterministic per tensor (independent of sharding), scaled by its role (glmcore.arch.Role) so that
-    attention is sharp and logits are peaked, as in a trained model: precision errors then show up in
-    top-1 agreement, and a positional bug (rotary off by one) changes the output visibly."""
-    rng = np.random.default_rng([seed, zlib.crc32(name.encode())])
-    shape, role, h = spec.shape, spec.role, cfg.hidden_size
-    if role is Role.NORM:
-        return 1.0 + 0.1 * rng.standard_normal(shape, dtype=np.float32)
-    if role is Role.BIAS:
-        return 0.2 * rng.standard_normal(shape, dtype=np.float32)
-    if role is Role.EMBEDDING:
-        return rng.standard_normal(shape, dtype=np.float32)
-    if role is Role.ROUTER_BIAS:
-        return 0.05 * rng.standard_normal(shape, dtype=np.float32)     # moves some choices, as trained ones do
-    if role is Role.ROUTER:
-        std = 2.0 / np.sqrt(h)        # logits ~ N(0, 4): sigmoid scores spread, the top-k distinct
-    if role is Role.QUERY_KEY:
-        std = 1.6 / np.sqrt(h)        # q.k/sqrt(d) ~ N(0, 2.5): sharp, position-dependent attention
-    elif role is Role.OUTPUT:
-        std = 6.0 / np.sqrt(h)        # logits ~ N(0, 36): a confident next-token distribution
-    else:
-        std = 1.0 / np.sqrt(shape[-1])  # keeps each residual update around unit scale
-    return (std * rng.standard_normal(shape, dtype=np.float32)).astype(np.float32)
 
 
 def _split(names, shapes, n, itemsize):

@@ -25,6 +25,7 @@ from . import arch
 from .config import ModelConfig
 from .errors import CheckpointError
 from .files import read_bounded
+from .generated import GeneratedWeights, generated_weights
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 _ST_DTYPES = {"F32": np.dtype("<f4"), "F16": np.dtype("<f2"), "BF16": BF16, "F64": np.dtype("<f8"),
@@ -89,8 +90,11 @@ class Weights(Mapping):
 NEXTN_FILE = "mtp.safetensors"
 
 
-def load_weights(model_dir: str | Path, cfg: ModelConfig) -> Weights:
+def load_weights(model_dir: str | Path, cfg: ModelConfig) -> Weights | GeneratedWeights:
     model_dir = Path(model_dir)
+    generated = generated_weights(model_dir, cfg)      # a synthetic checkpoint without weight files
+    if generated is not None:
+        return generated
     raw, files = _read_raw(model_dir)
     side = model_dir / NEXTN_FILE
     if cfg.num_mtp_layers and side.is_file():

@@ -10,7 +10,8 @@ from glmcore import arch
 from glmcore.cli import main
 from glmcore.errors import GlmcoreError
 from glmcore.model import open_checkpoint
-from glmcore.synth import GeneratedWeights, make_model
+from glmcore.generated import GeneratedWeights
+from glmcore.synth import make_model
 
 
 @pytest.mark.parametrize("family", arch.synthetic_families())
