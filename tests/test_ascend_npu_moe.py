@@ -21,7 +21,7 @@ from glmcore.backend import LoadOptions  # noqa: E402
 from glmcore_conformance import TOLERANCES  # noqa: E402
 from glmcore_conformance.metrics import compare, out_of_bounds  # noqa: E402
 from glmcore_plugins.ascend_npu import AscendNpuBackend  # noqa: E402
-from glmcore_plugins.ascend_npu.ops import gating_refusal, moe_ops, npu_gating, select_ops  # noqa: E402
+from glmcore_plugins.ascend_npu.ops import gating_refusal, moe_ops, moe_summary, npu_gating, select_ops  # noqa: E402
 from glmcore_plugins.torch_ref import TorchBackend  # noqa: E402
 from glmcore_plugins.torch_ref.forward import route  # noqa: E402
 from glmcore_plugins.torch_ref.ops import dense_experts, torch_experts  # noqa: E402
@@ -281,10 +281,15 @@ SCRIPT = [(0, ids(9, 1)), (9, ids(1, 2)), (10, ids(1, 3)), (11, ids(6, 4))]
 
 @pytest.mark.parametrize("release", ["6.0.0", "7.0.0", "7.1.0"])
 def test_moe_kernels_are_chosen_from_each_release_schemas(make_tiny, monkeypatch, release):
-    monkeypatch.setitem(sys.modules, "torch_npu", fake_torch_npu(release))
+    fake = fake_torch_npu(release)
+    monkeypatch.setitem(sys.modules, "torch_npu", fake)
     cfg, _ = model(make_tiny, "glm4-moe")
     npu = select_ops(NPU, torch.bfloat16, "Ascend910B4")
     ops, routing = moe_ops(npu, cfg, graph=True)
+    summary = moe_summary(fake).split("This torch_npu: ")[1]       # the kernel table's line (glmcore backends)
+    assert summary == {"6.0.0": "dense experts (this torch_npu has no npu_moe_init_routing_v2 (op-plugin 7.0.0 on))",
+                       "7.0.0": "the fused chain, gating kernel, gather combine",
+                       "7.1.0": "the fused chain, gating kernel, npu_moe_token_unpermute"}[release]
     if release == "6.0.0":           # group lists only as host ints: dense under capture, the chosen experts eager
         assert ops.experts is dense_experts and routing is None
         assert "npu_moe_init_routing_v2" in ops.kernels["experts"]

@@ -256,9 +256,9 @@ class MoePlan:
     why_host_routing: str = ""
 
 
-def npu_moe_plan(torch_npu, cfg) -> tuple[MoePlan | None, str | None]:
-    """Which MoE calls this torch_npu's schemas allow for cfg: (plan, None), or (None, why the experts cannot be
-    torch_npu's)."""
+def npu_moe_plan(torch_npu, cfg=None) -> tuple[MoePlan | None, str | None]:
+    """Which MoE calls this torch_npu's schemas allow for cfg (None: for a config the gating kernel can compute):
+    (plan, None), or (None, why the experts cannot be torch_npu's)."""
     init = schema_args(getattr(torch_npu, "npu_moe_init_routing_v2", None))
     grouped = schema_args(getattr(torch_npu, "npu_grouped_matmul", None))
     if not _INIT_ROUTING <= set(init):
@@ -270,8 +270,29 @@ def npu_moe_plan(torch_npu, cfg) -> tuple[MoePlan | None, str | None]:
         return None, "this torch_npu has no npu_swiglu"
     unpermute = "probs" in schema_args(getattr(torch_npu, "npu_moe_token_unpermute", None))
     has_gating = _GATING <= set(schema_args(getattr(torch_npu, "npu_moe_gating_top_k", None)))
-    refusal = gating_refusal(cfg) if has_gating else "this torch_npu has no npu_moe_gating_top_k"
-    return MoePlan(refusal is None, unpermute, refusal or ""), None
+    refusal = "this torch_npu has no npu_moe_gating_top_k" if not has_gating else cfg and gating_refusal(cfg)
+    return MoePlan(not refusal, unpermute, refusal or ""), None
+
+
+# the MoE line of the kernel table (`glmcore backends`); the session report names the choice made for a model
+MOE_RULE = ("experts as torch_npu's MoE chain where the kernels' schemas take our arguments (op-plugin 7.0.0 on): "
+            "npu_moe_gating_top_k routes where it computes the config exactly (norm_topk_prob on, more than 2 experts "
+            "per group, at most 2048 experts; otherwise the host routing runs on the device), then "
+            "npu_moe_init_routing_v2 -> npu_grouped_matmul -> npu_swiglu -> npu_grouped_matmul -> "
+            "npu_moe_token_unpermute (7.1.0 on; a gather and weighted sum before; npu_moe_finalize_routing not used: "
+            "vllm-ascend reports accuracy issues). Elsewhere (6.0.x: group_list int[], a graph per routing; hosts) "
+            "every expert with dense routing weights under capture, the chosen experts in eager mode")
+
+
+def moe_summary(torch_npu=None) -> str:
+    """MOE_RULE, and on an NPU what this torch_npu offers."""
+    if torch_npu is None:
+        return MOE_RULE
+    plan, why = npu_moe_plan(torch_npu)
+    if plan is None:
+        return f"{MOE_RULE}. This torch_npu: dense experts ({why})"
+    return (f"{MOE_RULE}. This torch_npu: the fused chain, " + ("gating kernel" if plan.gating else plan.why_host_routing)
+            + (", npu_moe_token_unpermute" if plan.unpermute else ", gather combine"))
 
 
 def npu_gating(torch_npu, cfg) -> Callable:
