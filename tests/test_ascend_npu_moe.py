@@ -400,3 +400,24 @@ def test_moe_graph_compiles_once_across_decode_lengths(make_tiny, monkeypatch, r
     fused = any("npu_moe_init_routing_v2" in str(n.target) for g in graphs for n in g.graph.nodes)
     assert fused == (release == "7.1.0")
     _within("bf16+experts", _reference_logits(cfg, w, script), got)
+
+
+def test_batched_decode_rows_share_the_fused_chain(make_tiny, monkeypatch):
+    """A batch session (two slots, prompts of different lengths, then decode steps of both rows in one call): the
+    fused chain routes the rows of several sequences together; each slot's logits are the single-sequence
+    reference's (f32 row)."""
+    sess = _npu(monkeypatch, "7.1.0")
+    cfg, w = model(make_tiny, "glm4-moe-lite")
+    opts = AscendNpuBackend().resolve(LoadOptions(precision="f32", capacity=64, extra={"mode": "eager"}))
+    batch = sess.AscendBatchSession(cfg, w, opts, AscendNpuBackend().capabilities(), torch.device("cpu"), 2,
+                                    "Ascend910B4")
+    prompts, decodes = [ids(7, 91), ids(4, 92)], [ids(3, 93), ids(3, 94)]
+    got = [[batch.step([(slot, prompts[slot])], all_logits=True)[0]] for slot in (0, 1)]
+    for j in range(3):
+        rows = batch.step([(0, [decodes[0][j]]), (1, [decodes[1][j]])], all_logits=True)
+        for slot in (0, 1):
+            got[slot].append(rows[slot])
+    assert "grouped_matmul" in CALLS and batch.runner.ops.kernels["experts"].startswith("torch_npu")
+    for slot in (0, 1):
+        want = _reference_logits(cfg, w, [(0, prompts[slot] + decodes[slot])])
+        _within("f32", want, np.concatenate(got[slot]))

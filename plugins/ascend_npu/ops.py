@@ -340,7 +340,8 @@ def moe_ops(ops: Ops, cfg, graph: bool) -> tuple[Ops, Callable | None]:
     table, chosen once: torch_npu's fused MoE chain where the NPU kernels are in use and their schemas take what
     we pass (npu_moe_plan); otherwise every expert with dense routing weights under whole-graph capture (static
     shapes) and the chosen experts only in eager mode. Returns (ops, the routing or None for forward.route)."""
-    why = "no torch_npu MoE kernels on this device"
+    # torch_npu's MoE kernels are documented for Atlas A2/A3, the chips select_ops gives the fused kernels ("npu")
+    why = ops.kernels.get("why", "no Ascend NPU: the host path")
     if ops.name == "npu":
         import torch_npu
         plan, why = npu_moe_plan(torch_npu, cfg)
