@@ -115,14 +115,19 @@ class AscendNpuBackend(Backend):
         details["verified"] = ("the CPU/inductor path runs in the tests against the torch reference; the NPU path "
                                "(torchair, torch_npu kernels per SoC) only against stand-ins: the kernels registered "
                                "with op-plugin's schemas and Meta kernels (a prefill at a new start compiles no new "
-                               "graph), a torchair config that refuses unknown options; never on an Ascend NPU")
+                               "graph; the MoE chain of each op-plugin release against the reference), a torchair config that refuses unknown options; never on an Ascend NPU")
         from .ops import CHECKED_SCHEMAS
         details["torch_npu schemas"] = (f"attention calls chosen from the kernels' registered schemas (every argument "
                                         f"passed is declared; lengths only where SymInt[]); checked against "
                                         f"{CHECKED_SCHEMAS}")
+        from .ops import moe_summary
+        details["moe experts"] = moe_summary()
         if kind == "npu":
             from .ops import soc_support
             fused, why = soc_support(_soc())
+            if fused:
+                import torch_npu
+                details["moe experts"] = moe_summary(torch_npu)
             details["soc"] = why
             ok, tair = torchair_status()
             details["torchair"] = tair

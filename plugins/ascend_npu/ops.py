@@ -1,4 +1,4 @@
-"""The one place where device-specific kernels are chosen: RMSNorm, attention, KV-cache update.
+"""The one place where device-specific kernels are chosen: RMSNorm, attention, KV-cache update, MoE experts.
 
 `select_ops(device, dtype, soc)` decides once, at load, and the model only ever calls the returned
 Ops. The fused torch_npu kernels (npu_rms_norm, npu_fused_infer_attention_score -- or
@@ -23,13 +23,16 @@ argument and masks.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
+import torch.nn.functional as F
 
-from glmcore_plugins.torch_ref.ops import Ops, torch_attention, torch_cache_write, torch_ops
+from glmcore_plugins.torch_ref.ops import Ops, dense_experts, torch_attention, torch_cache_write, torch_ops
 
 
 # ---------------------------------------------------------------- which chip runs what
@@ -204,3 +207,157 @@ def select_ops(device, dtype: torch.dtype, soc: str | None = None) -> Ops:
         plan, why_not = npu_attention_plan(torch_npu)
         return _npu_ops(dtype, plan) if plan else torch_ops("npu-sdpa", f"{soc}: {why_not}; SDPA + index_put_ instead")
     return torch_ops()
+
+
+# ---------------------------------------------------------------- MoE experts (glm4_moe, glm4_moe_lite)
+
+# torch_npu's MoE kernels, as op-plugin's op_plugin_functions.yaml registers them: 6.0.rc3 / 6.0.0 (b99362e, ddb7ed2)
+# have npu_grouped_matmul with group_list typed int[] (host values: a graph per routing), npu_moe_init_routing (v1),
+# npu_moe_finalize_routing and npu_swiglu; 7.0.0 (7b9ce1c) adds npu_moe_gating_top_k, npu_moe_init_routing_v2 and a
+# grouped matmul whose group_list is a Tensor; 7.1.0 (57c5266) adds npu_moe_token_unpermute; 7.3.0 (b3065ed) and
+# master (517f2e7) keep these signatures (master adds arguments we do not pass).
+MOE_SCHEMAS = "op-plugin 6.0.rc3, 6.0.0, 7.0.0, 7.1.0, 7.3.0 and master 517f2e7"
+
+# what each MoE call below passes, besides its tensors
+_GATING = {"k", "bias", "k_group", "group_count", "group_select_mode", "renorm", "norm_type", "routed_scaling_factor",
+           "eps"}
+_INIT_ROUTING = {"active_num", "expert_num", "expert_tokens_num_type", "expert_tokens_num_flag", "quant_mode",
+                 "active_expert_range", "row_idx_type"}
+_GROUPED = {"group_list", "split_item", "group_type", "group_list_type"}
+
+
+def gating_refusal(cfg) -> str | None:
+    """Why npu_moe_gating_top_k cannot compute this config's routing exactly (None: it can). Its documented range
+    (op-plugin docs, torch_npu-npu_moe_gating_top_k.md, 7.2.0 on): norm_type 1 (sigmoid) renormalises the chosen
+    scores always (renorm takes only 0: vllm-ascend's check_npu_moe_gating_top_k refuses sigmoid without
+    renormalisation too); group_count divides the experts into groups of more than 2; at most 2048 experts, and
+    the groups padded to 32 experts at most 2048; 1 <= k_group <= group_count; k <= k_group * experts per group.
+    7.1.0's page allows only 256 experts in 8 groups, 4 chosen, on Atlas A2/A3 (older CANN kernels)."""
+    experts, groups = cfg.num_experts, cfg.num_groups
+    per_group = experts // groups
+    if not cfg.norm_topk_prob:
+        return "norm_topk_prob is false and the kernel's sigmoid gating always renormalises"
+    if experts % groups or per_group <= 2:
+        return f"{experts} experts in {groups} groups: the kernel needs more than 2 experts per group"
+    if experts > 2048 or -(-per_group // 32) * 32 * groups > 2048:
+        return f"{experts} experts in {groups} groups exceed the kernel's 2048"
+    if not (1 <= cfg.topk_groups <= groups and cfg.experts_per_token <= cfg.topk_groups * per_group):
+        return f"top-{cfg.experts_per_token} of {cfg.topk_groups} groups of {per_group} is outside the kernel's range"
+    return None
+
+
+@dataclass(frozen=True)
+class MoePlan:
+    """The MoE calls a torch_npu's registered schemas allow: the experts as init_routing_v2 -> grouped matmul
+    (gate+up) -> swiglu -> grouped matmul (down) -> combine; the routing by npu_moe_gating_top_k where the config
+    lies in its range; the combine by npu_moe_token_unpermute where this torch_npu has it."""
+    gating: bool
+    unpermute: bool
+    why_host_routing: str = ""
+
+
+def npu_moe_plan(torch_npu, cfg=None) -> tuple[MoePlan | None, str | None]:
+    """Which MoE calls this torch_npu's schemas allow for cfg (None: for a config the gating kernel can compute):
+    (plan, None), or (None, why the experts cannot be torch_npu's)."""
+    init = schema_args(getattr(torch_npu, "npu_moe_init_routing_v2", None))
+    grouped = schema_args(getattr(torch_npu, "npu_grouped_matmul", None))
+    if not _INIT_ROUTING <= set(init):
+        return None, "this torch_npu has no npu_moe_init_routing_v2 (op-plugin 7.0.0 on)"
+    if not _GROUPED <= set(grouped) or not grouped["group_list"].startswith("Tensor"):
+        # 6.0.x: int[] group lists are host values, so every routing would compile a graph of its own
+        return None, "npu_grouped_matmul takes no Tensor group_list in this torch_npu (op-plugin 7.0.0 on)"
+    if "dim" not in schema_args(getattr(torch_npu, "npu_swiglu", None)):
+        return None, "this torch_npu has no npu_swiglu"
+    unpermute = "probs" in schema_args(getattr(torch_npu, "npu_moe_token_unpermute", None))
+    has_gating = _GATING <= set(schema_args(getattr(torch_npu, "npu_moe_gating_top_k", None)))
+    refusal = "this torch_npu has no npu_moe_gating_top_k" if not has_gating else cfg and gating_refusal(cfg)
+    return MoePlan(not refusal, unpermute, refusal or ""), None
+
+
+# the MoE line of the kernel table (`glmcore backends`); the session report names the choice made for a model
+MOE_RULE = ("experts as torch_npu's MoE chain where the kernels' schemas take our arguments (op-plugin 7.0.0 on): "
+            "npu_moe_gating_top_k routes where it computes the config exactly (norm_topk_prob on, more than 2 experts "
+            "per group, at most 2048 experts; otherwise the host routing runs on the device), then "
+            "npu_moe_init_routing_v2 -> npu_grouped_matmul -> npu_swiglu -> npu_grouped_matmul -> "
+            "npu_moe_token_unpermute (7.1.0 on; a gather and weighted sum before; npu_moe_finalize_routing not used: "
+            "vllm-ascend reports accuracy issues). Elsewhere (6.0.x: group_list int[], a graph per routing; hosts) "
+            "every expert with dense routing weights under capture, the chosen experts in eager mode")
+
+
+def moe_summary(torch_npu=None) -> str:
+    """MOE_RULE, and on an NPU what this torch_npu offers."""
+    if torch_npu is None:
+        return MOE_RULE
+    plan, why = npu_moe_plan(torch_npu)
+    if plan is None:
+        return f"{MOE_RULE}. This torch_npu: dense experts ({why})"
+    return (f"{MOE_RULE}. This torch_npu: the fused chain, " + ("gating kernel" if plan.gating else plan.why_host_routing)
+            + (", npu_moe_token_unpermute" if plan.unpermute else ", gather combine"))
+
+
+def npu_gating(torch_npu, cfg) -> Callable:
+    """forward.route's contract by npu_moe_gating_top_k: sigmoid of the fp32 router logits, the correction bias
+    only for choosing, groups scored by their best two (group_select_mode 1), the chosen unbiased scores
+    renormalised (+eps 1e-20) and scaled by routed_scaling_factor. Returns (chosen int32 [N, k], weights fp32)."""
+
+    def route(h, router, bias):
+        logits = F.linear(h.float(), router)          # fp32, as transformers computes the router; bias fp32 too
+        weights, chosen, _norm = torch_npu.npu_moe_gating_top_k(
+            logits, cfg.experts_per_token, bias=bias, k_group=cfg.topk_groups, group_count=cfg.num_groups,
+            group_select_mode=1, renorm=0, norm_type=1, routed_scaling_factor=cfg.routed_scaling, eps=1e-20)
+        return chosen, weights
+    return route
+
+
+def npu_grouped_experts(torch_npu, unpermute: bool) -> Callable:
+    """Ops.experts by torch_npu's grouped-matmul chain, every shape static (N*k expanded rows), so it captures into
+    one graph: npu_moe_init_routing_v2 sorts the N*k (token, choice) rows by expert (dropless, no quantisation,
+    gather-type row index: row t*k+j of the routing sits at expanded[rows[t*k+j]]) and counts each expert's rows;
+    npu_grouped_matmul multiplies each expert's run of rows by its weight ([E, in, out]: our [E, out, in] stacks
+    transposed, a layout the kernel reads); npu_swiglu takes the gate half first, as the checkpoints store it.
+    The combine weighs each row by its routing weight in the compute dtype (as the reference does) and sums a token's
+    k rows: npu_moe_token_unpermute where this torch_npu has it, else a gather and sum (npu_moe_finalize_routing is
+    not used: vllm-ascend's moe_comm_method.py reports accuracy issues with it)."""
+
+    def experts(h, chosen, weights, up, down):
+        n, k = chosen.shape
+        e = up.shape[0]
+        expanded, rows, counts, _scale = torch_npu.npu_moe_init_routing_v2(
+            h, chosen.to(torch.int32), active_num=n * k, expert_num=e, expert_tokens_num_type=1,
+            expert_tokens_num_flag=True, quant_mode=-1, active_expert_range=[0, e], row_idx_type=0)
+        grouped = dict(group_list=counts, split_item=2, group_type=0, group_list_type=1)
+        gate_up = torch_npu.npu_grouped_matmul([expanded], [up.transpose(1, 2)], **grouped)[0]
+        y = torch_npu.npu_grouped_matmul([torch_npu.npu_swiglu(gate_up, dim=-1)], [down.transpose(1, 2)], **grouped)[0]
+        probs = weights.to(h.dtype)
+        if unpermute:
+            return torch_npu.npu_moe_token_unpermute(y, rows, probs=probs)
+        return (y[rows.long()].view(n, k, -1) * probs[..., None]).sum(1)
+    return experts
+
+
+def moe_ops(ops: Ops, cfg, graph: bool) -> tuple[Ops, Callable | None]:
+    """The experts (and, where its kernel computes this config exactly, the routing) of a MoE model on this Ops
+    table, chosen once: torch_npu's fused MoE chain where the NPU kernels are in use and their schemas take what
+    we pass (npu_moe_plan); otherwise every expert with dense routing weights under whole-graph capture (static
+    shapes) and the chosen experts only in eager mode. Returns (ops, the routing or None for forward.route)."""
+    # torch_npu's MoE kernels are documented for Atlas A2/A3, the chips select_ops gives the fused kernels ("npu")
+    why = ops.kernels.get("why", "no Ascend NPU: the host path")
+    if ops.name == "npu":
+        import torch_npu
+        plan, why = npu_moe_plan(torch_npu, cfg)
+        if plan:
+            route = npu_gating(torch_npu, cfg) if plan.gating else None
+            routing = ("torch_npu npu_moe_gating_top_k (sigmoid, bias for choosing, group_select_mode 1, "
+                       "routed_scaling_factor)" if route else f"host routing (forward.route): {plan.why_host_routing}")
+            combine = "npu_moe_token_unpermute" if plan.unpermute else \
+                "gather + weighted sum (no npu_moe_token_unpermute before op-plugin 7.1.0)"
+            kernels = dict(ops.kernels, moe_routing=routing, experts=(
+                f"torch_npu npu_moe_init_routing_v2 -> npu_grouped_matmul -> npu_swiglu -> npu_grouped_matmul -> "
+                f"{combine}"), moe_schemas=MOE_SCHEMAS)
+            return dataclasses.replace(ops, experts=npu_grouped_experts(torch_npu, plan.unpermute),
+                                       kernels=kernels), route
+    if graph:
+        experts, how = dense_experts, "every expert with dense routing weights (static shapes for the graph)"
+    else:
+        experts, how = ops.experts, "the chosen experts, token groups per expert (eager)"
+    return dataclasses.replace(ops, experts=experts, kernels=dict(ops.kernels, experts=f"{how}; {why}")), None

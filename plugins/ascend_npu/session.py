@@ -24,7 +24,6 @@ constants that would recompile every step (torchair docs, dynamic_static_graph/t
 """
 from __future__ import annotations
 
-import dataclasses
 import sys
 import time
 import types
@@ -40,9 +39,8 @@ from glmcore.errors import BackendError
 from glmcore.parallel import LOCAL
 
 from glmcore_plugins.torch_ref.forward import FORWARDS
-from glmcore_plugins.torch_ref.ops import dense_experts
 
-from .ops import select_ops
+from .ops import moe_ops, select_ops
 
 DEFAULT_BUCKETS = (16, 64, 256)
 MODES = ("graph", "eager")
@@ -183,6 +181,26 @@ class BlockTables:
         return torch.from_numpy(self.table[slots])
 
 
+def routed_by(forward_cls, route):
+    """The MoE forward with its routing done by `route` (h [N, hidden], router, correction bias) -> (chosen, weights)
+    in place of forward.route: torch_npu's gating kernel, where it computes the config exactly (ops.moe_ops)."""
+
+    class Routed(forward_cls):
+        def mlp(self, layer, h):
+            if not layer.sparse:
+                return super().mlp(layer, h)
+            flat = h.reshape(-1, h.shape[-1])
+            chosen, weights = route(flat, layer.router, layer.router_bias)
+            out = self.ops.experts(flat, chosen, weights, layer.experts_up, layer.experts_down)
+            if layer.shared_up is not None:
+                gate, up = torch.nn.functional.linear(flat, layer.shared_up).chunk(2, dim=-1)
+                out = out + torch.nn.functional.linear(torch.nn.functional.silu(gate) * up, layer.shared_down)
+            return out.view(h.shape)
+
+    Routed.__name__ = Routed.__qualname__ = f"{forward_cls.__name__}RoutedByNpu"
+    return Routed
+
+
 class StepRunner:
     """The model on the device, its static KV cache of `n_slots` slots and the (compiled) step."""
 
@@ -202,12 +220,12 @@ class StepRunner:
         # Spare positions past the capacity take the padded tokens of the last bucket (graph mode only).
         spare = self.buckets[-1] if self.mode == "graph" else 0
         self.ops = select_ops(device, self.dtype, soc)
-        if self.mode == "graph":
-            # MoE experts under whole-graph capture: every expert with dense routing weights (static shapes).
-            # torch_npu's fused MoE kernels (npu_moe_gating_top_k, npu_grouped_matmul) are not wired yet, so
-            # this form also runs on a device.
-            self.ops = dataclasses.replace(self.ops, experts=dense_experts)
         forward = FORWARDS[arch.of(cfg).torch_forward]        # the shared torch forward (plugins/torch_ref)
+        if getattr(cfg, "num_experts", 0):
+            # the experts as torch_npu's fused MoE chain where it runs, else dense under capture (ops.moe_ops)
+            self.ops, route = moe_ops(self.ops, cfg, graph=self.mode == "graph")
+            if route is not None:
+                forward = routed_by(forward, route)
         positions = self.capacity + spare
         paged = paged and self.ops.paged_decode is not None
         if paged:
