@@ -23,7 +23,7 @@ from glmcore_conformance.metrics import compare, out_of_bounds  # noqa: E402
 from glmcore_plugins.ascend_npu import AscendNpuBackend  # noqa: E402
 from glmcore_plugins.ascend_npu.ops import gating_refusal, moe_ops, moe_summary, npu_gating, select_ops  # noqa: E402
 from glmcore_plugins.torch_ref import TorchBackend  # noqa: E402
-from glmcore_plugins.torch_ref.forward import route  # noqa: E402
+from glmcore_plugins.torch_ref.ops import torch_route  # noqa: E402
 from glmcore_plugins.torch_ref.ops import dense_experts, torch_experts  # noqa: E402
 
 from test_ascend_npu import NPU, _fake_torch_npu, _fake_torchair, ids, model  # noqa: E402
@@ -285,21 +285,21 @@ def test_moe_kernels_are_chosen_from_each_release_schemas(make_tiny, monkeypatch
     monkeypatch.setitem(sys.modules, "torch_npu", fake)
     cfg, _ = model(make_tiny, "glm4-moe")
     npu = select_ops(NPU, torch.bfloat16, "Ascend910B4")
-    ops, routing = moe_ops(npu, cfg, graph=True)
+    ops = moe_ops(npu, cfg, graph=True)
     summary = moe_summary(fake).split("This torch_npu: ")[1]       # the kernel table's line (glmcore backends)
     assert summary == {"6.0.0": "dense experts (this torch_npu has no npu_moe_init_routing_v2 (op-plugin 7.0.0 on))",
                        "7.0.0": "the fused chain, gating kernel, gather combine",
                        "7.1.0": "the fused chain, gating kernel, npu_moe_token_unpermute"}[release]
     if release == "6.0.0":           # group lists only as host ints: dense under capture, the chosen experts eager
-        assert ops.experts is dense_experts and routing is None
+        assert ops.experts is dense_experts and ops.route is torch_route
         assert "npu_moe_init_routing_v2" in ops.kernels["experts"]
-        assert moe_ops(npu, cfg, graph=False)[0].experts is torch_experts
+        assert moe_ops(npu, cfg, graph=False).experts is torch_experts
         return
-    assert routing is not None and "npu_moe_gating_top_k" in ops.kernels["moe_routing"]
+    assert ops.route is not torch_route and "npu_moe_gating_top_k" in ops.kernels["moe_routing"]
     assert "npu_grouped_matmul" in ops.kernels["experts"]
     assert ops.kernels["experts"].endswith("-> npu_moe_token_unpermute") == (release == "7.1.0")
     # eager mode takes the same static chain
-    assert moe_ops(npu, cfg, graph=False)[0].kernels["experts"] == ops.kernels["experts"]
+    assert moe_ops(npu, cfg, graph=False).kernels["experts"] == ops.kernels["experts"]
 
 
 @pytest.mark.parametrize("change, why", [
@@ -310,8 +310,8 @@ def test_configs_the_gating_kernel_cannot_express_keep_the_host_routing(make_tin
     monkeypatch.setitem(sys.modules, "torch_npu", fake_torch_npu("7.1.0"))
     cfg, _ = model(make_tiny, "glm4-moe")
     cfg = dataclasses.replace(cfg, **change)
-    ops, routing = moe_ops(select_ops(NPU, torch.bfloat16, "Ascend910B4"), cfg, graph=True)
-    assert routing is None and why in ops.kernels["moe_routing"] and "host routing" in ops.kernels["moe_routing"]
+    ops = moe_ops(select_ops(NPU, torch.bfloat16, "Ascend910B4"), cfg, graph=True)
+    assert ops.route is torch_route and why in ops.kernels["moe_routing"] and "host routing" in ops.kernels["moe_routing"]
     assert "npu_grouped_matmul" in ops.kernels["experts"]          # the experts stay the fused chain
 
 
@@ -325,7 +325,7 @@ def test_gating_range_follows_the_kernel_documentation(make_tiny):
 
 @pytest.mark.parametrize("groups, topk_groups, scaling", [(1, 1, 2.5), (2, 1, 1.0), (4, 2, 1.8)])
 def test_npu_gating_chooses_and_weighs_as_the_host_router(make_tiny, monkeypatch, groups, topk_groups, scaling):
-    """The gating kernel (its documented computation) against forward.route on the same fp32 logits and bias,
+    """The gating kernel (its documented computation) against torch_route on the same fp32 logits and bias,
     with group limiting (16 experts in groups of 16, 8, 4) and the routed scaling factor."""
     fake = fake_torch_npu("7.1.0")
     cfg, _ = model(make_tiny, "glm4-moe")
@@ -334,8 +334,8 @@ def test_npu_gating_chooses_and_weighs_as_the_host_router(make_tiny, monkeypatch
     g = torch.Generator().manual_seed(groups)
     h, router = torch.randn(40, 24, generator=g), torch.randn(16, 24, generator=g)
     bias = torch.randn(16, generator=g) * 0.5
-    chosen, weights = npu_gating(fake, cfg)(h, router, bias)
-    want_chosen, want_weights = route(cfg, h, router, bias)
+    chosen, weights = npu_gating(fake, cfg)(cfg, h, router, bias)
+    want_chosen, want_weights = torch_route(cfg, h, router, bias)
     assert chosen.dtype == torch.int32 and CALLS == ["gating_top_k"]
     order, want_order = chosen.long().sort(-1), want_chosen.sort(-1)
     assert torch.equal(order.values, want_order.values)
@@ -364,7 +364,7 @@ def test_fused_moe_matches_the_reference(make_tiny, monkeypatch, family, release
 
 
 def test_host_routing_with_fused_experts_matches_the_reference(make_tiny, monkeypatch):
-    """norm_topk_prob off: the gating kernel cannot (it always renormalises), so forward.route chooses and the
+    """norm_topk_prob off: the gating kernel cannot (it always renormalises), so torch_route chooses and the
     fused chain computes the experts; still the reference's logits."""
     sess = _npu(monkeypatch, "7.1.0")
     cfg, w = model(make_tiny, "glm4-moe")

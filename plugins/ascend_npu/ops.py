@@ -296,11 +296,11 @@ def moe_summary(torch_npu=None) -> str:
 
 
 def npu_gating(torch_npu, cfg) -> Callable:
-    """forward.route's contract by npu_moe_gating_top_k: sigmoid of the fp32 router logits, the correction bias
+    """Ops.route by npu_moe_gating_top_k: sigmoid of the fp32 router logits, the correction bias
     only for choosing, groups scored by their best two (group_select_mode 1), the chosen unbiased scores
     renormalised (+eps 1e-20) and scaled by routed_scaling_factor. Returns (chosen int32 [N, k], weights fp32)."""
 
-    def route(h, router, bias):
+    def route(cfg, h, router, bias):
         logits = F.linear(h.float(), router)          # fp32, as transformers computes the router; bias fp32 too
         weights, chosen, _norm = torch_npu.npu_moe_gating_top_k(
             logits, cfg.experts_per_token, bias=bias, k_group=cfg.topk_groups, group_count=cfg.num_groups,
@@ -335,11 +335,11 @@ def npu_grouped_experts(torch_npu, unpermute: bool) -> Callable:
     return experts
 
 
-def moe_ops(ops: Ops, cfg, graph: bool) -> tuple[Ops, Callable | None]:
+def moe_ops(ops: Ops, cfg, graph: bool) -> Ops:
     """The experts (and, where its kernel computes this config exactly, the routing) of a MoE model on this Ops
     table, chosen once: torch_npu's fused MoE chain where the NPU kernels are in use and their schemas take what
     we pass (npu_moe_plan); otherwise every expert with dense routing weights under whole-graph capture (static
-    shapes) and the chosen experts only in eager mode. Returns (ops, the routing or None for forward.route)."""
+    shapes) and the chosen experts only in eager mode."""
     # torch_npu's MoE kernels are documented for Atlas A2/A3, the chips select_ops gives the fused kernels ("npu")
     why = ops.kernels.get("why", "no Ascend NPU: the host path")
     if ops.name == "npu":
@@ -348,16 +348,16 @@ def moe_ops(ops: Ops, cfg, graph: bool) -> tuple[Ops, Callable | None]:
         if plan:
             route = npu_gating(torch_npu, cfg) if plan.gating else None
             routing = ("torch_npu npu_moe_gating_top_k (sigmoid, bias for choosing, group_select_mode 1, "
-                       "routed_scaling_factor)" if route else f"host routing (forward.route): {plan.why_host_routing}")
+                       "routed_scaling_factor)" if route else f"host routing (torch_route): {plan.why_host_routing}")
             combine = "npu_moe_token_unpermute" if plan.unpermute else \
                 "gather + weighted sum (no npu_moe_token_unpermute before op-plugin 7.1.0)"
             kernels = dict(ops.kernels, moe_routing=routing, experts=(
                 f"torch_npu npu_moe_init_routing_v2 -> npu_grouped_matmul -> npu_swiglu -> npu_grouped_matmul -> "
                 f"{combine}"), moe_schemas=MOE_SCHEMAS)
             return dataclasses.replace(ops, experts=npu_grouped_experts(torch_npu, plan.unpermute),
-                                       kernels=kernels), route
+                                       route=route or ops.route, kernels=kernels)
     if graph:
         experts, how = dense_experts, "every expert with dense routing weights (static shapes for the graph)"
     else:
         experts, how = ops.experts, "the chosen experts, token groups per expert (eager)"
-    return dataclasses.replace(ops, experts=experts, kernels=dict(ops.kernels, experts=f"{how}; {why}")), None
+    return dataclasses.replace(ops, experts=experts, kernels=dict(ops.kernels, experts=f"{how}; {why}"))

@@ -181,26 +181,6 @@ class BlockTables:
         return torch.from_numpy(self.table[slots])
 
 
-def routed_by(forward_cls, route):
-    """The MoE forward with its routing done by `route` (h [N, hidden], router, correction bias) -> (chosen, weights)
-    in place of forward.route: torch_npu's gating kernel, where it computes the config exactly (ops.moe_ops)."""
-
-    class Routed(forward_cls):
-        def mlp(self, layer, h):
-            if not layer.sparse:
-                return super().mlp(layer, h)
-            flat = h.reshape(-1, h.shape[-1])
-            chosen, weights = route(flat, layer.router, layer.router_bias)
-            out = self.ops.experts(flat, chosen, weights, layer.experts_up, layer.experts_down)
-            if layer.shared_up is not None:
-                gate, up = torch.nn.functional.linear(flat, layer.shared_up).chunk(2, dim=-1)
-                out = out + torch.nn.functional.linear(torch.nn.functional.silu(gate) * up, layer.shared_down)
-            return out.view(h.shape)
-
-    Routed.__name__ = Routed.__qualname__ = f"{forward_cls.__name__}RoutedByNpu"
-    return Routed
-
-
 class StepRunner:
     """The model on the device, its static KV cache of `n_slots` slots and the (compiled) step."""
 
@@ -223,9 +203,7 @@ class StepRunner:
         forward = FORWARDS[arch.of(cfg).torch_forward]        # the shared torch forward (plugins/torch_ref)
         if getattr(cfg, "num_experts", 0):
             # the experts as torch_npu's fused MoE chain where it runs, else dense under capture (ops.moe_ops)
-            self.ops, route = moe_ops(self.ops, cfg, graph=self.mode == "graph")
-            if route is not None:
-                forward = routed_by(forward, route)
+            self.ops = moe_ops(self.ops, cfg, graph=self.mode == "graph")
         positions = self.capacity + spare
         paged = paged and self.ops.paged_decode is not None
         if paged:

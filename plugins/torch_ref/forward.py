@@ -314,28 +314,9 @@ class MoeLayer(nn.Module):
         self.shared_down = to_device(weights[p + "shared.ffn_down.weight"], device, dtype) if shared else None
 
 
-def route(cfg, h: torch.Tensor, router: torch.Tensor, bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The MoE GLMs' router, as transformers computes it, in fp32: sigmoid scores; the correction bias only for
-    choosing (within the topk_group best of n_group groups, each scored by its two best); the chosen experts'
-    unbiased scores, renormalised (norm_topk_prob) and scaled. Returns (chosen [N, k], weights [N, k])."""
-    scores = torch.sigmoid(F.linear(h.float(), router))                       # [N, E]
-    choice = scores + bias
-    if cfg.num_groups > 1:
-        n, e = choice.shape
-        groups = choice.view(n, cfg.num_groups, e // cfg.num_groups)
-        best = groups.topk(2, dim=-1)[0].sum(dim=-1)                           # [N, groups]
-        keep = torch.zeros_like(best).scatter(1, best.topk(cfg.topk_groups, dim=-1)[1], 1.0).bool()
-        choice = groups.masked_fill(~keep[..., None], float("-inf")).view(n, e)
-    chosen = choice.topk(cfg.experts_per_token, dim=-1)[1]
-    weights = scores.gather(1, chosen)
-    if cfg.norm_topk_prob:
-        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
-    return chosen, weights * cfg.routed_scaling
-
-
 class Glm4Moe(DenseGLM):
     """GLM-4.5/4.6/4.7: the dense block's attention with q/k norms and NeoX-order rotary (both from the
-    config), and the MoE block (route, then the Ops table's experts, plus the shared expert)."""
+    config), and the MoE block (the Ops table's route and experts, plus the shared expert)."""
     layer_class = MoeLayer
 
     def qk_norm(self, layer, q, k):
@@ -350,7 +331,7 @@ class Glm4Moe(DenseGLM):
             return super().mlp(layer, h)
         shape = h.shape
         flat = h.reshape(-1, shape[-1])
-        chosen, weights = route(self.cfg, flat, layer.router, layer.router_bias)
+        chosen, weights = self.ops.route(self.cfg, flat, layer.router, layer.router_bias)
         out = self.ops.experts(flat, chosen, weights, layer.experts_up, layer.experts_down)
         if layer.shared_up is not None:
             gate, up = F.linear(flat, layer.shared_up).chunk(2, dim=-1)

@@ -29,6 +29,9 @@ class Ops:
     # MoE experts: (h [N, hidden], chosen [N, k] expert ids, weights [N, k] fp32, up [E, 2F, hidden],
     # down [E, hidden, F]) -> the weighted sum of the chosen experts' SwiGLU outputs [N, hidden]
     experts: Callable = None
+    # MoE routing: (cfg, h [N, hidden], router [E, hidden] fp32, correction bias [E] fp32) -> (chosen [N, k],
+    # weights [N, k] fp32); torch_route is transformers' computation
+    route: Callable = None
     # Decode over a paged cache in place: (q [B,H,1,D], k/v cache [blocks,Hkv,block_size,D], block table [B,M]
     # int32, seq_lens) -> [B,H,1,D]. None: the rows' blocks are gathered (Step.read) for `attention`.
     paged_decode: Callable | None = None
@@ -36,6 +39,8 @@ class Ops:
     def __post_init__(self):
         if self.experts is None:
             object.__setattr__(self, "experts", torch_experts)
+        if self.route is None:
+            object.__setattr__(self, "route", torch_route)
 
 
 # ---------------------------------------------------------------- plain PyTorch (the reference, CUDA, NPUs without fused kernels)
@@ -96,3 +101,22 @@ TORCH_KERNELS = {"rms_norm": "torch.nn.functional.rms_norm (fused)",
 def torch_ops(name: str = "torch", why: str = "") -> Ops:
     kernels = dict(TORCH_KERNELS, **({"why": why} if why else {}))
     return Ops(name, torch_rms_norm, torch_attention, torch_cache_write, kernels)
+
+
+def torch_route(cfg, h: torch.Tensor, router: torch.Tensor, bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The MoE GLMs' router, as transformers computes it, in fp32: sigmoid scores; the correction bias only for
+    choosing (within the topk_group best of n_group groups, each scored by its two best); the chosen experts'
+    unbiased scores, renormalised (norm_topk_prob) and scaled. Returns (chosen [N, k], weights [N, k])."""
+    scores = torch.sigmoid(F.linear(h.float(), router))                       # [N, E]
+    choice = scores + bias
+    if cfg.num_groups > 1:
+        n, e = choice.shape
+        groups = choice.view(n, cfg.num_groups, e // cfg.num_groups)
+        best = groups.topk(2, dim=-1)[0].sum(dim=-1)                           # [N, groups]
+        keep = torch.zeros_like(best).scatter(1, best.topk(cfg.topk_groups, dim=-1)[1], 1.0).bool()
+        choice = groups.masked_fill(~keep[..., None], float("-inf")).view(n, e)
+    chosen = choice.topk(cfg.experts_per_token, dim=-1)[1]
+    weights = scores.gather(1, chosen)
+    if cfg.norm_topk_prob:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return chosen, weights * cfg.routed_scaling
