@@ -71,6 +71,8 @@ class Plan:
     ffn: tuple[int, int]             # my FFN columns [f0, f1)
     vocab: tuple[int, int]           # my vocabulary rows [v0, v1)
     vocab_chunk: int                 # rows per rank before the last (the all-gather's size)
+    experts: tuple[int, int] = (0, 0)      # my routed experts [e0, e1) (MoE layers: whole experts per rank)
+    shared_ffn: tuple[int, int] = (0, 0)   # my columns of an MoE layer's shared expert
 
 
 def plan(cfg: ModelConfig, rank: int, world: int) -> Plan:
@@ -87,7 +89,12 @@ def plan(cfg: ModelConfig, rank: int, world: int) -> Plan:
     v0, v1 = min(rank * chunk, cfg.vocab_size), min((rank + 1) * chunk, cfg.vocab_size)
     if v0 == v1:
         raise BackendError(f"--tp {world}: the vocabulary of {cfg.vocab_size} rows leaves rank {rank} none; use fewer ranks")
-    return Plan(rank, world, (h0, h1), kv, span(cfg.ffn_hidden_size, world, rank), (v0, v1), chunk)
+    experts = getattr(cfg, "num_experts", 0)
+    if experts and world > experts:
+        raise BackendError(f"--tp {world}: this model has {experts} experts per MoE layer; use 1..{experts} ranks")
+    shared = getattr(cfg, "moe_ffn_hidden_size", 0) * getattr(cfg, "num_shared_experts", 0)
+    return Plan(rank, world, (h0, h1), kv, span(cfg.ffn_hidden_size, world, rank), (v0, v1), chunk,
+                span(experts, world, rank), span(shared, world, rank))
 
 
 def shard_config(cfg: ModelConfig, p: Plan) -> ModelConfig:
@@ -111,10 +118,24 @@ class ShardWeights(Mapping):
     def __len__(self) -> int:
         return len(self.weights)
 
+    def __contains__(self, name) -> bool:
+        """A routed expert of another rank is not in this rank's part (the forward holds the experts it finds)."""
+        return name in self.weights and self._mine(name)
+
+    def _mine(self, name: str) -> bool:
+        from .arch import Split
+        spec = self._specs().get(name)
+        if spec is None or spec.split is not Split.EXPERT:
+            return True
+        expert = int(name.split(".experts.")[1].split(".")[0])
+        return self.p.experts[0] <= expert < self.p.experts[1]
+
     def __getitem__(self, name: str):
         import numpy as np
 
         from .weights import release
+        if not self._mine(name):
+            raise KeyError(f"{name} is another rank's expert")
         w = self.weights[name]
         part = np.ascontiguousarray(self._slice(name, w))
         release(w)
@@ -127,7 +148,7 @@ class ShardWeights(Mapping):
         from .arch import Axis, Split
         spec = self._specs()[name]
         cfg, p, hd = self.cfg, self.p, self.cfg.head_dim
-        if spec.split is Split.REPLICATED:
+        if spec.split in (Split.REPLICATED, Split.EXPERT):     # an expert: whole, on the rank that holds it
             return w
         if spec.split is Split.VOCAB:
             return w[p.vocab[0]:p.vocab[1]]
@@ -137,7 +158,7 @@ class ShardWeights(Mapping):
             parts += [w[k0 + g * hd:k0 + (g + 1) * hd] for g in p.kv]
             parts += [w[v0 + g * hd:v0 + (g + 1) * hd] for g in p.kv]
             return np.concatenate(parts)
-        lo, hi = (p.heads[0] * hd, p.heads[1] * hd) if spec.axis is Axis.HEADS else p.ffn
+        lo, hi = {Axis.HEADS: (p.heads[0] * hd, p.heads[1] * hd), Axis.SHARED_FFN: p.shared_ffn}.get(spec.axis, p.ffn)
         if spec.split is Split.ROW:
             return w[:, lo:hi]
         if spec.split is Split.COLUMN:   # each stacked block (a fused gate|up: the gate half, then the up half)
@@ -149,7 +170,8 @@ class ShardWeights(Mapping):
     def _specs(self):
         if self._spec_cache is None:
             from . import arch
-            self._spec_cache = arch.of(self.cfg).tensors(self.cfg)
+            module = arch.of(self.cfg)       # the NextN layers too: they split like the decoder layers
+            self._spec_cache = {**module.tensors(self.cfg), **module.optional_tensors(self.cfg)}
         return self._spec_cache
 
 
@@ -601,10 +623,8 @@ class TensorParallel(Backend):
 
     # the optional hooks answer for the model as a whole, as the inner backend states them
     def supports(self, config) -> str | None:
-        from . import arch
-        from .arch import Split
-        if any(s.split is Split.EXPERT for s in arch.of(config).tensors(config).values()):
-            return f"tensor parallelism does not split Mixture-of-Experts models yet ({config.arch}); use --tp 1"
+        if getattr(config, "kv_lora_rank", 0):
+            return f"tensor parallelism does not split latent attention yet ({config.arch}); use --tp 1"
         return self.inner.supports(config)
 
     def architectures(self) -> list[str]:

@@ -289,11 +289,11 @@ def test_make_model_refuses_an_unknown_size(tmp_path):
         make_model("glm4-moe", "9b", tmp_path / "m")
 
 
-def test_tensor_parallel_refuses_experts_in_one_line(make_tiny):
+def test_tensor_parallel_refuses_latent_attention_in_one_line(make_tiny):
     from glmcore.model import load_model
-    with pytest.raises(BackendError, match=r"--tp 2: tensor parallelism does not split Mixture-of-Experts models yet "
-                                           r"\(glm4_moe\); use --tp 1"):
-        load_model(make_tiny("glm4-moe"), "torch", LoadOptions(tp=2))
+    with pytest.raises(BackendError, match=r"--tp 2: tensor parallelism does not split latent attention yet "
+                                           r"\(glm4_moe_lite\); use --tp 1"):
+        load_model(make_tiny("glm4-moe-lite"), "torch", LoadOptions(tp=2))
 
 
 @pytest.mark.parametrize("family", MOE_FAMILIES)

@@ -3,6 +3,7 @@ machine held to the single-rank torch reference by the conformance suite (prefil
 shift, batched steps ...), the CLI's --tp, and clean process lifetimes."""
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import subprocess
@@ -135,6 +136,34 @@ def test_two_gloo_ranks_on_glm4_0414_and_glm_edge():
     sharded: the q/k/v and gate/up projections the checkpoints store apart split like the fused ones."""
     tp = parallel.TensorParallel(registry().get("torch"), 2)
     _passed(run_suite([tp], families=["glm4-0414", "glm-edge"], cases=CASES, threads=1), 2)
+
+
+def test_two_gloo_ranks_split_the_experts_of_glm4_moe():
+    """GLM-4.5's layout on two ranks: each holds half the routed experts whole (the router and its choice are every
+    rank's), half the shared expert's and the dense layer's columns, and its heads; the MoE outputs are summed."""
+    tp = parallel.TensorParallel(registry().get("torch"), 2)
+    _passed(run_suite([tp], families=["glm4-moe"], cases=CASES, threads=1), 2)
+
+
+def test_moe_shards_hold_whole_experts_once(make_tiny):
+    d = make_tiny("glm4-moe")
+    cfg = ModelConfig.from_dir(d)
+    w = load_weights(d, cfg)
+    i = cfg.sparse_layers.index(True)
+    p = f"layers.{i}."
+    shards = [parallel.ShardWeights(w, cfg, parallel.plan(cfg, r, 2)) for r in range(2)]
+    held = [[e for e in range(cfg.num_experts) if p + f"experts.{e}.ffn_up.weight" in s] for s in shards]
+    assert sorted(held[0] + held[1]) == list(range(cfg.num_experts)) and not set(held[0]) & set(held[1])
+    e = held[1][0]
+    assert np.array_equal(shards[1][p + f"experts.{e}.ffn_down.weight"], np.asarray(w[p + f"experts.{e}.ffn_down.weight"]))
+    with pytest.raises(KeyError):
+        shards[0][p + f"experts.{e}.ffn_down.weight"]
+    fs = cfg.moe_ffn_hidden_size * cfg.num_shared_experts
+    down = [s[p + "shared.ffn_down.weight"] for s in shards]
+    assert sum(x.shape[1] for x in down) == fs
+    assert np.array_equal(np.concatenate(down, 1), np.asarray(w[p + "shared.ffn_down.weight"]))
+    with pytest.raises(BackendError, match=r"--tp 3: this model has 2 experts per MoE layer; use 1..2 ranks"):
+        parallel.plan(dataclasses.replace(cfg, num_experts=2), 0, 3)
 
 
 def test_32b_width_checkpoint_runs_on_two_ranks(tmp_path, monkeypatch, capsys):

@@ -28,10 +28,12 @@ class Split(enum.Enum):
 
 class Axis(enum.Enum):
     """What a COLUMN/ROW split divides: the rank's query heads, its query heads and KV groups (a fused
-    q|k|v tensor: q rows of my heads, then my KV groups' k rows, then their v rows), or its FFN columns."""
+    q|k|v tensor: q rows of my heads, then my KV groups' k rows, then their v rows), its FFN columns, or its
+    columns of an MoE layer's shared expert."""
     HEADS = "heads"
     QKV = "qkv"
     FFN = "ffn"
+    SHARED_FFN = "shared_ffn"
 
 
 class Role(enum.Enum):

@@ -193,8 +193,8 @@ class Glm4MoeArchitecture(Architecture):
             t[p + f"experts.{e}.ffn_down.weight"] = TensorSpec((h, f), Split.EXPERT)
         if cfg.num_shared_experts:
             fs = f * cfg.num_shared_experts
-            t[p + "shared.ffn_up.weight"] = TensorSpec((2 * fs, h), Split.COLUMN, Axis.FFN, blocks=2)
-            t[p + "shared.ffn_down.weight"] = TensorSpec((h, fs), Split.ROW, Axis.FFN)
+            t[p + "shared.ffn_up.weight"] = TensorSpec((2 * fs, h), Split.COLUMN, Axis.SHARED_FFN, blocks=2)
+            t[p + "shared.ffn_down.weight"] = TensorSpec((h, fs), Split.ROW, Axis.SHARED_FFN)
         return t
 
     def tensors(self, cfg: MoeConfig) -> dict[str, TensorSpec]:

@@ -304,7 +304,9 @@ class MoeLayer(nn.Module):
             return
         self.router = to_device(weights[p + "router.weight"], device, f32)
         self.router_bias = to_device(weights[p + "router.bias"], device, f32)
-        experts = range(cfg.num_experts)
+        # every expert, or under tensor parallelism this rank's run of them (the weights hold only those)
+        experts = [e for e in range(cfg.num_experts) if p + f"experts.{e}.ffn_up.weight" in weights]
+        self.first_expert = experts[0]
         self.experts_up = nn.Parameter(torch.stack([to_device(weights[p + f"experts.{e}.ffn_up.weight"], device,
                                                               dtype) for e in experts]), requires_grad=False)
         self.experts_down = nn.Parameter(torch.stack([to_device(weights[p + f"experts.{e}.ffn_down.weight"], device,
@@ -332,6 +334,11 @@ class Glm4Moe(DenseGLM):
         shape = h.shape
         flat = h.reshape(-1, shape[-1])
         chosen, weights = self.ops.route(self.cfg, flat, layer.router, layer.router_bias)
+        held = layer.experts_up.shape[0]
+        if held < self.cfg.num_experts:     # tensor parallel: my experts only, the others' rows weigh 0
+            chosen = chosen - layer.first_expert
+            mine = (chosen >= 0) & (chosen < held)
+            chosen, weights = chosen.clamp(0, held - 1), weights * mine
         out = self.ops.experts(flat, chosen, weights, layer.experts_up, layer.experts_down)
         if layer.shared_up is not None:
             gate, up = F.linear(flat, layer.shared_up).chunk(2, dim=-1)

@@ -73,8 +73,9 @@ def torch_experts(h, chosen, weights, up, down):
     # Each chosen expert once, over the tokens that chose it (transformers' loop): reads only the chosen
     # experts, but its shapes depend on the routing, so it runs eager, not under whole-graph capture.
     out = torch.zeros_like(h)
-    for e in torch.unique(chosen).tolist():
-        token, k = torch.where(chosen == e)
+    used = weights != 0             # a row weighing 0 adds nothing (tensor parallel: another rank's expert)
+    for e in torch.unique(chosen[used]).tolist():
+        token, k = torch.where((chosen == e) & used)
         gate, up_part = F.linear(h[token], up[e]).chunk(2, dim=-1)
         y = F.linear(F.silu(gate) * up_part, down[e]) * weights[token, k, None].to(h.dtype)
         out.index_add_(0, token, y)
@@ -85,7 +86,8 @@ def dense_experts(h, chosen, weights, up, down):
     # Capture-safe: every expert over every token, weighted by a dense [N, E] matrix that is zero where an
     # expert was not chosen. Static shapes at E/k times the expert work: for graphs on hosts without fused
     # MoE kernels (the device path takes torch_npu's grouped-matmul MoE ops instead).
-    dense = torch.zeros(h.shape[0], up.shape[0], dtype=weights.dtype, device=h.device).scatter(1, chosen, weights)
+    # scatter_add: rows of other ranks' experts (weight 0) may share an index with a chosen one
+    dense = torch.zeros(h.shape[0], up.shape[0], dtype=weights.dtype, device=h.device).scatter_add(1, chosen, weights)
     out = torch.zeros_like(h)
     for e in range(up.shape[0]):
         gate, up_part = F.linear(h, up[e]).chunk(2, dim=-1)
