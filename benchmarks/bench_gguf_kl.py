@@ -61,7 +61,7 @@ def main(argv=None) -> int:
             subprocess.run([str(lc.tool("llama-quantize")), str(f32), str(files[t]), t], check=True, capture_output=True)
         lc.kl_base(f32, a.text, a.ctx, tmp / "base.kld", chunks, a.threads)
         for t, path in files.items():
-            rows.append((t, f"llama.cpp ({lc.version()})", lc.kl_divergence(path, tmp / "base.kld", a.threads)))
+            rows.append((t, "llama.cpp", lc.kl_divergence(path, tmp / "base.kld", a.threads)))
         common = dict(ctx=a.ctx, chunks=chunks, threads=a.threads, show_progress=False)
         ref, store = measure(model, Spec("torch"), text, keep=True, **common)
         try:

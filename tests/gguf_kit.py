@@ -87,7 +87,7 @@ def write_gguf(model_dir: Path, out: Path, qtype: str = "F32", split_tensors: in
 
 # llama-quantize's Q4_K_M keeps attn_v, ffn_down (of some layers) and the output layer in Q6_K, which gguf-py cannot
 # write: here Q8_0 stands in for it; a matrix whose rows are not whole 256-input super-blocks gets llama.cpp's Q5_0.
-Q4_K_M_HIGHER = ("attn_v.weight", "ffn_down.weight", "output.weight")
+Q4_K_M_HIGHER = (".attn_v.weight", ".ffn_down.weight")
 
 
 def _stored_type(stored: str, data: np.ndarray, want):
@@ -97,7 +97,8 @@ def _stored_type(stored: str, data: np.ndarray, want):
         return T.F32
     if want != T.Q4_K:
         return want
-    return T.Q8_0 if stored.endswith(Q4_K_M_HIGHER) else T.Q5_0 if data.shape[-1] % 256 else T.Q4_K
+    higher = stored == "output.weight" or stored.endswith(Q4_K_M_HIGHER)
+    return T.Q8_0 if higher else T.Q5_0 if data.shape[-1] % 256 else T.Q4_K
 
 
 def quantize_q4_k(x: np.ndarray) -> np.ndarray:

@@ -340,8 +340,9 @@ def test_q4_k_blocks_become_asymmetric_int4_codes_and_f16_products():
 def test_cpu_int4_keeps_the_q4_k_blocks_of_a_q4_k_m_file(family, tmp_path_factory, tmp_path):
     """A Q4_K_M-style file (Q4_K matrices; attn_v, ffn_down and the output layer in a higher type): cpu_int4 packs
     asymmetric int4 g32 with f16 scales and mins, and every Q4_K row it holds (GLM-4-0414's q and k rows beside its
-    Q8_0 v rows in one q|k|v matrix too) is gguf-py's dequantization within the f16 rounding of the products; its
-    logits agree with the reference run of the same file within the int4 row."""
+    Q8_0 v rows in one q|k|v matrix too) is gguf-py's dequantization within the f16 rounding of the products; the
+    matrices stored wider (ffn_down) are int8 rows; its logits agree with the reference run of the same file within
+    the int4 row."""
     from glmcore.backend import LoadOptions, registry
     from glmcore.synth import make_model
     from glmcore_conformance.metrics import compare, out_of_bounds
@@ -357,9 +358,15 @@ def test_cpu_int4_keeps_the_q4_k_blocks_of_a_q4_k_m_file(family, tmp_path_factor
     opts = backend.resolve(LoadOptions())
     opts.cache_dir = tmp_path
     meta, blob = read_packed(backend._packed_dir(c.config, c.weights, opts), c.config)
-    assert meta["options"] == {"group_size": 32, "sym": False, "scale_dtype": "f16", "embed_bits": 4,
-                               "head_bits": 8, "linear_bits": 4}
+    wider = sorted(n for n in meta["tensors"] if n.endswith("ffn_down.weight") and c.weights.stored(n).qtype == "Q8_0")
+    options = {**meta["options"], "int8_matrices": sorted(meta["options"]["int8_matrices"])}
+    assert wider and options == {"group_size": 32, "sym": False, "scale_dtype": "f16", "embed_bits": 4,
+                                 "head_bits": 8, "linear_bits": 4, "int8_matrices": wider}
     held = dequantized_weights(meta, np.asarray(blob))
+    for name in wider:          # Q8_0 (standing in for Q6_K) as int8 rows: within half an int8 step of the file's
+        t = c.weights[name]
+        assert meta["tensors"][name]["bits"] == 8
+        assert (np.abs(held[name] - t) <= np.abs(t).max(axis=1, keepdims=True) / 254 + 1e-7).all(), name
     checked = mixed = 0
     for name in held:
         t, at = c.weights.stored(name), 0

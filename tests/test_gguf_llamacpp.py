@@ -147,6 +147,33 @@ def test_k_quant_files_run_within_the_int4_row(llamacpp, small, qtype, kinds):
     assert not out_of_bounds(compare(_logits(d, "torch"), _logits(q, "torch")), TOLERANCES["int4"].bounds())
 
 
+def test_llama_quantize_q4_k_m_keeps_its_q4_k_blocks_in_cpu_int4(llamacpp, small, tmp_path):
+    """llama-quantize's Q4_K_M into cpu_int4: every Q4_K tensor held within the f16 rounding of its blocks' scale
+    and min products of gguf-py's dequantization; its Q6_K layer matrices held as int8 rows; logits within the
+    int4 row of the reference run of the same file."""
+    from glmcore.backend import LoadOptions, registry
+    from glmcore_conformance.metrics import compare, out_of_bounds
+    from glmcore_conformance.tolerances import TOLERANCES
+    from glmcore_plugins.cpu_int4.quant import dequantized_weights, read_packed
+    from test_gguf import _logits, q4_k_rounding_bound
+    q = _quantize(llamacpp, small[1], "Q4_K_M")
+    c = open_gguf(q)
+    backend = registry().get("cpu_int4")
+    opts = backend.resolve(LoadOptions())
+    opts.cache_dir = tmp_path
+    meta, blob = read_packed(backend._packed_dir(c.config, c.weights, opts), c.config)
+    held = dequantized_weights(meta, np.asarray(blob))
+    kinds = {n: c.weights.stored(n).qtype for n in held}
+    q4_k = [n for n, k in kinds.items() if k == "Q4_K"]
+    assert any(n.endswith("ffn_up.weight") for n in q4_k) and "embed.weight" in q4_k
+    for name in q4_k:
+        blocks = c.weights.stored(name).blocks()
+        assert (np.abs(held[name] - c.weights[name]) <= q4_k_rounding_bound(blocks)).all(), name
+    q6_k = sorted(n for n, k in kinds.items() if k == "Q6_K" and n != "lm_head.weight")
+    assert q6_k and sorted(meta["options"]["int8_matrices"]) == q6_k
+    assert not out_of_bounds(compare(_logits(q, "torch"), _logits(q, "cpu_int4")), TOLERANCES["int4"].bounds())
+
+
 @pytest.fixture(scope="module")
 def server_tool(llamacpp):
     """llama-server, built once into the tree if missing (bounded; the time is printed for the report)."""

@@ -13,8 +13,10 @@ dmin, 8 six-bit scales sc_j and mins m_j, then 128 bytes of nibbles; sub-block j
 w = (d * sc_j) * q - (dmin * m_j), q in 0..15. That is cpu_int4's asymmetric int4 at group 32 (w = s * q + m) with
 s = d * sc_j and m = -dmin * m_j: the codes are kept, and only the two products are rounded, once, to f16 (d is an
 f16 and sc_j has 6 bits, so the product has up to 17 significant bits to f16's 11: a relative error of at most
-2^-11 in each group's scale and min). The other K-quant tensors of such a file (Q6_K / Q5_K) are quantized
-asymmetrically from their dequantized floats.
+2^-11 in each group's scale and min). The file's matrices stored in more bits (Q4_K_M keeps some attn_v/ffn_down
+in Q6_K; rows not of whole 256-input super-blocks fall back to Q5_0/Q8_0) are packed as int8 rows from their
+dequantized floats (`int8_matrices`), the rest (Q4_0/Q4_1, Q2_K/Q3_K, and matrices whose parts mix types) as
+asymmetric int4 from theirs.
 """
 from __future__ import annotations
 
@@ -29,6 +31,8 @@ from .quant import QuantOptions, quantize4
 
 BITS = {"Q4_0": 4, "Q8_0": 8}                  # the symmetric types: a file all of one keeps its blocks
 BLOCK_BYTES = {"Q4_0": 18, "Q8_0": 34}
+# beside Q4_K: the stored types of more than 4 bits per weight, whose matrices are packed as int8 rows
+WIDER = {"Q5_0", "Q5_1", "Q5_K", "Q6_K", "Q8_0", "F16", "BF16", "F32"}
 Q4_K_BYTES = 144                                # one super-block of 256 inputs
 
 
@@ -123,7 +127,8 @@ def packing(weights, extra: dict, q: QuantOptions, quant_keys) -> tuple[QuantOpt
     packed with no quantization option given, keeps its blocks: group 32, symmetric, f16 scales, the layers at
     the file's bits, the embedding and output layer at theirs where they are Q4_0/Q8_0 (else int4 / int8).
     One whose layers hold Q4_K (llama-quantize's Q4_K_M/Q4_K_S mixes) is packed asymmetric int4 g32 with f16
-    scales and mins, keeping every Q4_K block's codes; the embedding is int4 where it is Q4_K, else int8."""
+    scales and mins, keeping every Q4_K block's codes, its matrices stored wider (WIDER) as int8 rows; the
+    embedding is int4 where it is Q4_K, else int8."""
     if not hasattr(weights, "stored"):
         return q, weights, None
     stored = StoredTensors(weights)
@@ -131,7 +136,9 @@ def packing(weights, extra: dict, q: QuantOptions, quant_keys) -> tuple[QuantOpt
         return q, stored, None
     layers = [stored[n] for n in stored if n.endswith(LAYER_MATRICES)]
     if "Q4_K" in {p.qtype for t in layers for p in t.parts}:
-        q = QuantOptions(group_size=32, sym=False, scale_dtype="f16", linear_bits=4,
+        wider = tuple(n for n in stored if n not in ("embed.weight", "lm_head.weight") and len(stored[n].shape) == 2
+                      and not n.endswith("router.weight") and stored[n].qtype in WIDER)
+        q = QuantOptions(group_size=32, sym=False, scale_dtype="f16", linear_bits=4, int8_matrices=wider,
                          embed_bits=4 if stored["embed.weight"].qtype == "Q4_K" else 8,
                          head_bits=4 if stored["lm_head.weight"].qtype == "Q4_K" else 8)
         return q, stored, lambda name, r0, r1, bits: q4_k_part_codes(stored[name][r0:r1], bits) \
