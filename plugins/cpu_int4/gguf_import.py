@@ -13,10 +13,10 @@ dmin, 8 six-bit scales sc_j and mins m_j, then 128 bytes of nibbles; sub-block j
 w = (d * sc_j) * q - (dmin * m_j), q in 0..15. That is cpu_int4's asymmetric int4 at group 32 (w = s * q + m) with
 s = d * sc_j and m = -dmin * m_j: the codes are kept, and only the two products are rounded, once, to f16 (d is an
 f16 and sc_j has 6 bits, so the product has up to 17 significant bits to f16's 11: a relative error of at most
-2^-11 in each group's scale and min). The file's matrices stored in more bits (Q4_K_M keeps some attn_v/ffn_down
-in Q6_K; rows not of whole 256-input super-blocks fall back to Q5_0/Q8_0) are packed as int8 rows from their
-dequantized floats (`int8_matrices`), the rest (Q4_0/Q4_1, Q2_K/Q3_K, and matrices whose parts mix types) as
-asymmetric int4 from theirs.
+2^-11 in each group's scale and min). A K-quant file's matrices stored in more bits (Q4_K_M keeps some
+attn_v/ffn_down in Q6_K; rows not of whole 256-input super-blocks fall back to Q5_0/Q8_0; Q5_K_M and Q6_K files
+hold nothing narrower) are packed as int8 rows from their dequantized floats (`int8_matrices`, or linear_bits 8
+for all), the rest (Q4_0/Q4_1, Q2_K/Q3_K, and matrices whose parts mix types) as asymmetric int4 from theirs.
 """
 from __future__ import annotations
 
@@ -126,23 +126,18 @@ def packing(weights, extra: dict, q: QuantOptions, quant_keys) -> tuple[QuantOpt
     """(options, weights to pack, codes hook) for cpu_int4's packer. A GGUF whose layers are all Q4_0 or all Q8_0,
     packed with no quantization option given, keeps its blocks: group 32, symmetric, f16 scales, the layers at
     the file's bits, the embedding and output layer at theirs where they are Q4_0/Q8_0 (else int4 / int8).
-    One whose layers hold Q4_K (llama-quantize's Q4_K_M/Q4_K_S mixes) is packed asymmetric int4 g32 with f16
-    scales and mins, keeping every Q4_K block's codes, its matrices stored wider (WIDER) as int8 rows; the
-    embedding is int4 where it is Q4_K, else int8."""
+    A K-quant file (llama-quantize's Q4_K_M, Q5_K_M, Q6_K... mixes) is packed at group 32 with f16 scales: every
+    Q4_K block's codes kept as asymmetric int4, the matrices stored wider (WIDER) as int8 rows, the rest
+    quantized to asymmetric int4; the embedding and output layer int4 where they are Q4_K, else int8."""
     if not hasattr(weights, "stored"):
         return q, weights, None
     stored = StoredTensors(weights)
     if any(k in extra for k in quant_keys):
         return q, stored, None
     layers = [stored[n] for n in stored if n.endswith(LAYER_MATRICES)]
-    if "Q4_K" in {p.qtype for t in layers for p in t.parts}:
-        wider = tuple(n for n in stored if n not in ("embed.weight", "lm_head.weight") and len(stored[n].shape) == 2
-                      and not n.endswith("router.weight") and stored[n].qtype in WIDER)
-        q = QuantOptions(group_size=32, sym=False, scale_dtype="f16", linear_bits=4, int8_matrices=wider,
-                         embed_bits=4 if stored["embed.weight"].qtype == "Q4_K" else 8,
-                         head_bits=4 if stored["lm_head.weight"].qtype == "Q4_K" else 8)
-        return q, stored, lambda name, r0, r1, bits: q4_k_part_codes(stored[name][r0:r1], bits) \
-            if name in stored else None
+    if K_QUANTS & {p.qtype for t in layers for p in t.parts}:
+        return k_quant_options(stored), stored, lambda name, r0, r1, bits: \
+            q4_k_part_codes(stored[name][r0:r1], bits) if name in stored else None
     linear = {t.qtype for t in layers}
     if len(linear) != 1 or next(iter(linear)) not in BITS:
         return q, stored, None
@@ -151,3 +146,19 @@ def packing(weights, extra: dict, q: QuantOptions, quant_keys) -> tuple[QuantOpt
                      head_bits=BITS.get(stored["lm_head.weight"].qtype, 8))
     # tensors the packer derives (latent attention's kv_b halves) are not in the file: quantized as usual
     return q, stored, lambda name, r0, r1, bits: block_codes(stored[name][r0:r1], bits) if name in stored else None
+
+
+K_QUANTS = {"Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"}
+
+
+def k_quant_options(stored: StoredTensors) -> QuantOptions:
+    """A K-quant file's packing (see packing): its wider matrices as int8 rows, or every layer at int8 where
+    none is narrower (Q5_K_M, Q6_K)."""
+    matrices = [n for n in stored if len(stored[n].shape) == 2 and n not in ("embed.weight", "lm_head.weight")
+                and not n.endswith("router.weight")]
+    wider = tuple(n for n in matrices if stored[n].qtype in WIDER)
+    all_wide = len(wider) == len(matrices)
+    return QuantOptions(group_size=32, sym=all_wide, scale_dtype="f16", linear_bits=8 if all_wide else 4,
+                        int8_matrices=() if all_wide else wider,
+                        embed_bits=4 if stored["embed.weight"].qtype == "Q4_K" else 8,
+                        head_bits=4 if stored["lm_head.weight"].qtype == "Q4_K" else 8)
