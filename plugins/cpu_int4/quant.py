@@ -44,8 +44,8 @@ class QuantOptions:
     embed_bits: int = 4
     head_bits: int = 8
     linear_bits: int = 4        # the layers' matrices: int4, or int8 (what a GGUF's Q8_0 blocks are)
-    # layer matrices held as int8 rows whatever linear_bits says: a GGUF's tensors stored in more than 4 bits
-    # beside its Q4_K ones (llama-quantize's Q4_K_M keeps some attn_v/ffn_down in Q6_K); set by the GGUF import
+    # layer matrices held as int8 rows whatever linear_bits says: a K-quant GGUF's matrices stored in more than
+    # 4 bits (llama-quantize's Q4_K_M keeps some attn_v/ffn_down in Q6_K); set by the GGUF import (gguf_import.py)
     int8_matrices: tuple[str, ...] = ()
 
     @classmethod
