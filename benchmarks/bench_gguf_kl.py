@@ -10,8 +10,8 @@ rows are llama-perplexity's --kl-divergence of each file against its --kl-diverg
 glmcore's are `glmcore eval --perplexity`'s measure() of each file on torch (gguf-py's dequantization) and on
 cpu_int4 (packed from the file's blocks) against torch on the f32 checkpoint. Both score chunks of --ctx tokens,
 the second half of each, so the same text positions; each runtime tokenizes the text itself. Needs llama.cpp's
-llama-quantize and llama-perplexity (`python -m glmcore_conformance.llamacpp` builds them; targets in
-conformance/llamacpp.py build_targets).
+llama-quantize and llama-perplexity (built here into the tree if missing, with conformance/llamacpp.py's
+build_targets).
 """
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ def main(argv=None) -> int:
     from glmcore.errors import GlmcoreError
     from glmcore.evaluate.perplexity import Spec, measure, read_text
     from glmcore.model import demo_model_dir
-    from glmcore_conformance.llamacpp import find
+    from glmcore_conformance.llamacpp import build_targets, find
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", type=Path, help="checkpoint directory (default: the demo model)")
     ap.add_argument("--text", type=Path, default=TEXT, help="UTF-8 text scored (default: the demo's held-out poems)")
@@ -44,8 +44,11 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     chunks = 2 if a.size == "tiny" and not a.chunks else a.chunks
     lc = find()
-    if lc is None or not lc.tool("llama-perplexity").exists():
-        raise SystemExit("set $GLMCORE_LLAMACPP to a llama.cpp tree with llama-quantize and llama-perplexity built")
+    if lc is None:
+        raise SystemExit("set $GLMCORE_LLAMACPP to a built llama.cpp tree (conformance/llamacpp.py says how)")
+    if not lc.tool("llama-perplexity").exists():
+        print("building llama.cpp's llama-perplexity (once; minutes)", file=sys.stderr)
+        build_targets(lc.root, ["llama-perplexity"], timeout=3600)
     model = a.model or demo_model_dir()
     text = read_text(a.text)
     rows = []
