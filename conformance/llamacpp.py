@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import tarfile
@@ -117,6 +118,26 @@ class LlamaCpp:
         tps = {("prefill" if r["n_prompt"] else "decode"): r["avg_ts"] for r in rows}
         return {"prefill_tps": tps["prefill"], "decode_tps": tps["decode"],
                 "peak_rss_mib": peak_kb[-1] / 1024 if peak_kb else float("nan")}
+
+    def kl_base(self, gguf: Path, text: Path, ctx: int, out: Path, chunks: int | None = None,
+                threads: int | None = None) -> None:
+        """llama-perplexity --kl-divergence-base: the log-probabilities of `gguf` on `text` kept in `out`."""
+        _run([str(self.tool("llama-perplexity")), "-m", str(gguf), "-f", str(text), "-c", str(ctx),
+              *(["--chunks", str(chunks)] if chunks else []), "-t", str(threads or os.cpu_count() or 1),
+              "--kl-divergence-base", str(out)], "llama-perplexity")
+
+    def kl_divergence(self, gguf: Path, base: Path, threads: int | None = None) -> dict:
+        """llama-perplexity --kl-divergence of `gguf` against a kl_base file: KL mean and 99th percentile per
+        token, and how often both pick the same top-1 token (from its summary)."""
+        r = subprocess.run([str(self.tool("llama-perplexity")), "-m", str(gguf), "--kl-divergence-base", str(base),
+                            "--kl-divergence", "-t", str(threads or os.cpu_count() or 1)],
+                           capture_output=True, text=True, timeout=3600)
+        found = dict(re.findall(r"^(Mean    KLD|99\.0%   KLD|Same top p):\s*(-?[\d.]+)", r.stdout + r.stderr, re.M))
+        if r.returncode or len(found) != 3:
+            raise GlmcoreError(f"llama-perplexity --kl-divergence failed (exit {r.returncode}): "
+                               f"{(r.stderr or r.stdout).strip()[-500:]}")
+        return {"kl_mean": float(found["Mean    KLD"]), "kl_p99": float(found["99.0%   KLD"]),
+                "top1": float(found["Same top p"]) / 100}
 
 
 _PEAK = "GLMCORE_CHILD_MAXRSS_KB="

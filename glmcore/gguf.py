@@ -148,7 +148,8 @@ class GGUFPart:
             return self.data.view(BF16).reshape(self.shape)
         from gguf import GGMLQuantizationType
         from gguf.quants import dequantize
-        return dequantize(self.data, GGMLQuantizationType[self.qtype])
+        # as a plain array: gguf-py slices it in groups of 16 rows, and each np.memmap view costs a Python call
+        return dequantize(np.asarray(self.data), GGMLQuantizationType[self.qtype])
 
 
 @dataclass(frozen=True)

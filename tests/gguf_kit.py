@@ -72,15 +72,59 @@ def write_gguf(model_dir: Path, out: Path, qtype: str = "F32", split_tensors: in
         stored = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
         assert stored is not None, hf_name
         data = np.asarray(t, np.float32)
-        if data.ndim >= 2 and "ffn_gate_inp" not in stored and data.shape[-1] % 32 == 0 and want != gguf.GGMLQuantizationType.F32:
-            w.add_tensor(stored, gguf.quants.quantize(data, want), raw_dtype=want)
-        else:
+        kind = _stored_type(stored, data, want)
+        if kind == gguf.GGMLQuantizationType.F32:
             w.add_tensor(stored, data)
+        else:
+            payload = quantize_q4_k(data) if kind == gguf.GGMLQuantizationType.Q4_K else gguf.quants.quantize(data, kind)
+            w.add_tensor(stored, payload, raw_dtype=kind)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
     return Path(out) if not split_tensors else min(Path(out).parent.glob(f"{Path(out).stem}-00001-of-*.gguf"))
+
+
+# llama-quantize's Q4_K_M keeps attn_v, ffn_down (of some layers) and the output layer in Q6_K, which gguf-py cannot
+# write: here Q8_0 stands in for it; a matrix whose rows are not whole 256-input super-blocks gets llama.cpp's Q5_0.
+Q4_K_M_HIGHER = (".attn_v.weight", ".ffn_down.weight")
+
+
+def _stored_type(stored: str, data: np.ndarray, want):
+    """The type a tensor is written in: 1-D tensors and routers F32, matrices `want` (as Q4_K_M mixes it, for Q4_K)."""
+    T = gguf.GGMLQuantizationType
+    if data.ndim < 2 or "ffn_gate_inp" in stored or data.shape[-1] % 32 or want == T.F32:
+        return T.F32
+    if want != T.Q4_K:
+        return want
+    higher = stored == "output.weight" or stored.endswith(Q4_K_M_HIGHER)
+    return T.Q8_0 if higher else T.Q5_0 if data.shape[-1] % 256 else T.Q4_K
+
+
+def quantize_q4_k(x: np.ndarray) -> np.ndarray:
+    """float [..., k] (k a multiple of 256) -> Q4_K blocks uint8 [..., k / 256 * 144], llama.cpp's block layout
+    (ggml-common.h block_q4_K) with a plain min/max rounding per 32-input sub-block (not llama.cpp's search):
+    f16 d, f16 dmin, 12 bytes of 6-bit scales and mins, 128 bytes of nibbles; w = d * sc_j * q - dmin * m_j."""
+    lead, k = x.shape[:-1], x.shape[-1]
+    g = np.asarray(x, np.float32).reshape(-1, 8, 32)                          # [super-blocks, sub-block, input]
+    lo, hi = np.minimum(g.min(-1), 0), np.maximum(g.max(-1), 0)
+    scale, mn = (hi - lo) / 15, -lo
+    d, dmin = (a.max(-1, keepdims=True) / 63 for a in (scale, mn))
+    d, dmin = d.astype(np.float16), dmin.astype(np.float16)
+
+    def six_bits(v, unit):
+        unit = unit.astype(np.float32)
+        return np.clip(np.rint(np.divide(v, unit, out=np.zeros_like(v), where=unit > 0)), 0, 63).astype(np.uint8)
+
+    sc, m = six_bits(scale, d), six_bits(mn, dmin)
+    s_eff, m_eff = (d.astype(np.float32) * sc)[..., None], (dmin.astype(np.float32) * m)[..., None]
+    q = np.clip(np.rint(np.divide(g + m_eff, s_eff, out=np.zeros_like(g), where=s_eff > 0)), 0, 15).astype(np.uint8)
+    packed = np.concatenate([sc[:, :4] | (sc[:, 4:] >> 4) << 6, m[:, :4] | (m[:, 4:] >> 4) << 6,
+                             (sc[:, 4:] & 15) | (m[:, 4:] & 15) << 4], axis=1)       # get_scale_min_k4's packing
+    nibbles = q.reshape(-1, 4, 2, 32)                                         # sub-blocks 2i (low) and 2i + 1 (high)
+    qs = (nibbles[:, :, 0] | nibbles[:, :, 1] << 4).reshape(-1, 128)
+    out = np.concatenate([d.view(np.uint8), dmin.view(np.uint8), packed, qs], axis=1)
+    return out.reshape(*lead, k // 256 * 144)
 
 
 def _stack_experts(tensors: dict) -> dict:

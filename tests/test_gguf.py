@@ -303,6 +303,85 @@ def test_cpu_int4_holds_the_blocks_without_requantizing(files, qtype, bits, tmp_
     assert not out_of_bounds(compare(_logits(path, "torch"), _logits(path, "cpu_int4")), TOLERANCES[row].bounds())
 
 
+# ------------------------------------------------------------------ cpu_int4 keeps Q4_K blocks (asymmetric g32)
+
+def q4_k_rounding_bound(blocks: np.ndarray) -> np.ndarray:
+    """Per weight of Q4_K blocks [rows, bytes]: how far cpu_int4's asymmetric g32 form may be from gguf-py's
+    dequantization, the products s = d * sc_j and m = dmin * m_j each rounded once to f16 (relative 2^-11, and
+    f16's subnormal spacing): 15 |ds| + |dm|."""
+    b = blocks.reshape(-1, 144)
+    d, dmin = (b[:, i:i + 2].copy().view(np.float16).astype(np.float64) for i in (0, 2))
+    sc, m = gguf.quants.Q4_K.get_scale_min(b[:, 4:16].copy())
+    per_group = 2.0 ** -11 * (15 * np.abs(d * sc) + np.abs(dmin * m)) + 16 * 2.0 ** -25
+    return np.repeat(per_group.reshape(blocks.shape[0], -1), 32, axis=1)
+
+
+def test_q4_k_blocks_become_asymmetric_int4_codes_and_f16_products():
+    """Blocks of random bytes (every scale, min and nibble pattern) packed as cpu_int4 tiles and read back as the
+    kernels read them: gguf-py's dequantization within the f16 rounding of the products, and no further (a
+    wrong nibble order or scale unpacking is off by whole steps). A product beyond f16 is refused (None)."""
+    from glmcore_plugins.cpu_int4.gguf_import import q4_k_codes
+    from glmcore_plugins.cpu_int4.quant import tile4, untile
+    rng = np.random.default_rng(0)
+    blocks = rng.integers(0, 256, (48, 3, 144), dtype=np.uint8)
+    blocks[..., :4] = np.array([0.01, 0.002], np.float16).view(np.uint8)
+    blocks[::7, :, :4] = np.array([3e-7, 2e-7], np.float16).view(np.uint8)         # subnormal products
+    blocks = blocks.reshape(48, -1)
+    want = gguf.quants.dequantize(blocks, gguf.GGMLQuantizationType.Q4_K)
+    q, scales, mins = q4_k_codes(blocks)
+    held = untile(tile4(q, scales, mins, 32), 48, 768, 4, 32, True, "f16")
+    err = np.abs(held - want)
+    assert (err <= q4_k_rounding_bound(blocks)).all() and err.max() > 0
+    blocks[0, :2] = np.array([60000], np.float16).view(np.uint8)
+    assert q4_k_codes(blocks) is None
+
+
+@pytest.mark.parametrize("family", [pytest.param("glm4", marks=pytest.mark.slow), "glm4-0414", "glm4-moe"])
+def test_cpu_int4_keeps_the_q4_k_blocks_of_a_q4_k_m_file(family, tmp_path_factory, tmp_path):
+    """A Q4_K_M-style file (Q4_K matrices; attn_v, ffn_down and the output layer in a higher type): cpu_int4 packs
+    asymmetric int4 g32 with f16 scales and mins, and every Q4_K row it holds (GLM-4-0414's q and k rows beside its
+    Q8_0 v rows in one q|k|v matrix too) is gguf-py's dequantization within the f16 rounding of the products; the
+    matrices stored wider (ffn_down) are int8 rows; its logits agree with the reference run of the same file within
+    the int4 row."""
+    from glmcore.backend import LoadOptions, registry
+    from glmcore.synth import make_model
+    from glmcore_conformance.metrics import compare, out_of_bounds
+    from glmcore_conformance.tolerances import TOLERANCES
+    from glmcore_plugins.cpu_int4.quant import dequantized_weights, read_packed
+    backend = registry().get("cpu_int4")
+    if not registry().probe("cpu_int4").ready:
+        pytest.skip("cpu_int4's C library cannot be built here")
+    d = tmp_path_factory.mktemp(f"{family}-small")
+    make_model(family, "small", d, layers=2)            # rows of whole 256-input super-blocks (glm4: 45 s)
+    path = write_gguf(d, tmp_path / "q4_k_m.gguf", "Q4_K")
+    c = open_gguf(path)
+    opts = backend.resolve(LoadOptions())
+    opts.cache_dir = tmp_path
+    meta, blob = read_packed(backend._packed_dir(c.config, c.weights, opts), c.config)
+    wider = sorted(n for n in meta["tensors"] if n.endswith("ffn_down.weight") and c.weights.stored(n).qtype == "Q8_0")
+    options = {**meta["options"], "int8_matrices": sorted(meta["options"]["int8_matrices"])}
+    assert wider and options == {"group_size": 32, "sym": False, "scale_dtype": "f16", "embed_bits": 4,
+                                 "head_bits": 8, "linear_bits": 4, "int8_matrices": wider}
+    held = dequantized_weights(meta, np.asarray(blob))
+    for name in wider:          # Q8_0 (standing in for Q6_K) as int8 rows: within half an int8 step of the file's
+        t = c.weights[name]
+        assert meta["tensors"][name]["bits"] == 8
+        assert (np.abs(held[name] - t) <= np.abs(t).max(axis=1, keepdims=True) / 254 + 1e-7).all(), name
+    checked = mixed = 0
+    for name in held:
+        t, at = c.weights.stored(name), 0
+        for p in t.parts:
+            rows = slice(at, at + p.shape[0])
+            at += p.shape[0]
+            if p.qtype == "Q4_K":
+                err = np.abs(held[name][rows] - p.array().reshape(p.shape[0], -1))
+                assert (err <= q4_k_rounding_bound(p.data.reshape(p.shape[0], -1))).all(), name
+                checked += 1
+                mixed += t.qtype is None
+    assert checked > 4 and (mixed > 0) == (family != "glm4")     # glm4: one fused attn_qkv
+    assert not out_of_bounds(compare(_logits(path, "torch"), _logits(path, "cpu_int4")), TOLERANCES["int4"].bounds())
+
+
 def test_cpu_int4_quantization_options_still_apply_to_a_gguf(files, tmp_path):
     from glmcore.backend import LoadOptions, registry
     from glmcore_plugins.cpu_int4.quant import read_packed

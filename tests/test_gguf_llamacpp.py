@@ -102,14 +102,10 @@ def test_tokenizer_ids_equal_llama_tokenize(llamacpp, converted, family, tmp_pat
 @pytest.mark.parametrize("qtype", ["Q4_0", "Q8_0"])
 def test_llama_quantize_files_load_into_cpu_int4_exactly(llamacpp, converted, qtype, tmp_path):
     """llama-quantize's Q4_0/Q8_0: every layer weight cpu_int4 holds dequantizes to what gguf-py gives for the file."""
-    from glmcore.backend import LoadOptions, registry
-    from glmcore_plugins.cpu_int4.quant import dequantized_weights, read_packed
+    from glmcore_plugins.cpu_int4.quant import dequantized_weights
     q = _quantize(llamacpp, converted["glm4"][1], qtype)
     c = open_gguf(q)
-    backend = registry().get("cpu_int4")
-    opts = backend.resolve(LoadOptions())
-    opts.cache_dir = tmp_path
-    meta, blob = read_packed(backend._packed_dir(c.config, c.weights, opts), c.config)
+    meta, blob = _packed(q, tmp_path)
     held = dequantized_weights(meta, np.asarray(blob))
     same_type = [n for n in held if c.weights.stored(n).qtype == qtype]
     assert any(n.endswith("ffn_up.weight") for n in same_type)
@@ -135,16 +131,54 @@ def small(llamacpp, tmp_path_factory):
 
 @pytest.mark.parametrize("qtype, kinds", [("Q4_K_M", {"Q4_K", "Q6_K"}), ("Q5_K_M", {"Q5_K", "Q6_K"}),
                                           ("Q6_K", {"Q6_K"})])
-def test_k_quant_files_run_within_the_int4_row(llamacpp, small, qtype, kinds):
+def test_k_quant_files_run_within_the_int4_row(llamacpp, small, qtype, kinds, tmp_path):
     """K-quant files (dequantized by gguf-py for the reference backend) give logits within the int4 row of the
-    f32 source's."""
+    f32 source's, on torch and on cpu_int4, which packs a file with no Q4_K (nothing narrower than 5 bits) as
+    int8 rows."""
     from glmcore_conformance.metrics import compare, out_of_bounds
     from glmcore_conformance.tolerances import TOLERANCES
     from test_gguf import _logits
     d, f32 = small
     q = _quantize(llamacpp, f32, qtype)
     assert kinds <= {t.tensor_type.name for t in gguf.GGUFReader(q).tensors}
-    assert not out_of_bounds(compare(_logits(d, "torch"), _logits(q, "torch")), TOLERANCES["int4"].bounds())
+    meta, _ = _packed(q, tmp_path)
+    assert meta["options"]["linear_bits"] == (4 if "Q4_K" in kinds else 8)
+    for backend in ("torch", "cpu_int4"):
+        assert not out_of_bounds(compare(_logits(d, "torch"), _logits(q, backend)), TOLERANCES["int4"].bounds())
+
+
+def _packed(path: Path, cache: Path):
+    """cpu_int4's packed form of a GGUF (its default options for the file): (meta, mapped weights)."""
+    from glmcore.backend import LoadOptions, registry
+    from glmcore_plugins.cpu_int4.quant import read_packed
+    c = open_gguf(path)
+    backend = registry().get("cpu_int4")
+    opts = backend.resolve(LoadOptions())
+    opts.cache_dir = cache
+    return read_packed(backend._packed_dir(c.config, c.weights, opts), c.config)
+
+
+def test_llama_quantize_q4_k_m_keeps_its_q4_k_blocks_in_cpu_int4(llamacpp, small, tmp_path):
+    """llama-quantize's Q4_K_M into cpu_int4: every Q4_K tensor held within the f16 rounding of its blocks' scale
+    and min products of gguf-py's dequantization; its Q6_K layer matrices held as int8 rows; logits within the
+    int4 row of the reference run of the same file."""
+    from glmcore_conformance.metrics import compare, out_of_bounds
+    from glmcore_conformance.tolerances import TOLERANCES
+    from glmcore_plugins.cpu_int4.quant import dequantized_weights
+    from test_gguf import _logits, q4_k_rounding_bound
+    q = _quantize(llamacpp, small[1], "Q4_K_M")
+    c = open_gguf(q)
+    meta, blob = _packed(q, tmp_path)
+    held = dequantized_weights(meta, np.asarray(blob))
+    kinds = {n: c.weights.stored(n).qtype for n in held}
+    q4_k = [n for n, k in kinds.items() if k == "Q4_K"]
+    assert any(n.endswith("ffn_up.weight") for n in q4_k) and "embed.weight" in q4_k
+    for name in q4_k:
+        blocks = c.weights.stored(name).blocks()
+        assert (np.abs(held[name] - c.weights[name]) <= q4_k_rounding_bound(blocks)).all(), name
+    q6_k = sorted(n for n, k in kinds.items() if k == "Q6_K" and n != "lm_head.weight")
+    assert q6_k and sorted(meta["options"]["int8_matrices"]) == q6_k
+    assert not out_of_bounds(compare(_logits(q, "torch"), _logits(q, "cpu_int4")), TOLERANCES["int4"].bounds())
 
 
 @pytest.fixture(scope="module")

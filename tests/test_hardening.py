@@ -325,7 +325,16 @@ def _meta_cases():
     def stats(m):
         m["stats"]["file_bytes"] += 64
 
-    return [offset_past_file, norm_past_end, negative, size, options, cfg, stats]
+    def int8_norm(m):           # per-tensor bits only for layer matrices
+        m["options"]["int8_matrices"] = ["final_norm.weight"]
+
+    def int8_table(m):          # a matrix made int8 that the tensor table (and weights.bin) holds as int4
+        m["options"]["int8_matrices"] = ["layers.0.qkv.weight"]
+
+    def int8_kind(m):
+        m["options"]["int8_matrices"] = "layers.0.qkv.weight"
+
+    return [offset_past_file, norm_past_end, negative, size, options, cfg, stats, int8_norm, int8_table, int8_kind]
 
 
 @pytest.mark.parametrize("mutate", _meta_cases(), ids=lambda f: f.__name__)

@@ -23,7 +23,8 @@ scale_dtype f16|bf16 (f16), embed_bits 4|8 (4), head_bits 4|8 (8), linear_bits 4
 isa auto|plain|avx2|avxvnni|avx512vnni (auto), packed DIR (a `glmcore convert` output to load),
 quant rtn|gptq (rtn: round to nearest; gptq: calibrated, glmcore/gptq.py, the same packed format), calib
 FILE (gptq's calibration text; default glmcore/data/calibration.txt).
-A GGUF's Q4_0 or Q8_0 blocks are packed as they are (gguf_import.py): no option given, its layers keep their bits.
+A GGUF's Q4_0 or Q8_0 blocks are packed as they are (gguf_import.py): no option given, its layers keep their bits;
+a K-quant file's Q4_K blocks keep their codes (asymmetric int4), its matrices stored in more bits become int8 rows.
 Only numpy and a C compiler (or the library built at install) are needed: no torch.
 """
 from __future__ import annotations

@@ -44,6 +44,9 @@ class QuantOptions:
     embed_bits: int = 4
     head_bits: int = 8
     linear_bits: int = 4        # the layers' matrices: int4, or int8 (what a GGUF's Q8_0 blocks are)
+    # layer matrices held as int8 rows whatever linear_bits says: a K-quant GGUF's matrices stored in more than
+    # 4 bits (llama-quantize's Q4_K_M keeps some attn_v/ffn_down in Q6_K); set by the GGUF import (gguf_import.py)
+    int8_matrices: tuple[str, ...] = ()
 
     @classmethod
     def from_extra(cls, extra: dict) -> "QuantOptions":
@@ -53,7 +56,8 @@ class QuantOptions:
                 scale_dtype=str(extra.get("scale_dtype", d.scale_dtype)),
                 embed_bits=_as_int(extra.get("embed_bits", d.embed_bits), "embed_bits"),
                 head_bits=_as_int(extra.get("head_bits", d.head_bits), "head_bits"),
-                linear_bits=_as_int(extra.get("linear_bits", d.linear_bits), "linear_bits"))
+                linear_bits=_as_int(extra.get("linear_bits", d.linear_bits), "linear_bits"),
+                int8_matrices=_as_names(extra.get("int8_matrices", d.int8_matrices), "int8_matrices"))
         if o.group_size not in (32, 64, 128):
             raise BackendError(f"cpu_int4: group_size {o.group_size} is not supported; use 32, 64 or 128")
         if o.scale_dtype not in SCALE_DTYPES:
@@ -64,8 +68,13 @@ class QuantOptions:
         return o
 
     def label(self) -> str:
-        return (f"int{self.linear_bits} {'sym' if self.sym else 'asym'} g{self.group_size} {self.scale_dtype} scales, "
+        return (f"int{self.linear_bits} {'sym' if self.sym else 'asym'} g{self.group_size} {self.scale_dtype} scales"
+                f"{f' ({len(self.int8_matrices)} matrices int8)' if self.int8_matrices else ''}, "
                 f"embeddings int{self.embed_bits}, output layer int{self.head_bits}")
+
+    def as_json(self) -> dict:
+        """The options as meta.json holds them (int8_matrices a list)."""
+        return {**asdict(self), "int8_matrices": list(self.int8_matrices)}
 
 
 def _as_int(v, key: str) -> int:
@@ -73,6 +82,12 @@ def _as_int(v, key: str) -> int:
         return int(v)
     except (TypeError, ValueError):
         raise BackendError(f"cpu_int4: {key}={v!r} is not a number") from None
+
+
+def _as_names(v, key: str) -> tuple[str, ...]:
+    if not isinstance(v, (list, tuple)) or not all(isinstance(n, str) for n in v):
+        raise BackendError(f"cpu_int4: {key} must be a list of tensor names")
+    return tuple(v)
 
 
 def _as_bool(v) -> bool:
@@ -287,10 +302,14 @@ def packed_layout(cfg: ModelConfig, o: QuantOptions, nextn: bool = False) -> dic
         if len(shape) == 1 or name.endswith("router.weight"):
             add(name, kind="f32", shape=list(shape), nbytes=4 * int(np.prod(shape)))
             continue
-        bits = o.head_bits if name == "lm_head.weight" else o.linear_bits
+        bits = o.head_bits if name == "lm_head.weight" else 8 if name in o.int8_matrices else o.linear_bits
         a = asym and bits == 4
         add(name, kind="tiles", n=shape[0], k=shape[1], bits=bits, group=g, asym=a,
             nbytes=tile_nbytes(shape[0], shape[1], bits, g, a))
+    unknown = set(o.int8_matrices) - {n for n, i in ent.items() if i["kind"] == "tiles" and n != "lm_head.weight"}
+    if unknown:
+        raise BackendError(f"cpu_int4: int8_matrices names {sorted(unknown)[0]!r}, not a layer matrix of this model; "
+                           "convert the model again")
     off = 0
     for info in ent.values():
         info["offset"] = off
@@ -299,7 +318,8 @@ def packed_layout(cfg: ModelConfig, o: QuantOptions, nextn: bool = False) -> dic
 
 
 def cache_key(fingerprint: str, o: QuantOptions) -> str:
-    opts = {k: v for k, v in asdict(o).items() if not (k == "linear_bits" and v == 4)}   # keys of older packs stay
+    # keys of older packs stay: options at the values they had before they existed are left out
+    opts = {k: v for k, v in o.as_json().items() if not (k == "linear_bits" and v == 4 or k == "int8_matrices" and not v)}
     blob = json.dumps({"fp": fingerprint, "v": VERSION, **opts}, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
@@ -368,7 +388,7 @@ def write_packed(cfg: ModelConfig, weights, o: QuantOptions, out: Path, progress
             if progress and (i + 1 == len(names) or name.endswith("ffn_down.weight") and ".experts." not in name):
                 progress(f"quantizing {_bar(i + 1, len(names))} {name}")
     stats = packed_stats(cfg, lay, total)
-    meta = {"format": FORMAT, "version": VERSION, "fingerprint": fingerprint, "nextn": nextn, "options": asdict(o),
+    meta = {"format": FORMAT, "version": VERSION, "fingerprint": fingerprint, "nextn": nextn, "options": o.as_json(),
             "config": cfg.to_dict(), "tensors": lay, "stats": stats}
     os.replace(tmp, out / "weights.bin")
     (out / "meta.json").write_text(json.dumps(meta, indent=1))
@@ -443,17 +463,18 @@ def read_packed(path: Path, cfg: ModelConfig | None = None) -> tuple[dict, np.me
     try:
         if isinstance(meta["options"], dict):
             meta["options"].setdefault("linear_bits", 4)    # packed before linear_bits existed: int4 layers
+            meta["options"].setdefault("int8_matrices", [])
         o = QuantOptions.from_extra(meta["options"])
         packed_cfg = _config_of(meta["config"]).validated(f"{path / 'meta.json'} config")
-        ok = asdict(o) == meta["options"] and json.loads(json.dumps(packed_cfg.to_dict())) == meta["config"] \
+        ok = o.as_json() == meta["options"] and json.loads(json.dumps(packed_cfg.to_dict())) == meta["config"] \
             and meta.setdefault("nextn", False) in (True, False)
+        layout = packed_layout(packed_cfg, o, meta["nextn"]) if ok else None     # int8_matrices checked here
     except (KeyError, TypeError, AttributeError, GlmcoreError):
         ok = False
     if not ok:
         raise BackendError(f"{path}: meta.json has invalid options or config; convert the model again")
     if cfg is not None and packed_cfg != cfg:
         raise BackendError(f"{path}: packed from a different model (config differs); convert this model again")
-    layout = packed_layout(packed_cfg, o, meta["nextn"])
     total = max(i["offset"] + i["nbytes"] for i in layout.values())
     if meta.get("tensors") != layout or not isinstance(meta.get("stats"), dict) \
             or meta["stats"].get("file_bytes") != total:
@@ -493,7 +514,7 @@ def _content_fingerprint(weights) -> str:
 
 def dequantized_weights(meta: dict, blob: np.ndarray) -> dict[str, np.ndarray]:
     """The float32 weights the packed file encodes (canonical names): the reference a kernel must match."""
-    o = QuantOptions(**meta["options"])
+    o = QuantOptions.from_extra(meta["options"])
     cfg = meta["config"]
     V, H = cfg["vocab_size"], cfg["hidden_size"]
     out = {}

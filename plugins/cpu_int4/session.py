@@ -39,7 +39,7 @@ class Int4BatchSession(BatchSession):
         self.cfg, self.n_slots = cfg, n_slots
         self.capacity = default_capacity(cfg, caps, options.capacity)
         self.meta, self._blob = read_packed(packed_dir, cfg)
-        self.quant = QuantOptions(**self.meta["options"])
+        self.quant = QuantOptions.from_extra(self.meta["options"])
         self.isa, self.threads, self.kv_dtype = isa, threads, kv_dtype
         self.packed_dir = Path(packed_dir)
         self._cos, self._sin, self._inv = rope_tables(cfg, self.capacity)
