@@ -131,17 +131,18 @@ def row_of(entry: PlanEntry, logits, all_logits: bool) -> np.ndarray:
     return logits[entry.row][len(entry.ids) - len(entry.draft) - 1 + entry.rounds]
 
 
-def constrain(states: Sequence[RequestState], rows: list[np.ndarray], executor) -> tuple[list[np.ndarray], list[Event]]:
-    """Mask the logits rows of constrained requests (their grammar's next-token bitmask; stop ids only
-    where the grammar is complete) and of requests under min_tokens (no stop ids yet). A request whose
-    grammar allows nothing more ends: "stop" when what it wrote is complete, else an error. Returns the
-    rows (masked copies where masked) and the end events."""
+def constrain(states: Sequence[RequestState], rows: list[np.ndarray], executor,
+              prefetched: "structured.PrefetchedMasks | None" = None) -> tuple[list[np.ndarray], list[Event]]:
+    """Mask the logits rows of constrained requests (their grammar's next-token bitmask, prefetched during the
+    step where it was; stop ids only where the grammar is complete) and of requests under min_tokens (no stop
+    ids yet). A request whose grammar allows nothing more ends: "stop" when what it wrote is complete, else an
+    error. Returns the rows (masked copies where masked) and the end events."""
     con = [i for i, s in enumerate(states) if s.matcher is not None]
     events: list[Event] = []
     if con:
         masked, alive = structured.mask_rows(
             [states[i].matcher for i in con], [rows[i] for i in con], [states[i].request.stop_ids for i in con],
-            [len(states[i].tokens) >= states[i].request.min_tokens for i in con], executor)
+            [len(states[i].tokens) >= states[i].request.min_tokens for i in con], executor, prefetched)
         for j, i in enumerate(con):
             rows[i] = masked[j]
             s = states[i]
