@@ -529,6 +529,10 @@ class Matcher:
         """Write the allowed-ids bitmask (int32 words, bit i%32 of word i//32) into words."""
         self.ll.unsafe_compute_mask_ptr(words.ctypes.data, words.nbytes)
 
+    def allows(self, token: int) -> bool:
+        """Whether token may come next (without consuming it): one token's lexer steps, not the vocabulary's."""
+        return self.ll.validate_tokens([int(token)]) == 1
+
     def advance(self, token: int) -> str | None:
         """Consume a sampled token; the reason it was refused, or None."""
         if not self.ll.consume_token(int(token)):

@@ -161,3 +161,37 @@ def test_engine_masks_during_the_step_as_it_would_after_it(make_tiny, monkeypatc
             jsonschema.validate(json.loads(tok.decode(tokens)), STRICT)
     finally:
         m.close()
+
+
+def test_greedy_requests_ask_their_grammar_about_the_argmax_before_any_mask(make_tiny, monkeypatch):
+    """A greedy request's argmax that its grammar allows is its token with no mask computed (exact: the masked
+    row's argmax is the same id); a refused one is masked as before. Same tokens either way."""
+    from glmcore.engine import step
+    from glmcore.model import load_model
+    from glmcore.sampling import SamplingParams
+    from glmcore.scheduler import Request
+    schema = {"type": "object", "properties": {"note": {"type": "string"}}, "required": ["note"],
+              "additionalProperties": False}
+    m = load_model(make_tiny("glm4-moe"), "torch", LoadOptions(threads=1), slots=4, token_budget=64)
+    try:
+        tok = m.tokenizer
+        c = structured.compile_grammar(tok, structured.Grammar.json_schema(schema), m.config.vocab_size)
+
+        def run():
+            handles = [m.scheduler.submit(Request([tok.special_ids["[gMASK]"], tok.special_ids["<sop>"]]
+                                                  + tok.encode(f"note {i}:"), SamplingParams(temperature=0), 24,
+                                                  (), constraint=c)) for i in range(3)]
+            m.scheduler.run()
+            return [list(h.tokens) for h in handles]
+
+        answers = []
+        real = step.argmax_allowed
+        monkeypatch.setattr(step, "argmax_allowed", lambda s, row: answers.append(real(s, row)) or answers[-1])
+        first = run()
+        assert True in answers and False in answers       # both ways taken: the string's text, its syntax
+        monkeypatch.setattr(step, "argmax_allowed", lambda s, row: False)
+        assert run() == first
+        for tokens in first:
+            assert tok.decode(tokens).startswith('{"note":"')
+    finally:
+        m.close()

@@ -20,7 +20,8 @@ from .prompt_cache import PromptCache
 from .request import Handle, Request, RequestState, Slot, WindowPolicy, check_request
 from .slots import SlotTable
 from .speculative import Speculation
-from .step import Event, PlanEntry, StepPlan, constrain, end, logprobs, row_of, sample, schedule, score_prompt, update
+from .step import (Event, PlanEntry, StepPlan, checks_argmax_first, constrain, end, logprobs, row_of, sample,
+                   schedule, score_prompt, update)
 
 
 class QueueFull(GlmcoreError):
@@ -117,8 +118,9 @@ class Scheduler(BackgroundDriver):
 
     def _run(self, plan: StepPlan) -> None:
         active = [e for e in plan.entries if e.sample]
-        # the grammar masks of the step's first round are computed while the model runs it
-        constrained = [e for e in active if e.state.matcher is not None]
+        # the grammar masks of the step's first round are computed while the model runs it (those of requests
+        # that ask their grammar about their argmax first are computed only if it is refused)
+        constrained = [e for e in active if e.state.matcher is not None and not checks_argmax_first(e.state)]
         prefetched = (structured.PrefetchedMasks([e.state.matcher for e in constrained], self._masker(active))
                       if constrained else None)
         try:
