@@ -619,7 +619,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--shards", type=int, help="number of weight files (default: 2 for tiny, ~2 GiB each otherwise)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random weights")
     p.add_argument("--dtype", choices=["f32", "f16", "bf16"], help="default f32 for tiny/small, bf16 otherwise")
-    p.add_argument("--tokenizer-from", help="copy the tokenizer files of a real checkpoint directory")
+    p.add_argument("--tokenizer-from", help="copy the tokenizer files of a real checkpoint directory (glm4-moe: "
+                   "GLM-4's tokenizer.model, whose ranks with GLM-4.5's special tokens make GLM-4.5's tokenizer "
+                   "and the real 151552-row vocabulary)")
     p.set_defaults(fn=cmd_make_model)
 
     p = sub.add_parser("convert", help="write a backend's converted model (IR, ONNX parts, packed int4)")
