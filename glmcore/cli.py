@@ -623,7 +623,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--shards", type=int, help="number of weight files (default: 2 for tiny, ~2 GiB each otherwise)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random weights")
     p.add_argument("--dtype", choices=["f32", "f16", "bf16"], help="default f32 for tiny/small, bf16 otherwise")
-    p.add_argument("--tokenizer-from", help="copy the tokenizer files of a real checkpoint directory")
+    p.add_argument("--tokenizer-from", help="copy the tokenizer files of a real checkpoint directory (glm4-moe: "
+                   "GLM-4's tokenizer.model, whose ranks with GLM-4.5's special tokens make GLM-4.5's tokenizer "
+                   "and the real 151552-row vocabulary)")
     p.add_argument("--generated-weights", action="store_true",
                    help="write no weight files: glmcore makes the weights from --seed whenever it reads the model "
                         "(for shapes that do not fit on the disk; `glmcore convert --backend cpu_int4` streams them "

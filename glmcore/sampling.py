@@ -140,6 +140,13 @@ class Sampler:
         rest[hit[0]] = 0.0
         return int(ids[self.rng.choice(len(rest), p=rest / rest.sum())])
 
+    @property
+    def takes_argmax(self) -> bool:
+        """Greedy on the row as it comes (no logit_bias or penalty moves it): the token is the row's argmax."""
+        p = self.params
+        return p.greedy and not (p.logit_bias or p.repetition_penalty != 1.0 or p.presence_penalty
+                                 or p.frequency_penalty)
+
     def adjusted(self, logits: np.ndarray, history: Iterable[int] = (), generated: Sequence[int] = ()) -> np.ndarray:
         """The logits the distribution is drawn from, as vLLM's sampler orders it: the row comes masked (the
         grammar, min_tokens: -inf) and stays masked, as -inf plus anything is -inf; then logit_bias, the

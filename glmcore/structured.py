@@ -529,6 +529,10 @@ class Matcher:
         """Write the allowed-ids bitmask (int32 words, bit i%32 of word i//32) into words."""
         self.ll.unsafe_compute_mask_ptr(words.ctypes.data, words.nbytes)
 
+    def allows(self, token: int) -> bool:
+        """Whether token may come next (without consuming it): one token's lexer steps, not the vocabulary's."""
+        return self.ll.validate_tokens([int(token)]) == 1
+
     def advance(self, token: int) -> str | None:
         """Consume a sampled token; the reason it was refused, or None."""
         if not self.ll.consume_token(int(token)):
@@ -559,23 +563,72 @@ def _set_bit(row: np.ndarray, i: int, on: bool) -> None:
         row[i >> 3] &= np.uint8(~(1 << (i & 7)) & 0xFF)
 
 
+def compute_masks(matchers: Sequence[Matcher], executor=None) -> np.ndarray:
+    """The matchers' allowed-ids bitmasks ([n, words] int32), in parallel with an LLExecutor for a batch."""
+    n, words = len(matchers), matchers[0].constraint.table.words
+    bits = np.zeros((n, words), dtype=np.int32)
+    if executor is not None and n > 1:
+        executor.unsafe_compute_mask_ptr([(m.ll, i) for i, m in enumerate(matchers)], bits.ctypes.data, words * 4, n)
+    else:
+        for i, m in enumerate(matchers):
+            m.fill(bits[i])
+    return bits
+
+
+class PrefetchedMasks:
+    """The bitmasks of matchers in their current state, computed on a background thread while the caller goes
+    on (llguidance releases the GIL: the model's step runs meanwhile, as vLLM and SGLang overlap the grammar with
+    the forward pass). Nothing may advance these matchers until `take` or `wait` has returned."""
+
+    def __init__(self, matchers: Sequence[Matcher], executor=None):
+        self.matchers = list(matchers)
+        self.future = _background().submit(compute_masks, self.matchers, executor)
+
+    def wait(self) -> None:
+        """Until the thread is done with the matchers (its error, if any, comes again from take)."""
+        try:
+            self.future.result()
+        except BaseException:       # noqa: BLE001 -- take() raises it where the masks are used
+            pass
+
+    def take(self, matchers: Sequence[Matcher]) -> np.ndarray | None:
+        """The rows of these matchers (each one prefetched), or None where one was not."""
+        bits = self.future.result()
+        where = {id(m): i for i, m in enumerate(self.matchers)}
+        if not all(id(m) in where for m in matchers):
+            return None
+        return bits[[where[id(m)] for m in matchers]]
+
+
+_background_pool = None
+_background_lock = threading.Lock()
+
+
+def _background():
+    global _background_pool
+    with _background_lock:
+        if _background_pool is None:
+            from concurrent.futures import ThreadPoolExecutor
+            _background_pool = ThreadPoolExecutor(1, thread_name_prefix="glmcore-masks")
+        return _background_pool
+
+
 def mask_rows(matchers: Sequence[Matcher], rows: Sequence[np.ndarray], stop_ids: Sequence[Sequence[int]],
-              stops_open: Sequence[bool], executor=None) -> tuple[np.ndarray, list[bool]]:
+              stops_open: Sequence[bool], executor=None,
+              prefetched: PrefetchedMasks | None = None) -> tuple[np.ndarray, list[bool]]:
     """Masked copies of the requests' logits rows ([n, width]: disallowed ids -inf), and per row whether any
     id at all is allowed (False: the grammar dead-ended). A request's stop ids (and only they, never the
     tokenizer's eos on its own) are allowed where its grammar is complete or names them, and stops_open
-    (min_tokens reached). Bitmasks are computed in llguidance (in parallel with an LLExecutor for a batch)
-    and applied with numpy (_BIAS)."""
+    (min_tokens reached). Bitmasks are computed in llguidance (in parallel with an LLExecutor for a batch;
+    or taken from `prefetched`, computed during the step) and applied with numpy (_BIAS)."""
     n = len(matchers)
     table = matchers[0].constraint.table
     width = rows[0].shape[0]
-    bits = np.zeros((n, max(table.words, (width + 31) // 32)), dtype=np.int32)
-    if executor is not None and n > 1:
-        executor.unsafe_compute_mask_ptr([(m.ll, i) for i, m in enumerate(matchers)], bits.ctypes.data,
-                                         bits.shape[1] * 4, n)
-    else:
-        for i, m in enumerate(matchers):
-            m.fill(bits[i, :table.words])
+    bits = prefetched.take(matchers) if prefetched is not None else None
+    if bits is None:
+        bits = compute_masks(matchers, executor)
+    if bits.shape[1] * 32 < width:     # logits wider than the table (never for a table made at their width)
+        bits = np.pad(bits, ((0, 0), (0, (width + 31) // 32 - bits.shape[1])))
     eos = table.tokenizer.eos_id
     bytes_ = bits.view(np.uint8)
     out, alive = np.empty((n, width), dtype=np.float32), []

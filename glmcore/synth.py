@@ -97,12 +97,17 @@ def _write_weights(cfg: ModelConfig, out: Path, size, fmt, shards, seed, dtype, 
     return cfg
 
 
-def cached_model(family: str, size: str, seed: int = 0, purpose: str = "models") -> Path:
-    """A synthetic checkpoint in the cache directory, made on first use."""
+def cached_model(family: str, size: str, seed: int = 0, purpose: str = "models",
+                 tokenizer_from: str | Path | None = None) -> Path:
+    """A synthetic checkpoint in the cache directory, made on first use (with tokenizer_from: that
+    checkpoint's tokenizer, as make_model's; the entry is named after its directory)."""
     from .cache import build_once, cache_root
-    return build_once(cache_root() / purpose / f"{family}-{size}-seed{seed}",
-                      lambda tmp: _write_model(family, size, tmp, "safetensors", None, seed, None, None, None),
-                      complete=lambda p: (p / "config.json").is_file())
+    tok = f"-{Path(tokenizer_from).resolve().name}" if tokenizer_from is not None else ""
+    return build_once(cache_root() / purpose / f"{family}-{size}-seed{seed}{tok}",
+                      lambda tmp: _write_model(family, size, tmp, "safetensors", None, seed, tokenizer_from, None,
+                                               None),
+                      complete=lambda p: (p / "config.json").is_file(),
+                      source=None if tokenizer_from is None else str(tokenizer_from))
 
 
 def _split(names, shapes, n, itemsize):

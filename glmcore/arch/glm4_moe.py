@@ -507,19 +507,44 @@ GLM45_SPECIALS = ["<|endoftext|>", "[MASK]", "[gMASK]", "[sMASK]", "<sop>", "<eo
 def synthetic_moe_config(out: Path, spec: dict, keys: dict, name: str, tokenizer_from,
                          real_vocab: int = REAL_VOCAB) -> dict:
     """tokenizer.json + tokenizer_config.json with GLM-4.5's specials and the GLM-4.6 chat template (shipped in
-    glmcore/data), generation_config.json, and config.json's keys for a synthetic MoE GLM."""
-    from ..errors import GlmcoreError
+    glmcore/data), generation_config.json, and config.json's keys for a synthetic MoE GLM. The ranks are the
+    first 2048 of glmcore's GLM-4 rank file, or with tokenizer_from (GLM-4's tokenizer.model, or a directory
+    holding it) all of GLM-4's: GLM-4.5/4.6/4.7 use GLM-4's BPE with their own specials numbered from 151329,
+    so that gives GLM-4.5's tokenizer id for id, and the real 151552-row vocabulary."""
     from ..tokenizer import DATA_DIR, DEFAULT_GLM4_RANKS, GLM4_RANKS_FILE, read_rank_file
-    if tokenizer_from is not None:
-        raise GlmcoreError("--tokenizer-from copies a tokenizer.model; MoE GLM checkpoints ship tokenizer.json, "
-                           "copy it (with tokenizer_config.json) into the written directory instead")
-    ranks = {t: r for t, r in read_rank_file(GLM4_RANKS_FILE).items() if r < DEFAULT_GLM4_RANKS}
+    real = spec.pop("vocab") == "real" or tokenizer_from is not None
+    if tokenizer_from is None:
+        ranks = {t: r for t, r in read_rank_file(GLM4_RANKS_FILE).items() if r < DEFAULT_GLM4_RANKS}
+    else:
+        ranks = glm4_ranks(Path(tokenizer_from), real_vocab)
     n_vocab = len(ranks) + len(GLM45_SPECIALS)
-    vocab = real_vocab if spec.pop("vocab") == "real" else -(-n_vocab // 64) * 64
+    vocab = real_vocab if real else -(-n_vocab // 64) * 64
     template = (DATA_DIR / "glm45_chat_template.jinja").read_text(encoding="utf-8")
     raw = {"_name_or_path": name, **keys, **spec, "vocab_size": max(vocab, n_vocab)}
     write_synthetic_tokenizer(out, raw, ranks, GLM45_SPECIALS, template, ["[gMASK]", "<sop>"])
     return raw
+
+
+GLM4_BPE_RANKS = 151329       # GLM-4's tokenizer.model; GLM-4.5's specials follow it (<|endoftext|> = 151329)
+
+
+def glm4_ranks(path: Path, real_vocab: int) -> dict[bytes, int]:
+    """GLM-4's BPE ranks from its tokenizer.model (a file, or a checkpoint directory holding one), checked to be
+    the vocabulary GLM-4.5's special ids are numbered after."""
+    from ..errors import GlmcoreError
+    from ..tokenizer import read_rank_file
+    if real_vocab != REAL_VOCAB:
+        raise GlmcoreError("--tokenizer-from builds GLM-4.5's tokenizer from GLM-4's ranks; this family has a "
+                           "vocabulary of its own (copy its tokenizer.json and tokenizer_config.json instead)")
+    model = path / "tokenizer.model" if path.is_dir() else path
+    if not model.is_file():
+        raise GlmcoreError(f"{model} not found: point --tokenizer-from at GLM-4's tokenizer.model or a "
+                           "glm-4-9b-chat directory holding it")
+    ranks = read_rank_file(model)
+    if len(ranks) != GLM4_BPE_RANKS:
+        raise GlmcoreError(f"{model} has {len(ranks)} ranks, not GLM-4's {GLM4_BPE_RANKS}: GLM-4.5's special ids "
+                           "follow GLM-4's ranks; use glm-4-9b-chat's tokenizer.model")
+    return ranks
 
 
 GLM4_MOE = Glm4MoeArchitecture()

@@ -20,7 +20,8 @@ from .prompt_cache import PromptCache
 from .request import Handle, Request, RequestState, Slot, WindowPolicy, check_request
 from .slots import SlotTable
 from .speculative import Speculation
-from .step import Event, PlanEntry, StepPlan, constrain, end, logprobs, row_of, sample, schedule, score_prompt, update
+from .step import (Event, PlanEntry, StepPlan, checks_argmax_first, constrain, end, logprobs, row_of, sample,
+                   schedule, score_prompt, update)
 
 
 class QueueFull(GlmcoreError):
@@ -116,9 +117,17 @@ class Scheduler(BackgroundDriver):
             self.table.place(state, free)
 
     def _run(self, plan: StepPlan) -> None:
+        active = [e for e in plan.entries if e.sample]
+        # the grammar masks of the step's first round are computed while the model runs it (those of requests
+        # that ask their grammar about their argmax first are computed only if it is refused)
+        constrained = [e for e in active if e.state.matcher is not None and not checks_argmax_first(e.state)]
+        prefetched = (structured.PrefetchedMasks([e.state.matcher for e in constrained], self._masker(active))
+                      if constrained else None)
         try:
             logits = self.batch.step(plan.batch_entries(), plan.all_logits)
         except Exception as e:     # a backend failure ends the requests of this step, not the server
+            if prefetched is not None:
+                prefetched.wait()
             err = e if isinstance(e, GlmcoreError) else GlmcoreError(
                 f"the backend failed during a step: {type(e).__name__}: {e}")
             for entry in plan.entries:
@@ -130,9 +139,14 @@ class Scheduler(BackgroundDriver):
             e.state.slot.tokens.extend(e.ids)
             if e.scores_prompt:
                 score_prompt(e, logits[e.row])
-        active = [e for e in plan.entries if e.sample]
-        while active:                 # one round per drafted position, and one after them
-            active = self._round(active, logits, plan.all_logits)
+        try:
+            first = prefetched
+            while active:                 # one round per drafted position, and one after them
+                active = self._round(active, logits, plan.all_logits, first)
+                first = None
+        finally:                          # the thread is done with the matchers before anything advances them
+            if prefetched is not None:
+                prefetched.wait()
         for e in plan.entries:
             if e.draft:               # rejected drafts leave the cache as if never fed
                 if e.kept() < len(e.state.slot.tokens):
@@ -141,15 +155,17 @@ class Scheduler(BackgroundDriver):
                 self.accepted += e.accepted
                 e.state.timings.drafted += len(e.draft)
 
-    def _round(self, active: list[PlanEntry], logits, all_logits: bool) -> list[PlanEntry]:
-        """Mask, sample and apply one position of every active entry; deliver the events."""
+    def _round(self, active: list[PlanEntry], logits, all_logits: bool,
+               prefetched: structured.PrefetchedMasks | None = None) -> list[PlanEntry]:
+        """Mask (with the masks prefetched for this round, if any), sample and apply one position of every active
+        entry; deliver the events."""
         events = []
         if any(e.rounds for e in active):
             # a consumer that cancelled on a token of this step (a stop string) gets no more of them
             events = [ev for e in active if e.state.cancelled for ev in end(e.state, FinishReason.CANCELLED)]
             active = [e for e in active if e.state.finish_reason is None]
         rows, dead = constrain([e.state for e in active], [row_of(e, logits, all_logits) for e in active],
-                               self._masker(active))
+                               self._masker(active), prefetched)
         if dead:
             for e in active:
                 if e.state.finish_reason is not None:

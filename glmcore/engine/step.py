@@ -131,17 +131,18 @@ def row_of(entry: PlanEntry, logits, all_logits: bool) -> np.ndarray:
     return logits[entry.row][len(entry.ids) - len(entry.draft) - 1 + entry.rounds]
 
 
-def constrain(states: Sequence[RequestState], rows: list[np.ndarray], executor) -> tuple[list[np.ndarray], list[Event]]:
-    """Mask the logits rows of constrained requests (their grammar's next-token bitmask; stop ids only
-    where the grammar is complete) and of requests under min_tokens (no stop ids yet). A request whose
-    grammar allows nothing more ends: "stop" when what it wrote is complete, else an error. Returns the
-    rows (masked copies where masked) and the end events."""
-    con = [i for i, s in enumerate(states) if s.matcher is not None]
+def constrain(states: Sequence[RequestState], rows: list[np.ndarray], executor,
+              prefetched: "structured.PrefetchedMasks | None" = None) -> tuple[list[np.ndarray], list[Event]]:
+    """Mask the logits rows of constrained requests (their grammar's next-token bitmask, prefetched during the
+    step where it was; stop ids only where the grammar is complete) and of requests under min_tokens (no stop
+    ids yet). A request whose grammar allows nothing more ends: "stop" when what it wrote is complete, else an
+    error. Returns the rows (masked copies where masked) and the end events."""
+    con = [i for i, s in enumerate(states) if s.matcher is not None and not argmax_allowed(s, rows[i])]
     events: list[Event] = []
     if con:
         masked, alive = structured.mask_rows(
             [states[i].matcher for i in con], [rows[i] for i in con], [states[i].request.stop_ids for i in con],
-            [len(states[i].tokens) >= states[i].request.min_tokens for i in con], executor)
+            [len(states[i].tokens) >= states[i].request.min_tokens for i in con], executor, prefetched)
         for j, i in enumerate(con):
             rows[i] = masked[j]
             s = states[i]
@@ -158,6 +159,24 @@ def constrain(states: Sequence[RequestState], rows: list[np.ndarray], executor) 
             rows[i] = rows[i].copy()
             rows[i][[t for t in s.request.stop_ids if 0 <= t < rows[i].shape[0]]] = -np.inf
     return rows, events
+
+
+def checks_argmax_first(state: RequestState) -> bool:
+    """A constrained request whose token is its row's argmax (greedy, nothing moving it, no logprobs read from
+    the masked row): its grammar is asked about that one token first, and its mask computed only if refused."""
+    return state.matcher is not None and state.sampler.takes_argmax and state.request.logprobs is None
+
+
+def argmax_allowed(state: RequestState, row: np.ndarray) -> bool:
+    """The row's argmax is a token the grammar allows next (not a stop id, whose rules the mask keeps): then the
+    masked row's argmax is that same token (no allowed id before it ties it), so the row needs no mask -- as
+    llama.cpp's sampler tries the drawn token before applying a grammar. Microseconds, where the mask walks the
+    whole vocabulary."""
+    if not checks_argmax_first(state):
+        return False
+    top = int(np.argmax(row[:state.sampler.n_vocab] if state.sampler.n_vocab else row))
+    eos = state.matcher.constraint.table.tokenizer.eos_id
+    return top != eos and top not in state.request.stop_ids and state.matcher.allows(top)
 
 
 def sample(entries: Sequence[PlanEntry], rows: Sequence[np.ndarray]) -> list:
