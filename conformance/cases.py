@@ -184,7 +184,7 @@ def window_shift(s: Session, sc: Script, vocab: int, can_shift: bool) -> dict[st
     fresh(s)
     sched, window = one_slot(s, can_shift), WindowPolicy()
     sched.feed(sched.slots[0], sc.shift_prompt, window)
-    sched.shift(sched.slots[0], sc.n_keep, sc.n_discard)
+    sched.table.shift(sched.slots[0], sc.n_keep, sc.n_discard)
     expect_len(s, len(sc.kept), f"shift({sc.n_keep}, {sc.n_discard})")
     out = []
     for i, t in enumerate(sc.shift_steps):

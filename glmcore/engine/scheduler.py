@@ -20,8 +20,8 @@ from .prompt_cache import PromptCache
 from .request import Handle, Request, RequestState, Slot, WindowPolicy, check_request
 from .slots import SlotTable
 from .speculative import Speculation
-from .step import (Event, PlanEntry, StepPlan, checks_argmax_first, constrain, end, logprobs, row_of, sample,
-                   schedule, score_prompt, update)
+from .step import (Event, PlanEntry, StepPlan, constrain, end, logprobs, prefetch_masks, row_of, sample, schedule,
+                   score_prompt, settle_drafts, update)
 
 
 class QueueFull(GlmcoreError):
@@ -118,42 +118,29 @@ class Scheduler(BackgroundDriver):
 
     def _run(self, plan: StepPlan) -> None:
         active = [e for e in plan.entries if e.sample]
-        # the grammar masks of the step's first round are computed while the model runs it (those of requests
-        # that ask their grammar about their argmax first are computed only if it is refused)
-        constrained = [e for e in active if e.state.matcher is not None and not checks_argmax_first(e.state)]
-        prefetched = (structured.PrefetchedMasks([e.state.matcher for e in constrained], self._masker(active))
-                      if constrained else None)
+        prefetched = prefetch_masks(active, self._masker(active))     # computed while the model runs the step
         try:
             logits = self.batch.step(plan.batch_entries(), plan.all_logits)
         except Exception as e:     # a backend failure ends the requests of this step, not the server
-            if prefetched is not None:
-                prefetched.wait()
             err = e if isinstance(e, GlmcoreError) else GlmcoreError(
                 f"the backend failed during a step: {type(e).__name__}: {e}")
             for entry in plan.entries:
                 self.table.drop(entry.state.slot)
                 self._deliver(end(entry.state, FinishReason.ERROR, err))
             return
+        finally:                   # the mask thread is done with the matchers before anything advances them
+            if prefetched is not None:
+                prefetched.wait()
         self.steps += 1
         for e in plan.entries:
             e.state.slot.tokens.extend(e.ids)
             if e.scores_prompt:
                 score_prompt(e, logits[e.row])
-        try:
-            first = prefetched
-            while active:                 # one round per drafted position, and one after them
-                active = self._round(active, logits, plan.all_logits, first)
-                first = None
-        finally:                          # the thread is done with the matchers before anything advances them
-            if prefetched is not None:
-                prefetched.wait()
-        for e in plan.entries:
-            if e.draft:               # rejected drafts leave the cache as if never fed
-                if e.kept() < len(e.state.slot.tokens):
-                    self.table.truncate(e.state.slot, e.kept())
-                self.drafted += len(e.draft)
-                self.accepted += e.accepted
-                e.state.timings.drafted += len(e.draft)
+        first = prefetched
+        while active:                 # one round per drafted position, and one after them
+            active, first = self._round(active, logits, plan.all_logits, first), None
+        drafted, accepted = settle_drafts(plan.entries, self.table)
+        self.drafted, self.accepted = self.drafted + drafted, self.accepted + accepted
 
     def _round(self, active: list[PlanEntry], logits, all_logits: bool,
                prefetched: structured.PrefetchedMasks | None = None) -> list[PlanEntry]:
@@ -190,6 +177,3 @@ class Scheduler(BackgroundDriver):
         """Teacher forcing on an idle slot (SlotTable.feed): scoring text, conformance."""
         with self._step_lock:
             return self.table.feed(slot, ids, window)
-
-    def shift(self, slot: Slot, n_keep: int, n_discard: int) -> None:
-        self.table.shift(slot, n_keep, n_discard)

@@ -161,6 +161,26 @@ def constrain(states: Sequence[RequestState], rows: list[np.ndarray], executor,
     return rows, events
 
 
+def prefetch_masks(active: Sequence[PlanEntry], executor) -> "structured.PrefetchedMasks | None":
+    """The grammar masks of a step's first round, started on a background thread so that they are computed while
+    the model runs the step (not those of requests that ask their grammar about their argmax first: computed only
+    where it is refused). Nothing may advance these matchers before its wait() has returned."""
+    matchers = [e.state.matcher for e in active if e.state.matcher is not None and not checks_argmax_first(e.state)]
+    return structured.PrefetchedMasks(matchers, executor) if matchers else None
+
+
+def settle_drafts(entries: Sequence[PlanEntry], table) -> tuple[int, int]:
+    """After a step's rounds: rejected drafts leave the cache as if never fed. Returns (drafted, accepted)."""
+    drafted = accepted = 0
+    for e in entries:
+        if e.draft:
+            if e.kept() < len(e.state.slot.tokens):
+                table.truncate(e.state.slot, e.kept())
+            drafted, accepted = drafted + len(e.draft), accepted + e.accepted
+            e.state.timings.drafted += len(e.draft)
+    return drafted, accepted
+
+
 def checks_argmax_first(state: RequestState) -> bool:
     """A constrained request whose token is its row's argmax (greedy, nothing moving it, no logprobs read from
     the masked row): its grammar is asked about that one token first, and its mask computed only if refused."""
