@@ -247,6 +247,12 @@ def test_a_pinned_tier_wins_and_the_off_switch_takes_the_widest(tiers, monkeypat
     monkeypatch.setattr(n, "supported", lambda name: name in ("plain", "avx2"))
     with pytest.raises(BackendError, match="isa=avx512vnni is not supported by this CPU"):
         n.choose_isa("avx512vnni")
+    monkeypatch.setenv("GLMCORE_INT4_ISA", "avx512vnni")
+    with pytest.raises(BackendError, match="GLMCORE_INT4_ISA=avx512vnni is not supported by this CPU"):
+        n.choose_isa()
+    from glmcore_plugins.cpu_int4 import CpuInt4Backend
+    probe = CpuInt4Backend().probe()
+    assert not probe.ready and "GLMCORE_INT4_ISA=avx512vnni is not supported" in probe.reason
 
 
 def test_glmcore_backends_prints_the_tier_timings(tiers, monkeypatch, capsys):

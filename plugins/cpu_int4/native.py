@@ -286,13 +286,14 @@ def choose_isa(requested: str = "auto") -> tuple[int, str]:
     env = os.environ.get(ENV_ISA, "").strip()
     pinned = requested if requested not in ("auto", "", None) else env if env not in ("", "auto") else ""
     if pinned:
+        by = f"{'isa' if pinned == requested else ENV_ISA}={pinned}"
         i = isa_index(pinned)
         if not supported(pinned):
-            raise BackendError(f"cpu_int4: isa={pinned} is not supported by this CPU; use isa=auto")
+            raise BackendError(f"cpu_int4: {by} is not supported by this CPU; use isa=auto")
         why = self_test(i) if i else ""
         if why:
             raise BackendError(f"cpu_int4: {why}; report this bug, and use isa=plain meanwhile")
-        return i, f"pinned by {'isa=' if pinned == requested else ENV_ISA + '='}{pinned}"
+        return i, f"pinned by {by}"
     if measurement_off():
         i, note = widest_isa()
         return i, f"the widest that passes its self-test ({ENV_OFF}=0: not measured){'; ' + note if note else ''}"
