@@ -232,7 +232,7 @@ def main(argv=None) -> int:
     ap.add_argument("--head-bits", type=int, default=None)
     ap.add_argument("--kv-dtype", default=None)
     ap.add_argument("--isa", default=None, choices=ISAS,
-                    help="kernel variant (default: the best this CPU has), e.g. avx2 on an AVX-512 machine")
+                    help="kernel variant (default: auto, the fastest timed on this CPU), e.g. avx2 on an AVX-512 machine")
     ap.add_argument("--no-torch", action="store_true", help="skip the torch fp32 reference")
     ap.add_argument("--no-openvino", action="store_true")
     ap.add_argument("--batch", help="batch sizes, e.g. 1,4,16: prefill ms of the whole batch, ms per decode "

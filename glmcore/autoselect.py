@@ -6,7 +6,8 @@ at half cpu_int4's speed although the flags say it has integer kernels (issue 43
 The result is cached in the glmcore cache (autoselect.json) with the package version, the CPU's identity and
 the set of backends measured, so it is measured again only when one of those changes; `--backend auto`
 measures again; GLMCORE_BACKEND=NAME pins the default; GLMCORE_AUTOSELECT=0 turns the measurement off (the
-speed_rank rule, as before: the test suite does this, so no test depends on timings).
+speed_rank rule, as before: the test suite does this, so no test depends on timings). The same switch and the
+same cache helpers (read_cached, write_cached) serve a backend's own choices by timing: cpu_int4's kernel tier.
 
 Which backends: the ready ones on this CPU (probe device "cpu") with a positive speed_rank (the reference
 and the emulations of other hardware rank 0 or below; they are for checking, not speed). A ready backend on
@@ -98,33 +99,49 @@ def decide(results: list[Measured]) -> tuple[str, str]:
     return best.backend, why
 
 
-def _cache_path() -> Path:
+def measurement_off() -> bool:
+    """GLMCORE_AUTOSELECT=0: no choice by timing here or in a backend's own (cpu_int4's kernel tier)."""
+    return os.environ.get(ENV_OFF, "").strip().lower() in ("0", "false", "no", "off")
+
+
+def read_cached(name: str, **key) -> dict | None:
+    """The measurement cached in the glmcore cache as `name`, if this version measured it on this CPU with the
+    same `key` values (e.g. the backends measured); None when there is none, it is unreadable or it is stale."""
     from .cache import cache_root
-    return cache_root() / CACHE_FILE
+    try:
+        raw = json.loads((cache_root() / name).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None       # none yet, or unreadable: measure again
+    stamp = {"version": _version(), "cpu": cpu_identity(), **key}
+    if not isinstance(raw, dict) or any(raw.get(k) != v for k, v in stamp.items()):
+        return None
+    return raw
+
+
+def write_cached(name: str, data: dict, what: str) -> None:
+    """Cache `data` (with the version and CPU stamps read_cached compares) whole or not at all."""
+    from .cache import cache_root
+    path = cache_root() / name
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps({**data, "version": _version(), "cpu": cpu_identity()}, indent=1),
+                       encoding="utf-8")
+        os.replace(tmp, path)            # even with two first runs at once
+    except OSError as e:
+        print(f"note: could not cache {what} in {path} ({e.strerror})", file=sys.stderr)
 
 
 def cached(names: list[str]) -> Choice | None:
     """The cached choice, if it was measured by this version on this CPU over these backends."""
-    try:
-        raw = json.loads(_cache_path().read_text(encoding="utf-8"))
-        choice = Choice(**{**raw, "results": [Measured(**r) for r in raw["results"]]})
-    except (OSError, ValueError, TypeError, KeyError):
-        return None       # none yet, or unreadable: measure again
-    if choice.version != _version() or choice.cpu != cpu_identity() or \
-            sorted(r.backend for r in choice.results) != sorted(names):
+    raw = read_cached(CACHE_FILE)
+    if raw is None:
         return None
-    return choice
-
-
-def _save(choice: Choice) -> None:
-    path = _cache_path()
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(asdict(choice), indent=1), encoding="utf-8")
-        os.replace(tmp, path)            # whole or not at all, even with two first runs at once
-    except OSError as e:
-        print(f"note: could not cache the backend measurement in {path} ({e.strerror})", file=sys.stderr)
+        choice = Choice(**{**raw, "results": [Measured(**r) for r in raw["results"]]})
+    except (TypeError, KeyError):
+        return None
+    return choice if sorted(r.backend for r in choice.results) == sorted(names) else None
 
 
 def choose(reg, rerun: bool = False, measure: Callable[[str], Measured] | None = None,
@@ -135,7 +152,7 @@ def choose(reg, rerun: bool = False, measure: Callable[[str], Measured] | None =
     if pin:
         reg.get(pin)                      # an unknown name is a clear error
         return Choice(pin, f"pinned by {ENV_PIN}={pin}")
-    if os.environ.get(ENV_OFF, "").strip().lower() in ("0", "false", "no", "off"):
+    if measurement_off():
         return None
     names, accelerator = candidates(reg)
     if accelerator is not None or len(names) < 2:
@@ -156,7 +173,7 @@ def choose(reg, rerun: bool = False, measure: Callable[[str], Measured] | None =
             results.append(Measured(n, error=f"{type(e).__name__}: {e}"))
     backend, why = decide(results)
     choice = Choice(backend, why, results, cpu_identity(), _version(), time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()))
-    _save(choice)
+    write_cached(CACHE_FILE, asdict(choice), "the backend measurement")
     return choice
 
 

@@ -157,3 +157,123 @@ def test_glmcore_backends_prints_the_numbers_and_why(env, monkeypatch, capsys):
     monkeypatch.setenv("GLMCORE_AUTOSELECT", "0")
     assert cli.main(["backends"]) == 0
     assert "default: ranked (by speed_rank" in capsys.readouterr().out
+
+
+# ---------------------------------------------------------------- cpu_int4's kernel tier, with fake timings
+
+@pytest.fixture
+def tiers(monkeypatch, tmp_path):
+    """Every tier 'supported' and passing its self-test, timed by a table (µs per product of m tokens)."""
+    from glmcore_plugins.cpu_int4 import native
+    try:
+        native.lib()
+    except BackendError as e:
+        pytest.skip(f"cpu_int4's kernel library is not available here: {e}")
+    monkeypatch.setenv("GLMCORE_INT4_LIB", str(native.library_path()[0]))     # found outside tmp_path's cache
+    monkeypatch.setenv("GLMCORE_CACHE", str(tmp_path))
+    monkeypatch.delenv("GLMCORE_AUTOSELECT", raising=False)
+    monkeypatch.delenv("GLMCORE_INT4_ISA", raising=False)
+    monkeypatch.setattr(native, "_tier", None)
+    failing = {}
+    table = {"avx512vnni": (50.0, 400.0), "avxvnni": (60.0, 500.0), "avx2": (40.0, 700.0)}
+    timed = []
+
+    def time_kernel(isa, mat, m, iters):
+        timed.append(native.ISAS[isa])
+        return table[native.ISAS[isa]][m > 1] * 1e-6
+    monkeypatch.setattr(native, "supported", lambda name: True)
+    monkeypatch.setattr(native, "self_test", lambda isa: failing.get(native.ISAS[isa], ""))
+    monkeypatch.setattr(native, "time_kernel", time_kernel)
+    return types.SimpleNamespace(native=native, table=table, failing=failing, timed=timed,
+                                 cache=tmp_path / native.TIER_CACHE)
+
+
+def test_a_narrower_tier_that_decodes_faster_is_chosen(tiers):
+    n = tiers.native
+    i, why = n.choose_isa("auto")
+    assert n.ISAS[i] == "avx2" and why.startswith("fastest decode: decode 40 µs, prefill 700 µs")
+    assert "avx512vnni 50/400" in why and sorted(set(tiers.timed)) == ["avx2", "avx512vnni", "avxvnni"]
+    assert "plain" not in tiers.timed                       # the reference is the fallback, not a contender
+
+
+def test_a_decode_tie_goes_to_the_faster_prefill(tiers):
+    tiers.table["avx2"] = (49.0, 700.0)                     # within 5% of avx512vnni's 50 µs
+    n = tiers.native
+    i, why = n.choose_isa()
+    assert n.ISAS[i] == "avx512vnni" and "decode within 5% of avx2's, faster prefill" in why
+    assert n.decide_tier([n.TierTiming("avx2", 40, 700), n.TierTiming("avx512vnni", 45, 100)])[0] == "avx2"
+
+
+def test_a_tier_failing_its_self_test_is_never_chosen_nor_timed(tiers):
+    tiers.failing["avx2"] = "avx2 int4 g32 kernel differs from the plain C reference"
+    n = tiers.native
+    i, _ = n.choose_isa()
+    assert n.ISAS[i] == "avx512vnni" and "avx2" not in tiers.timed
+    details = n.describe_tier(i, n._tier.why)
+    assert "avx2 failed its self-test: avx2 int4 g32 kernel differs" in details["isa timings"]
+    tiers.failing.update(avx512vnni="x", avxvnni="y")
+    assert n.decide_tier(n.measure_tiers())[0] == "plain"
+
+
+def test_the_tier_is_measured_once_and_cached(tiers):
+    n = tiers.native
+    n.choose_isa()
+    saved = json.loads(tiers.cache.read_text())
+    assert saved["isa"] == "avx2" and saved["cpu"] == autoselect.cpu_identity()
+    assert saved["kernels"] == n.lib().glmi4_source_sha().decode()
+    tiers.timed.clear()
+    n._tier = None                                          # a new process: from the cache file
+    assert n.ISAS[n.choose_isa()[0]] == "avx2" and tiers.timed == []
+    for field_, value in (("version", "0.0.0-old"), ("cpu", "another CPU"), ("kernels", "other source")):
+        raw = json.loads(tiers.cache.read_text())
+        tiers.cache.write_text(json.dumps({**raw, field_: value}))
+        n._tier = None
+        n.choose_isa()
+        assert tiers.timed, field_                          # stale: measured again
+        tiers.timed.clear()
+
+
+def test_a_pinned_tier_wins_and_the_off_switch_takes_the_widest(tiers, monkeypatch):
+    n = tiers.native
+    assert n.choose_isa("avxvnni") == (n.isa_index("avxvnni"), "pinned by isa=avxvnni")
+    monkeypatch.setenv("GLMCORE_INT4_ISA", "avx512vnni")
+    assert n.choose_isa() == (n.isa_index("avx512vnni"), "pinned by GLMCORE_INT4_ISA=avx512vnni")
+    assert n.choose_isa("avxvnni")[0] == n.isa_index("avxvnni")           # the option beats the variable
+    monkeypatch.setenv("GLMCORE_INT4_ISA", "auto")
+    monkeypatch.setenv("GLMCORE_AUTOSELECT", "0")
+    i, why = n.choose_isa()
+    assert n.ISAS[i] == "avx512vnni" and "not measured" in why          # the widest, as the test suite runs
+    assert tiers.timed == [] and not tiers.cache.exists()
+    monkeypatch.setattr(n, "supported", lambda name: name in ("plain", "avx2"))
+    with pytest.raises(BackendError, match="isa=avx512vnni is not supported by this CPU"):
+        n.choose_isa("avx512vnni")
+    monkeypatch.setenv("GLMCORE_INT4_ISA", "avx512vnni")
+    with pytest.raises(BackendError, match="GLMCORE_INT4_ISA=avx512vnni is not supported by this CPU"):
+        n.choose_isa()
+    from glmcore_plugins.cpu_int4 import CpuInt4Backend
+    probe = CpuInt4Backend().probe()
+    assert not probe.ready and "GLMCORE_INT4_ISA=avx512vnni is not supported" in probe.reason
+
+
+def test_glmcore_backends_prints_the_tier_timings(tiers, monkeypatch, capsys):
+    from glmcore import cli
+    n = tiers.native
+    monkeypatch.setattr(n, "supported", lambda name: name in ("plain", "avx2", "avxvnni"))
+    monkeypatch.setenv("GLMCORE_BACKEND", "cpu_int4")      # no backend measurement in this test
+    assert cli.main(["backends"]) == 0
+    out = capsys.readouterr().out
+    assert "isa: avx2" in out and "isa choice: fastest decode: decode 40 µs, prefill 700 µs (vs avxvnni 60/500)" in out
+    assert "avxvnni decode 60 prefill 500; avx2 decode 40 prefill 700" in out
+
+
+def test_the_real_timing_covers_every_vector_tier_this_cpu_runs():
+    """The measurement itself (no fake): each vector tier the CPU runs gets a positive decode and prefill time;
+    which one wins is not asserted (timings)."""
+    from glmcore_plugins.cpu_int4 import native
+    try:
+        native.lib()
+    except BackendError as e:
+        pytest.skip(f"cpu_int4's kernel library is not available here: {e}")
+    timings = native.measure_tiers(rounds=1)
+    assert sorted(t.isa for t in timings) == sorted(i for i in native.ISAS[1:] if native.supported(i))
+    assert all(t.decode_us > 0 and t.prefill_us > t.decode_us for t in timings if not t.error)

@@ -3,8 +3,8 @@
 Weights are quantized from the canonical checkpoint at load (Q4_0-style symmetric or Q4_1-style
 asymmetric, groups of 32/64/128, f16 or bf16 scales), repacked into the kernels' tile layout and
 cached on disk, then memory-mapped, so the resident set is about the packed size. A decode or
-prefill step is one call into a small C library (plain C reference, AVX2, AVX-512 VNNI, chosen at
-run time) that runs every layer with its own thread pool. The KV cache is a fixed ring buffer;
+prefill step is one call into a small C library (plain C reference, AVX2, AVX-VNNI, AVX-512 VNNI, the
+fastest of them timed on this CPU) that runs every layer with its own thread pool. The KV cache is a fixed ring buffer;
 `shift(n_keep, n_discard)` keeps the attention sinks, drops the next n_discard tokens and re-rotates
 the cached keys in place. `load_batch` holds many sequences (a ring each) and runs one step for all of
 them: each weight matrix is multiplied once with every token of the step (the prefill GEMM path).
@@ -20,7 +20,8 @@ copied with it), fed with the target's final normed hidden states, which a step 
 
 Options (LoadOptions.extra, `--opt key=value`): group_size 32|64|128 (32), sym true|false (true),
 scale_dtype f16|bf16 (f16), embed_bits 4|8 (4), head_bits 4|8 (8), linear_bits 4|8 (4), kv_dtype f16|f32 (f16),
-isa auto|plain|avx2|avxvnni|avx512vnni (auto), packed DIR (a `glmcore convert` output to load),
+isa auto|plain|avx2|avxvnni|avx512vnni (auto: the fastest on this CPU, timed once and cached, native.tier_choice;
+GLMCORE_INT4_ISA pins it too), packed DIR (a `glmcore convert` output to load),
 quant rtn|gptq (rtn: round to nearest; gptq: calibrated, glmcore/gptq.py, the same packed format), calib
 FILE (gptq's calibration text; default glmcore/data/calibration.txt).
 A GGUF's Q4_0 or Q8_0 blocks are packed as they are (gguf_import.py): no option given, its layers keep their bits;
@@ -78,16 +79,21 @@ class CpuInt4Backend(Backend):
             if cc is None:
                 return Probe(False, reason="no prebuilt kernel library and no C compiler (cc, gcc or clang) to "
                              "build one; install a C compiler", install=self.install_hint())
-            details.update(kernels=f"compiled with {cc} on first load", isa=native.expected_isa())
+            details.update(kernels=f"compiled with {cc} on first load", isa=native.expected_isa(),
+                           **{"isa choice": "by the CPU flags until then; auto then times the tiers"})
             return Probe(True, device="cpu", details=details)
         try:
             lib = native.lib()
         except BackendError as e:
             return Probe(False, reason=str(e), install=self.install_hint())
-        isa = native.ISAS[lib.glmi4_best_isa()]
-        details.update(kernels=f"{how}: {path}", isa=isa,
-                       **({"isa note": f"the CPU flags suggest {native.expected_isa()}"}
-                          if isa != native.expected_isa() else {}))
+        try:
+            isa, why = native.choose_isa()
+        except BackendError as e:           # GLMCORE_INT4_ISA names a tier this CPU lacks
+            return Probe(False, reason=str(e), install="unset GLMCORE_INT4_ISA or set it to auto")
+        widest = native.ISAS[lib.glmi4_best_isa()]
+        details.update(kernels=f"{how}: {path}", **native.describe_tier(isa, why),
+                       **({"isa note": f"the CPU flags suggest {native.expected_isa()}, the library runs up to {widest}"}
+                          if widest != native.expected_isa() else {}))
         return Probe(True, device="cpu", details=details)
 
     def capabilities(self) -> Capabilities:

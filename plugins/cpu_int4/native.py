@@ -19,7 +19,9 @@ import platform
 import shutil
 import subprocess
 import tempfile
+import time
 import warnings
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -35,6 +37,13 @@ CFLAGS = ["-O3", "-std=c11", "-fPIC", "-shared", "-pthread"]
 _lib = None
 _lib_origin = ""
 _verified: dict[int, str] = {}     # isa -> "" (passed) or why it failed the self-test
+_tier = None                       # this process's TierChoice (tier_choice)
+
+ENV_ISA = "GLMCORE_INT4_ISA"       # pins the kernel tier as --opt isa= does
+TIER_CACHE = "cpu_int4_isa.json"   # the measured tier, in the glmcore cache
+TIER_SHAPE = (2048, 2048)          # rows x inputs of the timed matrix: 2.4 MB packed int4
+TIER_PREFILL = 32                  # tokens of the timed GEMM (from 32 on the kernels unpack int4 tiles)
+TIER_NEAR = 0.95                   # decode within 5% of the fastest: a tie, prefill decides
 
 
 class Mat(C.Structure):
@@ -257,27 +266,158 @@ def self_test(isa: int) -> str:
     return why
 
 
-def choose_isa(requested: str = "auto") -> tuple[int, str]:
-    """The kernel variant to use: the best one this CPU has that passes its self-test."""
-    req = os.environ.get("GLMCORE_INT4_ISA", "") if requested in ("auto", "", None) else requested
-    L = lib()
-    if req and req != "auto":
-        i = isa_index(req)
-        if not L.glmi4_isa_supported(i):
-            raise BackendError(f"cpu_int4: isa={req} is not supported by this CPU; use isa=auto")
-        why = self_test(i) if i else ""
-        if why:
-            raise BackendError(f"cpu_int4: {why}; report this bug, and use isa=plain meanwhile")
-        return i, ""
+def widest_isa() -> tuple[int, str]:
+    """The widest kernel variant this CPU has that passes its self-test, and what failed on the way."""
     note = ""
     for i in range(len(ISAS) - 1, 0, -1):
-        if L.glmi4_isa_supported(i):
+        if supported(ISAS[i]):
             why = self_test(i)
             if not why:
                 return i, note
             warnings.warn(f"cpu_int4: {why}; falling back")
             note += f"{why}; "
     return 0, note
+
+
+def choose_isa(requested: str = "auto") -> tuple[int, str]:
+    """The kernel variant to use and why: `requested` (isa=) or GLMCORE_INT4_ISA pins one; otherwise the fastest
+    measured on this CPU (tier_choice), or the widest that passes its self-test where measurement is off."""
+    from glmcore.autoselect import ENV_OFF, measurement_off
+    env = os.environ.get(ENV_ISA, "").strip()
+    pinned = requested if requested not in ("auto", "", None) else env if env not in ("", "auto") else ""
+    if pinned:
+        by = f"{'isa' if pinned == requested else ENV_ISA}={pinned}"
+        i = isa_index(pinned)
+        if not supported(pinned):
+            raise BackendError(f"cpu_int4: {by} is not supported by this CPU; use isa=auto")
+        why = self_test(i) if i else ""
+        if why:
+            raise BackendError(f"cpu_int4: {why}; report this bug, and use isa=plain meanwhile")
+        return i, f"pinned by {by}"
+    if measurement_off():
+        i, note = widest_isa()
+        return i, f"the widest that passes its self-test ({ENV_OFF}=0: not measured){'; ' + note if note else ''}"
+    choice = tier_choice()
+    return isa_index(choice.isa), choice.why
+
+
+# ---------------------------------------------------------------- the kernel tier by measurement
+
+@dataclass
+class TierTiming:
+    isa: str
+    decode_us: float = 0.0      # one token through the TIER_SHAPE matrix (a decode step's matrix-vector product)
+    prefill_us: float = 0.0     # TIER_PREFILL tokens through it (a prefill chunk's, or a batch's, GEMM)
+    error: str = ""             # why it was not timed (its self-test failed)
+
+
+@dataclass
+class TierChoice:
+    isa: str
+    why: str
+    timings: list[TierTiming] = field(default_factory=list)
+    kernels: str = ""           # the library's source hash: other kernels, other speeds
+    measured_at: str = ""
+
+
+def decide_tier(timings: list[TierTiming]) -> tuple[str, str]:
+    """(isa, why): the fastest decode; among the tiers within TIER_NEAR of it, the fastest prefill. Decode is the
+    speed a user waits on, but at real model sizes it is bound by memory bandwidth, where the tiers tie within
+    noise; prefill (and a batch of sequences) is compute-bound, where their arithmetic differs."""
+    ok = [t for t in timings if not t.error]
+    if not ok:
+        return "plain", ("no vector tier passed its self-test: " + "; ".join(t.error for t in timings)
+                         if timings else "the CPU has no vector tier (AVX2 with FMA and F16C, or better)")
+    fastest = min(ok, key=lambda t: t.decode_us)
+    near = [t for t in ok if t.decode_us <= fastest.decode_us / TIER_NEAR]
+    best = min(near, key=lambda t: t.prefill_us)
+    figures = f"decode {best.decode_us:.0f} µs, prefill {best.prefill_us:.0f} µs"
+    if len(ok) == 1:
+        return best.isa, f"the only vector tier that runs here ({figures})"
+    vs = ", ".join(f"{t.isa} {t.decode_us:.0f}/{t.prefill_us:.0f}" for t in ok if t is not best)
+    rule = "fastest decode" if best is fastest else \
+        f"decode within {100 - 100 * TIER_NEAR:.0f}% of {fastest.isa}'s, faster prefill"
+    return best.isa, f"{rule}: {figures} (vs {vs})"
+
+
+def tier_choice(rerun: bool = False) -> TierChoice:
+    """The measured tier, cached in the glmcore cache by version, CPU identity and kernel build (`glmcore backends`
+    shows it); measured once per process at most otherwise."""
+    global _tier
+    from glmcore.autoselect import read_cached, write_cached
+    kernels = lib().glmi4_source_sha().decode()
+    if not rerun:
+        if _tier is not None:
+            return _tier
+        raw = read_cached(TIER_CACHE, kernels=kernels)
+        try:
+            found = TierChoice(raw["isa"], raw["why"], [TierTiming(**t) for t in raw["timings"]], kernels,
+                               raw["measured_at"]) if raw else None
+        except (TypeError, KeyError):
+            found = None
+        if found is not None and found.isa in ISAS and supported(found.isa) and not self_test(isa_index(found.isa)):
+            _tier = found
+            return found
+    timings = measure_tiers()
+    isa, why = decide_tier(timings)
+    _tier = TierChoice(isa, why, timings, kernels, time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()))
+    write_cached(TIER_CACHE, asdict(_tier), "cpu_int4's kernel tier measurement")
+    return _tier
+
+
+def measure_tiers(rounds: int = 3) -> list[TierTiming]:
+    """Every vector tier this CPU runs, timed in alternation (the best of `rounds`) after its self-test; one that
+    fails it is listed with why, never timed. The plain C reference is the fallback, not a contender: it is
+    15-30x slower than AVX2 (measured on a Zen 3 EPYC) and would take seconds to time."""
+    tiers, timings = [], []
+    for i in range(len(ISAS) - 1, 0, -1):
+        if not supported(ISAS[i]):
+            continue
+        why = self_test(i)
+        if why:
+            timings.append(TierTiming(ISAS[i], error=why))
+        else:
+            tiers.append(i)
+    if not tiers:
+        return timings
+    mat = _tier_matrix()
+    best = {i: [float("inf"), float("inf")] for i in tiers}
+    for _ in range(rounds):
+        for i in tiers:
+            for j, (m, iters) in enumerate(((1, 20), (TIER_PREFILL, 2))):
+                best[i][j] = min(best[i][j], time_kernel(i, mat, m, iters) * 1e6)
+    return [TierTiming(ISAS[i], *best[i]) for i in tiers] + timings
+
+
+def _tier_matrix() -> Mat:
+    """TIER_SHAPE packed int4 (group 32, symmetric, f16 scales: the default), one 16-row tile repeated."""
+    from .quant import ROWS, quantize4, tile4
+    n, k = TIER_SHAPE
+    w = np.random.default_rng(0).standard_normal((ROWS, k), dtype=np.float32)
+    q, d, _ = quantize4(w, 32, True, "f16")
+    return make_mat(np.tile(tile4(q, d, None, 32), n // ROWS), n, k, 4, 32, False, "f16")
+
+
+def time_kernel(isa: int, mat: Mat, m: int, iters: int) -> float:
+    """Seconds per product of `m` tokens with `mat` on the given tier, with the threads a session uses."""
+    from . import default_threads
+    secs = lib().glmi4_bench_matmul(isa, C.byref(mat), m, iters, default_threads())
+    if secs < 0:
+        raise BackendError(f"cpu_int4: timing the {ISAS[isa]} kernels failed")
+    return secs
+
+
+def describe_tier(i: int, why: str) -> dict[str, str]:
+    """cpu_int4's probe details about its kernel tier (`glmcore backends`)."""
+    out = {"isa": ISAS[i], "isa choice": why}
+    if _tier is not None and why == _tier.why:
+        n, k = TIER_SHAPE
+        out["isa timings"] = (f"measured {_tier.measured_at}, int4 {n}x{k} g32, {TIER_PREFILL}-token prefill, µs: "
+                              + "; ".join(f"{t.isa} failed its self-test: {t.error}" if t.error else
+                                          f"{t.isa} decode {t.decode_us:.0f} prefill {t.prefill_us:.0f}"
+                                          for t in _tier.timings)
+                              + f" (pin: --opt isa=NAME or {ENV_ISA}=NAME)")
+    return out
 
 
 def make_mat(buf: np.ndarray | None, n: int, k: int, bits: int, group: int, asym: bool, scale_dtype: str,
