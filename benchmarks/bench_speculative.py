@@ -28,7 +28,7 @@ GREEDY = SamplingParams(temperature=0)
 
 def step_costs(backend_name: str, size: str, model: str | None, threads: int, ks: list[int], runs: int,
                extra: dict | None = None) -> None:
-    model_dir, _ = model_dir_for(model, size)
+    model_dir = Path(model) if model else model_dir_for(None, size)[0]     # a checkpoint directory or a GGUF
     backend = resolve_backend(backend_name)
     checkpoint = open_checkpoint(model_dir)
     cfg = checkpoint.config
