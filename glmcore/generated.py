@@ -46,6 +46,7 @@ def init_tensor(name: str, spec, cfg: ModelConfig, seed: int) -> np.ndarray:
 
 
 GENERATED = "generated"
+MAX_ELEMENTS = 1 << 31     # per generated tensor (8 GiB of f32): the largest real GLM tensor has 0.8 G
 
 
 class GeneratedWeights(Mapping):
@@ -63,7 +64,11 @@ class GeneratedWeights(Mapping):
 
     def __getitem__(self, name: str) -> np.ndarray:
         src = "embed.weight" if self._tied and name == "lm_head.weight" else name
-        return init_tensor(src, self._specs[src], self.config, self._seed).astype(self._dtype)
+        spec = self._specs[src]
+        if int(np.prod(spec.shape, dtype=np.float64)) > MAX_ELEMENTS:
+            raise GlmcoreError(f"{self.files[0]}: tensor {name} of shape {spec.shape} is too large to generate "
+                               f"(over {MAX_ELEMENTS} values); fix the sizes in config.json")
+        return init_tensor(src, spec, self.config, self._seed).astype(self._dtype)
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._specs)

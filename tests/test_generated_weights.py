@@ -69,3 +69,14 @@ def test_cli_refuses_shards_with_generated_weights(tmp_path, capsys):
     assert main(["make-model", "--family", "glm4", "--size", "tiny", "--generated-weights", "--shards", "2",
                  "--out", str(tmp_path / "m")]) == 2
     assert "--generated-weights writes no weight files" in capsys.readouterr().err
+
+
+def test_a_config_too_large_to_generate_is_one_line(tmp_path):
+    """Sizes the config reader admits can still ask for more values than anything real (4 M rows x 1024)."""
+    make_model("glm4", "tiny", tmp_path / "m", generated=True)
+    cfg = json.loads((tmp_path / "m" / "config.json").read_text())
+    cfg.update(padded_vocab_size=1 << 22, hidden_size=1024)
+    (tmp_path / "m" / "config.json").write_text(json.dumps(cfg))
+    weights = open_checkpoint(tmp_path / "m").weights()
+    with pytest.raises(GlmcoreError, match="too large to generate"):
+        weights["embed.weight"]
