@@ -17,7 +17,10 @@ from glmcore_conformance.bench import (WEIGHT_BYTES, BandwidthProbe, bytes_per_t
                                        format_bench, measure_bandwidth)
 
 ROOT = Path(__file__).resolve().parents[1]
-TINY = ["--size", "tiny", "--prompt-len", "8", "--gen", "4", "--runs", "1", "--warmup", "0", "--threads", "1"]
+# --no-llamacpp: these check glmcore's own figures, also where $GLMCORE_LLAMACPP names a build (test_llamacpp.py
+# checks the llama.cpp column)
+TINY = ["--size", "tiny", "--prompt-len", "8", "--gen", "4", "--runs", "1", "--warmup", "0", "--no-llamacpp",
+        "--threads", "1"]
 needs_torch = pytest.mark.skipif("torch" not in registry().ready(), reason="the torch backend is not ready")
 
 

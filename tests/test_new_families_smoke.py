@@ -31,7 +31,7 @@ def test_bench(make_tiny, capsys, family):
     from glmcore.config import ModelConfig
     d = make_tiny(family)
     assert main(["bench", "--backend", "torch", "--model", str(d), "--json", "--runs", "1", "--warmup", "0",
-                 "--gen", "4", "--prompt-len", "8", "--threads", "1"]) == 0
+                 "--gen", "4", "--prompt-len", "8", "--threads", "1", "--no-llamacpp"]) == 0
     data = json.loads(capsys.readouterr().out)
     (r,) = data["results"]
     assert r["decode_tps"] > 0 and r["bytes_per_token"] > 0

@@ -176,7 +176,7 @@ def test_32b_width_checkpoint_runs_on_two_ranks(tmp_path, monkeypatch, capsys):
     synth.make_model("glm4-0414", "32b", d, layers=1)
     weights = sum(f.stat().st_size for f in d.glob("*.safetensors")) / 2**20
     assert main(["bench", "--backend", "torch", "--model", str(d), "--tp", "2", "--runs", "1", "--warmup", "0",
-                 "--gen", "2", "--prompt-len", "8", "--threads", "1"]) == 0
+                 "--gen", "2", "--prompt-len", "8", "--threads", "1", "--no-llamacpp"]) == 0
     out = capsys.readouterr().out
     ranks = next(line for line in out.splitlines() if line.startswith("peak RSS per rank torch tp=2:"))
     per_rank = [float(x) for x in ranks.split(":")[1].split("MiB")[0].split(",")]
@@ -206,7 +206,7 @@ def test_glmcore_conformance_tp2(capsys):
 
 def test_glmcore_bench_tp2_reports_every_ranks_memory(capsys):
     assert main(["bench", "--backend", "torch", "--size", "tiny", "--tp", "2", "--runs", "1", "--warmup", "0",
-                 "--gen", "4", "--prompt-len", "8", "--threads", "1"]) == 0
+                 "--gen", "4", "--prompt-len", "8", "--threads", "1", "--no-llamacpp"]) == 0
     out = capsys.readouterr().out
     row = next(line for line in out.splitlines() if line.startswith("torch tp=2 "))
     assert float(row.split()[-2]) > 0                        # decode tok/s
