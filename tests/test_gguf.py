@@ -336,7 +336,8 @@ def test_q4_k_blocks_become_asymmetric_int4_codes_and_f16_products():
     assert q4_k_codes(blocks) is None
 
 
-@pytest.mark.parametrize("family", [pytest.param("glm4", marks=pytest.mark.slow), "glm4-0414", "glm4-moe"])
+@pytest.mark.parametrize("family", [pytest.param("glm4", marks=pytest.mark.slow), "glm4-0414", "glm4-moe",
+                                    "glm4-moe-lite"])
 def test_cpu_int4_keeps_the_q4_k_blocks_of_a_q4_k_m_file(family, tmp_path_factory, tmp_path):
     """A Q4_K_M-style file (Q4_K matrices; attn_v, ffn_down and the output layer in a higher type): cpu_int4 packs
     asymmetric int4 g32 with f16 scales and mins, and every Q4_K row it holds (GLM-4-0414's q and k rows beside its
@@ -358,12 +359,15 @@ def test_cpu_int4_keeps_the_q4_k_blocks_of_a_q4_k_m_file(family, tmp_path_factor
     opts = backend.resolve(LoadOptions())
     opts.cache_dir = tmp_path
     meta, blob = read_packed(backend._packed_dir(c.config, c.weights, opts), c.config)
-    wider = sorted(n for n in meta["tensors"] if n.endswith("ffn_down.weight") and c.weights.stored(n).qtype == "Q8_0")
+    # the matrices the file stores wider than 4 bits (the kit's stand-ins: Q8_0, and Q5_0 where rows are not whole
+    # super-blocks, as GLM-4.7-Flash's q_b)
+    wider = sorted(n for n in meta["tensors"] if meta["tensors"][n]["kind"] == "tiles" and n in c.weights
+                   and n != "lm_head.weight" and c.weights.stored(n).qtype in ("Q8_0", "Q5_0"))
     options = {**meta["options"], "int8_matrices": sorted(meta["options"]["int8_matrices"])}
-    assert wider and options == {"group_size": 32, "sym": False, "scale_dtype": "f16", "embed_bits": 4,
+    assert any(n.endswith("ffn_down.weight") for n in wider) and options == {"group_size": 32, "sym": False, "scale_dtype": "f16", "embed_bits": 4,
                                  "head_bits": 8, "linear_bits": 4, "int8_matrices": wider}
     held = dequantized_weights(meta, np.asarray(blob))
-    for name in wider:          # Q8_0 (standing in for Q6_K) as int8 rows: within half an int8 step of the file's
+    for name in wider:          # as int8 rows: within half an int8 step of the file's values
         t = c.weights[name]
         assert meta["tensors"][name]["bits"] == 8
         assert (np.abs(held[name] - t) <= np.abs(t).max(axis=1, keepdims=True) / 254 + 1e-7).all(), name
@@ -378,8 +382,27 @@ def test_cpu_int4_keeps_the_q4_k_blocks_of_a_q4_k_m_file(family, tmp_path_factor
                 assert (err <= q4_k_rounding_bound(p.data.reshape(p.shape[0], -1))).all(), name
                 checked += 1
                 mixed += t.qtype is None
-    assert checked > 4 and (mixed > 0) == (family != "glm4")     # glm4: one fused attn_qkv
-    assert not out_of_bounds(compare(_logits(path, "torch"), _logits(path, "cpu_int4")), TOLERANCES["int4"].bounds())
+    # a q|k|v put together from parts of two types: GLM-4-0414's and GLM-4.5's (glm4: one fused attn_qkv; Flash: none)
+    assert checked > 4 and (mixed > 0) == (family in ("glm4-0414", "glm4-moe"))
+    row = TOLERANCES["int4+experts" if family.startswith("glm4-moe") else "int4"]      # the rows the suite holds
+    assert not out_of_bounds(compare(_logits(path, "torch"), _logits(path, "cpu_int4")), row.bounds())
+
+
+def test_a_k_quant_files_whole_kv_b_stored_wider_packs_both_halves_as_int8(make_tiny):
+    """Older conversions of GLM-4.7-Flash keep kv_b whole (attn_kv_b); stored in Q6_K beside Q4_K matrices, it is
+    named by the halves cpu_int4 packs it as (a canonical name there would not be a packed tensor)."""
+    from types import SimpleNamespace
+    from glmcore.config import ModelConfig
+    from glmcore.weights import canonical_shapes
+    from glmcore_plugins.cpu_int4.gguf_import import k_quant_options
+    from glmcore_plugins.cpu_int4.quant import KV_B_PARTS, packed_layout
+    cfg = ModelConfig.from_dir(make_tiny("glm4-moe-lite"))
+    stored = {n: SimpleNamespace(shape=s, qtype="Q6_K" if n == "layers.1.kv_b.weight" else "Q4_K")
+              for n, s in canonical_shapes(cfg).items()}
+    o = k_quant_options(stored)
+    assert sorted(o.int8_matrices) == ["layers.1." + k for k in KV_B_PARTS]
+    lay = packed_layout(cfg, o)
+    assert all(lay["layers.1." + k]["bits"] == 8 for k in KV_B_PARTS) and lay["layers.0.kv_b_uk.weight"]["bits"] == 4
 
 
 def test_cpu_int4_quantization_options_still_apply_to_a_gguf(files, tmp_path):

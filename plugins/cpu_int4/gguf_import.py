@@ -27,7 +27,7 @@ import numpy as np
 from glmcore.gguf import GGUFTensor
 from glmcore.weights import release
 
-from .quant import QuantOptions, quantize4
+from .quant import QuantOptions, packed_names, quantize4
 
 BITS = {"Q4_0": 4, "Q8_0": 8}                  # the symmetric types: a file all of one keeps its blocks
 BLOCK_BYTES = {"Q4_0": 18, "Q8_0": 34}
@@ -156,8 +156,10 @@ def k_quant_options(stored: StoredTensors) -> QuantOptions:
     none is narrower (Q5_K_M, Q6_K)."""
     matrices = [n for n in stored if len(stored[n].shape) == 2 and n not in ("embed.weight", "lm_head.weight")
                 and not n.endswith("router.weight")]
-    wider = tuple(n for n in matrices if stored[n].qtype in WIDER)
-    all_wide = len(wider) == len(matrices)
+    stored_wider = [n for n in matrices if stored[n].qtype in WIDER]
+    all_wide = len(stored_wider) == len(matrices)
+    # by packed name: a kv_b stored whole (older conversions of GLM-4.7-Flash) is packed as its two halves
+    wider = tuple(packed for n in stored_wider for packed in packed_names(n))
     return QuantOptions(group_size=32, sym=all_wide, scale_dtype="f16", linear_bits=8 if all_wide else 4,
                         int8_matrices=() if all_wide else wider,
                         embed_bits=4 if stored["embed.weight"].qtype == "Q4_K" else 8,

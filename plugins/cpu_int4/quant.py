@@ -230,6 +230,13 @@ def untile(buf: np.ndarray, n: int, k: int, bits: int, group: int, asym: bool, s
 KV_B_PARTS = ("kv_b_uk.weight", "kv_b_uv.weight")
 
 
+def packed_names(name: str) -> tuple[str, ...]:
+    """The packed tensors a canonical tensor becomes: itself, or latent attention's kv_b as its two halves."""
+    if name.endswith("kv_b.weight"):
+        return tuple(name[: -len("kv_b.weight")] + k for k in KV_B_PARTS)
+    return (name,)
+
+
 def _kv_b_shapes(cfg) -> tuple[tuple[int, int], tuple[int, int]]:
     H, R = cfg.num_heads, cfg.kv_lora_rank
     return (H * R, cfg.qk_nope_dim), (H * cfg.v_head_dim, R)
@@ -280,8 +287,7 @@ def packed_layout(cfg: ModelConfig, o: QuantOptions, nextn: bool = False) -> dic
         own.update({n: t.shape for n, t in arch.of(cfg).optional_tensors(cfg).items() if n.startswith(NEXTN)})
     for name, shape in own.items():
         if name.endswith("kv_b.weight"):
-            p = name[: -len("kv_b.weight")]
-            shapes.update(zip((p + k for k in KV_B_PARTS), _kv_b_shapes(cfg)))
+            shapes.update(zip(packed_names(name), _kv_b_shapes(cfg)))
         else:
             shapes[name] = shape
     g, asym = o.group_size, not o.sym
