@@ -270,5 +270,6 @@ def main(argv=None) -> None:
     (f, fd), (c, cd) = medians.values()
     print(f"constrained / unconstrained: {c / f:.2f}x overall, {cd / fd:.2f}x while all decode")
 
+
 if __name__ == "__main__":
     main()

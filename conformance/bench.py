@@ -163,7 +163,7 @@ def _worker(conn, name: str, model_dir: str, options: dict, speculation: tuple[s
         from glmcore.cache import cache_root
         from glmcore.model import open_checkpoint
         from glmcore.sampling import SamplingParams
-        from glmcore.scheduler import Request, Scheduler, Speculation
+        from glmcore.scheduler import Request, Scheduler
         from glmcore.parallel import follower_pids, tensor_parallel
         backend = tensor_parallel(registry().get(name), options.get("tp", 1))
         checkpoint = open_checkpoint(model_dir)
@@ -199,7 +199,8 @@ def _worker(conn, name: str, model_dir: str, options: dict, speculation: tuple[s
             n = sum(1 for _ in handle)
             t = handle.timings
             conn.send(("result", {"ttft_s": t.ttft_s, "prefill_tps": t.prefill_tps, "decode_tps": t.decode_tps,
-                                  "new_tokens": n, "drafted": t.drafted, "accepted": t.accepted, "peak_rss": max(peak_rss(p) for p in ranks),
+                                  "new_tokens": n, "drafted": t.drafted, "accepted": t.accepted,
+                                  "peak_rss": max(peak_rss(p) for p in ranks),
                                   "peak_rss_ranks": [peak_rss(p) for p in ranks], "rss_per_run": per_run}))
         except Exception as e:
             conn.send(("error", f"{type(e).__name__}: {e}", isinstance(e, GlmcoreError)))

@@ -169,8 +169,10 @@ class BatchSession(_Closable, ABC):
 
     def start_nextn(self) -> None:
         """Keep from now on what draft_nextn drafts from (per slot the fed ids and the target's final hidden states,
-        the NextN layer's own cache): the mtp drafter calls it before the first step. Until then a loaded NextN
-        layer costs the session no memory and its steps no work. Backends that set has_nextn implement it."""
+        the NextN layer's own cache): the mtp drafter calls it when its scheduler is made, before any token is fed
+        (a backend whose NextN cache lives in the slots' own cache, cpu_int4's, refuses it later). Until then a
+        loaded NextN layer costs the session no memory and its steps no work. Backends that set has_nextn
+        implement it."""
         raise NotImplementedError
 
     def draft_nextn(self, slot: int, token: int, k: int) -> list[int]:

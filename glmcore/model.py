@@ -47,9 +47,7 @@ class Checkpoint:
     gguf: object = None             # glmcore.gguf.GGUFCheckpoint
 
     def weights(self):
-        if self.gguf is not None:
-            return self.gguf.weights
-        return load_weights(self.path, self.config)
+        return self.gguf.weights if self.gguf is not None else load_weights(self.path, self.config)
 
 
 def open_checkpoint(model) -> Checkpoint:

@@ -591,13 +591,15 @@ class PrefetchedMasks:
         except BaseException:       # noqa: BLE001 -- take() raises it where the masks are used
             pass
 
-    def take(self, matchers: Sequence[Matcher]) -> np.ndarray | None:
-        """The rows of these matchers (each one prefetched), or None where one was not."""
-        bits = self.future.result()
+    def take(self, matchers: Sequence[Matcher], bits: np.ndarray) -> list[int]:
+        """Copy into bits [n, words] the rows of those of `matchers` that were prefetched; the indices of the others
+        (a greedy request whose argmax its grammar refused), whose masks the caller computes."""
+        done = self.future.result()
         where = {id(m): i for i, m in enumerate(self.matchers)}
-        if not all(id(m) in where for m in matchers):
-            return None
-        return bits[[where[id(m)] for m in matchers]]
+        for i, m in enumerate(matchers):
+            if id(m) in where:
+                bits[i] = done[where[id(m)]]
+        return [i for i, m in enumerate(matchers) if id(m) not in where]
 
 
 _background_pool = None
@@ -624,9 +626,10 @@ def mask_rows(matchers: Sequence[Matcher], rows: Sequence[np.ndarray], stop_ids:
     n = len(matchers)
     table = matchers[0].constraint.table
     width = rows[0].shape[0]
-    bits = prefetched.take(matchers) if prefetched is not None else None
-    if bits is None:
-        bits = compute_masks(matchers, executor)
+    bits = np.zeros((n, table.words), dtype=np.int32)
+    missing = prefetched.take(matchers, bits) if prefetched is not None else range(n)
+    if missing:
+        bits[list(missing)] = compute_masks([matchers[i] for i in missing], executor)
     if bits.shape[1] * 32 < width:     # logits wider than the table (never for a table made at their width)
         bits = np.pad(bits, ((0, 0), (0, (width + 31) // 32 - bits.shape[1])))
     eos = table.tokenizer.eos_id

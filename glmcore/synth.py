@@ -17,6 +17,7 @@ from .errors import GlmcoreError
 from .generated import DTYPES, GENERATED, init_tensor
 from .weights import BF16, write_safetensors
 
+
 def make_model(family: str, size: str, out: str | Path, fmt: str = "safetensors", shards: int | None = None,
                seed: int = 0, tokenizer_from: str | Path | None = None, dtype: str | None = None,
                progress: Callable[[str], None] | None = None, layers: int | None = None,

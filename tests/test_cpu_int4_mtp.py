@@ -16,7 +16,7 @@ from glmcore.model import load_model
 from glmcore.scheduler import Scheduler
 from glmcore_conformance.metrics import compare, out_of_bounds
 from glmcore_conformance.tolerances import TOLERANCES
-from test_speculative import check_drafts_do_not_depend_on_feeding, run_all
+from test_speculative import check_drafts_do_not_depend_on_feeding, check_mtp_equals_plain_decoding, run_all
 
 DEMO = str(Path(__file__).resolve().parents[1] / "glmcore" / "data" / "demo-chatglm3-poet")
 HELDOUT = Path(__file__).parent / "data" / "demo_heldout_prompts.json"      # poems the demo never trained on
@@ -45,21 +45,12 @@ def prompts(m, n):
 
 
 def test_mtp_greedy_speculation_equals_plain_decoding(model):
-    batch, caps, V = model.scheduler.batch, model.backend.capabilities(), model.tokenizer.n_vocab
-    assert batch.has_nextn and batch.nextn_refusal is None
-    ps = prompts(model, 8)
-    model.scheduler.forget()
-    ref = run_all(model.scheduler, ps, 24)
-    for group in (ps, ps[:1]):
-        model.scheduler.forget()
-        sched = Scheduler(batch, caps, n_vocab=V, speculation=Speculation("mtp", 3))
-        assert run_all(sched, group, 24) == ref[:len(group)]
-        assert sched.drafted > 0
-        assert all(batch.kv_len(s.index) == len(s.tokens) for s in sched.slots)
-        if is_demo(model) and len(group) > 1:
-            # the demo's trained NextN layer: about 30% of 3-token runs right (torch: 90 of 254, here 82 of 279);
-            # a layer fed the wrong states or positions gets next to none
-            assert sched.accepted > sched.drafted / 5
+    assert model.scheduler.batch.nextn_refusal is None
+    together, _ = check_mtp_equals_plain_decoding(model, prompts(model, 8))
+    if is_demo(model):
+        # the demo's trained NextN layer: about 30% of 3-token runs right (torch: 90 of 254, here 82 of 279);
+        # a layer fed the wrong states or positions gets next to none
+        assert together.accepted > together.drafted / 5
 
 
 def test_mtp_drafts_do_not_depend_on_how_the_sequence_was_fed(model):

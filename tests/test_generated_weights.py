@@ -65,9 +65,11 @@ def test_a_broken_generation_mark_is_one_line(tmp_path, mark):
         open_checkpoint(tmp_path / "m").weights()
 
 
-def test_cli_refuses_shards_with_generated_weights(tmp_path, capsys):
-    assert main(["make-model", "--family", "glm4", "--size", "tiny", "--generated-weights", "--shards", "2",
+@pytest.mark.parametrize("extra", [["--shards", "2"], ["--format", "bin"]])
+def test_cli_refuses_file_options_with_generated_weights(tmp_path, capsys, extra):
+    assert main(["make-model", "--family", "glm4", "--size", "tiny", "--generated-weights", *extra,
                  "--out", str(tmp_path / "m")]) == 2
+    assert not (tmp_path / "m").exists()
     assert "--generated-weights writes no weight files" in capsys.readouterr().err
 
 

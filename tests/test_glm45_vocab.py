@@ -111,7 +111,7 @@ def test_required_strict_xml_calls_at_the_full_vocabulary(glm45):
 
 def test_prefetched_masks_are_the_synchronous_ones(make_tiny):
     """The masks computed on the background thread are the matchers' own; a matcher that was not prefetched
-    gets its mask computed then and there."""
+    gets its mask computed then and there, beside the prefetched ones (only it)."""
     tok = load_tokenizer(make_tiny("glm4-moe"), "glm4-moe")
     c = structured.compile_grammar(tok, structured.Grammar.json_schema(STRICT), None, leading_space=False)
     matchers = [c.start() for _ in range(3)]
@@ -121,10 +121,16 @@ def test_prefetched_masks_are_the_synchronous_ones(make_tiny):
     want = structured.compute_masks(matchers)
     assert len({w.tobytes() for w in want}) == 3        # three different states
     prefetched = structured.PrefetchedMasks(matchers[:2], structured.executor())
-    assert np.array_equal(prefetched.take(matchers[:2][::-1]), want[:2][::-1])
-    assert prefetched.take(matchers) is None
+    got = np.zeros_like(want)
+    assert prefetched.take(matchers[::-1], got) == [0]          # the third (first here) was not prefetched
+    assert np.array_equal(got[1:], want[:2][::-1]) and not got[0].any()
     rows = [np.zeros(c.table.n_logits, np.float32)] * 3
-    masked, alive = structured.mask_rows(matchers, rows, [[tok.eos_id]] * 3, [True] * 3, None, prefetched)
+    computed = []
+    real = structured.compute_masks
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(structured, "compute_masks", lambda ms, ex=None: computed.append(len(ms)) or real(ms, ex))
+        masked, alive = structured.mask_rows(matchers, rows, [[tok.eos_id]] * 3, [True] * 3, None, prefetched)
+    assert computed == [1]
     assert alive == [True] * 3
     allowed = np.unpackbits(want.view(np.uint8), axis=1, bitorder="little")[:, :c.table.n_logits].astype(bool)
     allowed[:, tok.eos_id] = False                       # none of these states is complete
@@ -151,10 +157,12 @@ def test_engine_masks_during_the_step_as_it_would_after_it(make_tiny, monkeypatc
 
         used = []
         real = structured.PrefetchedMasks.take
-        monkeypatch.setattr(structured.PrefetchedMasks, "take", lambda self, ms: used.append(1) or real(self, ms))
+        monkeypatch.setattr(structured.PrefetchedMasks, "take",
+                            lambda self, ms, bits: used.append(1) or real(self, ms, bits))
         during = run()
         assert used
-        monkeypatch.setattr(structured.PrefetchedMasks, "take", lambda self, ms: self.wait())   # None: computed again
+        # none taken: every mask computed after the step
+        monkeypatch.setattr(structured.PrefetchedMasks, "take", lambda self, ms, bits: self.wait() or range(len(ms)))
         after = run()
         assert during == after
         for tokens in during:

@@ -331,12 +331,16 @@ def test_run_with_prompt_lookup_prints_what_plain_decoding_prints(tmp_path, caps
     assert out == plain_out and "| drafted " in err
 
 
-def test_mtp_without_a_nextn_layer_is_refused_with_the_reason(make_tiny, capsys):
+@pytest.mark.parametrize("backend, why", [
+    ("cpu_int4", "the checkpoint has no multi-token-prediction (NextN) layer"),      # the backend's own reason
+    ("torch", "it needs a checkpoint with a multi-token-prediction (NextN) layer"),  # the generic one
+])
+def test_mtp_without_a_nextn_layer_is_refused_with_the_reason(make_tiny, capsys, backend, why):
     from glmcore.cli import main
-    assert main(["run", "--model", str(make_tiny("glm4")), "--backend", "cpu_int4", "--prompt", "hi",
+    assert main(["run", "--model", str(make_tiny("glm4")), "--backend", backend, "--prompt", "hi",
                  "--speculative", "mtp"]) == 2
-    assert "--speculative mtp cannot run: the checkpoint has no multi-token-prediction (NextN) layer" in \
-        capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert f"--speculative mtp cannot run: {why}" in err and "use --speculative ngram" in err
 
 
 class Echo:
@@ -399,19 +403,27 @@ def moe(make_tiny):
     m.close()
 
 
-def test_mtp_greedy_speculation_equals_plain_decoding(moe):
-    V, caps, batch = moe.tokenizer.n_vocab, moe.backend.capabilities(), moe.scheduler.batch
+def check_mtp_equals_plain_decoding(m, prompts: list[list[int]], gen: int = 24) -> list[Scheduler]:
+    """Greedy decoding with 3 NextN drafts a step gives plain decoding's tokens, for all the prompts at once and for
+    the first alone, with drafts made and each slot's cache as long as what it holds. Returns those schedulers."""
+    V, caps, batch = m.tokenizer.n_vocab, m.backend.capabilities(), m.scheduler.batch
     assert batch.has_nextn
-    g = np.random.default_rng(0)
-    ps = [g.integers(5, V, 10 + i).tolist() for i in range(16)]
-    moe.scheduler.forget()
-    ref = run_all(moe.scheduler, ps, 24)
-    for group in (ps, ps[:1]):
-        moe.scheduler.forget()
+    m.scheduler.forget()
+    ref = run_all(m.scheduler, prompts, gen)
+    used = []
+    for group in (prompts, prompts[:1]):
+        m.scheduler.forget()
         sched = Scheduler(batch, caps, n_vocab=V, speculation=Speculation("mtp", 3))
-        assert run_all(sched, group, 24) == ref[:len(group)]
+        assert run_all(sched, group, gen) == ref[:len(group)]
         assert sched.drafted > 0
         assert all(batch.kv_len(s.index) == len(s.tokens) for s in sched.slots)
+        used.append(sched)
+    return used
+
+
+def test_mtp_greedy_speculation_equals_plain_decoding(moe):
+    g = np.random.default_rng(0)
+    check_mtp_equals_plain_decoding(moe, [g.integers(5, moe.tokenizer.n_vocab, 10 + i).tolist() for i in range(16)])
 
 
 def test_mtp_drafts_do_not_depend_on_how_the_sequence_was_fed(moe):

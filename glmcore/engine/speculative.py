@@ -55,11 +55,10 @@ class Speculation:
             return NgramDrafter()
         if self.method is Method.MTP:
             if not batch.has_nextn:
-                why = getattr(batch, "nextn_refusal", None)      # the backend's own reason, where it gives one
-                raise GlmcoreError(why and f"--speculative mtp cannot run: {why}; use --speculative ngram" or
-                                   "--speculative mtp needs a checkpoint with a multi-token-prediction (NextN) layer "
-                                   "(glm4_moe: num_nextn_predict_layers, the mtp tensors kept) on a backend that runs "
-                                   "it (torch, cpu_int4); use --speculative ngram")
+                why = getattr(batch, "nextn_refusal", None) or (   # the backend's own reason, where it gives one
+                    "it needs a checkpoint with a multi-token-prediction (NextN) layer (glm4_moe: "
+                    "num_nextn_predict_layers, the mtp tensors kept) on a backend that runs it (torch, cpu_int4)")
+                raise GlmcoreError(f"--speculative mtp cannot run: {why}; use --speculative ngram")
             batch.start_nextn()
             return MtpDrafter(batch)
         return None
