@@ -85,7 +85,6 @@ def drafters(backend_name: str, threads: int, k: int, gen: int, n_prompts: int) 
         runs = 3 if len(prompts) == 1 else 1
         rate = {}
         for method in [None] + methods:
-            m.scheduler.forget()      # every slot empty: the mtp drafter starts the NextN layer before any token
             sched = Scheduler(batch, caps, n_vocab=tok.n_vocab,
                               speculation=Speculation(method, k) if method else None)
             outs, best = [], None

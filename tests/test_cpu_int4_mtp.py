@@ -168,8 +168,13 @@ def test_the_nextn_ring_layer_is_reserved_only_for_drafting():
         m.close()
     m = load_model(DEMO, "cpu_int4", LoadOptions(threads=1, capacity=32), slots=1)
     try:
-        m.scheduler.batch.step([(0, [5, 6, 7])])
+        batch = m.scheduler.batch
+        batch.step([(0, [5, 6, 7])])
         with pytest.raises(BackendError, match="start_nextn after tokens were fed"):
-            m.scheduler.batch.start_nextn()
+            batch.start_nextn()
+        # a scheduler made over the used session empties its slots first (its own slots hold nothing), so its mtp
+        # drafter starts there
+        Scheduler(batch, m.backend.capabilities(), n_vocab=m.tokenizer.n_vocab, speculation=Speculation("mtp", 1))
+        assert batch.kv_len(0) == 0 and batch.nextn is not None
     finally:
         m.close()

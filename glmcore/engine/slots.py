@@ -34,6 +34,8 @@ class SlotTable:
         self.can_shift, self.native = caps.can_shift, caps.native_batch
         self.slots = [Slot(i) for i in range(batch.n_slots)]
         self.cache = cache
+        for slot in self.slots:     # a new table's slots hold nothing, so the session's must not either: a scheduler
+            batch.reset(slot.index)  # made over a used session starts clean (and the mtp drafter can start there)
 
     @property
     def capacity(self) -> int:
