@@ -17,9 +17,10 @@ from .structured import Grammar, reply_constraint
 class Pipeline:
     """Pipeline(model_dir, backend=...).chat(messages, stream=True) in the spirit of OpenVINO GenAI.
 
-    `messages` is the whole conversation each time (OpenAI style). The Pipeline owns the conversation:
-    when `messages` extends the one it holds, the request is what the slot's cache holds plus only the
-    new messages' ids (the scheduler then prefills just those); otherwise it starts over.
+    `messages` is the whole conversation each time (OpenAI style), and the whole conversation is what the
+    scheduler gets, as from the server: the slot that ran the last reply holds a prefix of it (its replies are
+    encoded with the ids they were generated as), so only the new messages are prefilled; a slot whose window
+    slid goes on from what it kept (SlotTable.go_on).
     """
 
     def __init__(self, model: str | Path | None = None, backend: str | None = None,
@@ -27,10 +28,8 @@ class Pipeline:
                  loaded: LoadedModel | None = None, speculation: Speculation | None = None):
         self.model = loaded or load_model(model, backend, options, speculation=speculation)
         self.window = window or WindowPolicy()
-        self.cached: list[Message] = []      # the conversation the KV cache holds
-        self.cached_tools = None
+        self.cached: list[Message] = []      # the last conversation, its replies with their generated ids
         self.slot: Slot | None = None        # where the scheduler ran the last reply
-        self.pending: int | None = None      # that reply's last token when it was cut: never fed yet
         self.timings = Timings()
         self.finish_reason: FinishReason | None = None   # why the last reply ended
         self.context_full = False            # it ended because the context was full
@@ -40,30 +39,13 @@ class Pipeline:
         return self.model.tokenizer
 
     def reset(self) -> None:
-        self.cached, self.cached_tools, self.slot, self.pending = [], None, None, None
+        self.cached, self.slot = [], None
 
-    def _request(self, messages: list[Message], tools, params: SamplingParams, max_new_tokens: int,
-                 grammar: Grammar | None = None, fmt=None,
-                 max_thinking_tokens: int | None = None) -> tuple[Request, list[int]]:
-        """The scheduler Request, and the ids forced at the start of the reply (the end of its prompt)."""
-        fmt, n = fmt or self.model.chat_format, len(self.cached)
-        slot = self.slot
-        opening, constraint = reply_constraint(fmt, self.model.config.vocab_size, grammar, tools,
-                                               thinking_budget=max_thinking_tokens)
-        if (n and slot is not None and tools == self.cached_tools and messages[:n] == self.cached
-                and len(messages) > n and fmt.can_continue and fmt is self.model.chat_format):
-            held = slot.tokens + ([self.pending] if self.pending is not None else [])
-            new = fmt.encode_continuation(messages[n:], sum(m.role == "user" for m in self.cached))
-            starts = list(slot.turn_starts) + ([len(held)] if not slot.turn_starts or slot.turn_starts[-1] != len(held)
-                                               else [])
-            request = Request(held + new, params, max_new_tokens, fmt.stop_ids, self.window, turn_starts=starts,
-                              n_pinned=slot.n_pinned)
-        else:
-            self.reset()
-            request = chat_request(fmt, messages, tools, params, max_new_tokens, self.window)
-        request.prompt = list(request.prompt) + opening
-        request.constraint = constraint
-        return request, opening
+    def _known(self, messages: list[Message]) -> list[Message]:
+        """messages, with the earlier replies as they were generated where the conversation goes on from the last
+        one (Message equality leaves out ids: the caller's copies of the replies match)."""
+        n = len(self.cached)
+        return self.cached + messages[n:] if n and messages[:n] == self.cached else messages
 
     def chat(self, messages, tools: list[dict] | None = None, stream: bool = False,
              params: SamplingParams | None = None, max_new_tokens: int = 256, grammar: Grammar | None = None,
@@ -87,17 +69,22 @@ class Pipeline:
                 max_new_tokens: int, grammar: Grammar | None = None, template_kwargs: dict | None = None,
                 max_thinking_tokens: int | None = None) -> Iterator[ChatEvent]:
         m = self.model
-        fmt = m.chat_format.configured(template_kwargs)   # other variables: the cache's prompt no longer applies
-        request, opening = self._request(messages, tools, params, max_new_tokens, grammar, fmt, max_thinking_tokens)
-        self.finish_reason, self.context_full, self.pending = None, False, None
+        fmt = m.chat_format.configured(template_kwargs)
+        messages = self._known(messages)
+        opening, constraint = reply_constraint(fmt, m.config.vocab_size, grammar, tools,
+                                               thinking_budget=max_thinking_tokens)
+        request = chat_request(fmt, messages, tools, params, max_new_tokens, self.window)
+        request.prompt, request.constraint = list(request.prompt) + opening, constraint
+        self.finish_reason, self.context_full = None, False
         handle = m.scheduler.submit(request)
         # Token ids, not text, go to the parser: ChatGLM3 may put <|assistant|> between a text
         # segment and a tool call inside one reply, and decoded text drops that special token.
-        parser = ToolCallStream(fmt, tools)
+        parser, shown = ToolCallStream(fmt, tools), list(opening)
         for token in opening:           # the forced opening (an empty metadata line) is part of the reply
             parser.push(token)
         try:
             for token in handle:
+                shown.append(token)
                 yield from parser.push(token)
         finally:
             if not handle.done:         # the consumer stopped early: the slot is freed at the next step
@@ -105,11 +92,10 @@ class Pipeline:
                 handle.wait()
             self.timings = handle.timings
             self.slot, self.finish_reason, self.context_full = handle.slot, handle.finish_reason, handle.context_full
-            if handle.finish_reason in (FinishReason.LENGTH, FinishReason.CANCELLED) and handle.tokens:
-                self.pending = handle.tokens[-1]     # sampled, never fed: a continuation feeds it first
         yield from parser.close()
-        self.cached = messages + [parser.message]
-        self.cached_tools = tools
+        reply = parser.message
+        reply.ids = shown               # the next turn encodes the reply as these ids: the slot's cache stays a prefix
+        self.cached = messages + [reply]
 
 
 def chat_request(chat_format, messages: list[Message], tools=None, params: SamplingParams | None = None,

@@ -6,7 +6,7 @@ from pathlib import Path
 import numpy as np
 
 from glmcore.backend import Capabilities
-from glmcore.engine import Request, RequestState, SlotTable, Status, WindowPolicy
+from glmcore.engine import Request, RequestState, Slot, SlotTable, Status, WindowPolicy
 from glmcore.engine.step import PlanEntry, schedule, update
 from glmcore.events import FinishReason
 from glmcore.sampling import SamplingParams
@@ -29,7 +29,7 @@ def decoding(t: SlotTable, prompt, pending, max_new=8, **kw) -> RequestState:
     """A request whose prompt is in its slot's cache and whose last sampled token is `pending`."""
     state = placed(t, prompt, max_new, **kw)
     t.batch.step([(state.slot.index, state.todo)])
-    state.slot.tokens.extend(state.todo)
+    state.slot.extend(state.todo)
     state.todo, state.pending, state.status = [], pending, Status.DECODE
     state.tokens.append(pending)
     state.history.append(pending)
@@ -47,7 +47,7 @@ class Fixed:
 
 def test_place_reuses_the_longest_cached_prefix_and_truncate_keeps_the_first_positions():
     t = table()
-    t.slots[1].tokens = [1, 2, 3, 4, 5]
+    t.slots[1].hold([1, 2, 3, 4, 5])
     t.batch.held[1] = [1, 2, 3, 4, 5]
     s = placed(t, [1, 2, 3, 9, 9])
     assert s.slot.index == 1 and s.todo == [9, 9] and s.timings.cached_tokens == 3
@@ -60,9 +60,44 @@ def test_place_reuses_the_longest_cached_prefix_and_truncate_keeps_the_first_pos
 def test_truncate_without_a_native_session_re_prefills_the_kept_ids():
     t = table(native=False)
     t.batch.step([(0, [4, 5, 6, 7])])
-    t.slots[0].tokens = [4, 5, 6, 7]
+    t.slots[0].hold([4, 5, 6, 7])
     t.truncate(t.slots[0], 2)
     assert t.batch.held[0] == [4, 5] and t.batch.copies == [] and t.batch.calls[-1] == [(0, [4, 5])]
+
+
+def test_a_slot_remembers_the_conversation_its_window_slid_over():
+    slot = Slot(0)
+    slot.hold([1, 2])
+    slot.extend([3, 4, 5, 6, 7, 8])
+    assert not slot.slid and slot.continued_by([1, 2, 3, 4, 5, 6, 7, 8, 9]) is False     # unslid: plain prefix reuse
+    slot.turn_starts = [2, 4, 6]
+    slot.slide(2, 3)                                   # 3, 4, 5 leave the cache
+    assert slot.tokens == [1, 2, 6, 7, 8] and slot.fed == list(range(1, 9)) and slot.fresh == 3
+    assert slot.turn_starts == [3] and slot.shifts == 1
+    assert slot.continued_by(list(range(1, 12))) and slot.continued_by(list(range(1, 9)))
+    assert not slot.continued_by(list(range(1, 8))) and not slot.continued_by([1, 2, 6, 7, 8, 9])
+    slot.extend([9, 10])
+    slot.cut(6)                                        # rejected drafts: the conversation shortens with them
+    assert slot.tokens == [1, 2, 6, 7, 8, 9] and slot.fed == list(range(1, 10)) and slot.continued_by(range(1, 11))
+    slot.cut(3)
+    assert slot.tokens == [1, 2, 6] and slot.fed == list(range(1, 7)) and slot.fresh == 1
+    slot.cut(1)                                        # deeper than what was fed since the slide: a plain prefix
+    assert slot.tokens == slot.fed == [1] and not slot.slid
+
+
+def test_a_prompt_that_extends_a_slid_slots_conversation_goes_on_in_that_slot():
+    t = table(capacity=16)
+    s = t.slots[1]
+    t.feed(s, list(range(10, 24)), WindowPolicy("window", n_keep=2))
+    t.feed(s, [24, 25, 26, 27], WindowPolicy("window", n_keep=2))        # slides: 14 + 4 ids > 16
+    assert s.slid and t.batch.held[1] == s.tokens
+    kept, conversation = list(s.tokens), list(range(10, 28))
+    state = placed(t, conversation + [30, 31, 32], turn_starts=[2, 18])
+    assert state.slot is s and state.todo == [30, 31, 32] and state.timings.cached_tokens == 18
+    assert s.tokens == kept and s.turn_starts[-1] == len(kept)            # turn start 18 at the slot's position
+    assert t.batch.copies == []                                           # nothing truncated or copied
+    other = placed(t, list(range(10, 20)) + [99])        # only shares the slid slot's pinned ids: the other slot
+    assert other.slot.index == 0 and other.todo == list(range(12, 20)) + [99]      # the pinned ids copied
 
 
 def test_schedule_puts_decodes_first_with_their_drafts_then_prefill_chunks_under_the_budget():

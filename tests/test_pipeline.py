@@ -7,7 +7,7 @@ import pytest
 
 from glmcore.backend import Backend, Capabilities, LoadOptions, Probe, Session, hookimpl, registry
 from glmcore.chat import Message, ToolCall
-from glmcore.events import TextDelta, ToolCallDelta, ToolCallEvent, ToolCallStart
+from glmcore.events import FinishReason, TextDelta, ToolCallDelta, ToolCallEvent, ToolCallStart
 from glmcore.scheduler import WindowPolicy
 from glmcore.pipeline import Pipeline
 from glmcore.sampling import SamplingParams
@@ -118,11 +118,18 @@ def test_tool_round_trip(make_tiny, family, call_text):
 
 def test_multi_turn_prefills_only_the_new_turn(make_tiny):
     pipe = Pipeline(make_tiny("chatglm3"), backend="torch")
+    sched, sent = pipe.model.scheduler, []
+    submit = sched.submit
+    sched.submit = lambda request, *a, **kw: sent.append(list(request.prompt)) or submit(request, *a, **kw)
     history = [{"role": "system", "content": "be brief"}]
     prefilled = []
     for turn in range(5):
         history.append({"role": "user", "content": f"question number {turn}"})
         reply = pipe.chat(history, params=GREEDY, max_new_tokens=6)
+        # the scheduler gets the whole conversation, the replies as the ids they were generated as
+        assert sent[-1] == pipe.model.chat_format.encode_messages(pipe.cached[:-1])
+        unfed = 1 if pipe.finish_reason is FinishReason.LENGTH else 0           # the last id sampled, never fed
+        assert reply.ids and sent[-1] + reply.ids[:len(reply.ids) - unfed] == pipe.slot.tokens
         history.append(reply)
         prefilled.append(pipe.timings.prompt_tokens)
     # turn 5 prefills about as much as turn 2, not the whole history
@@ -161,11 +168,18 @@ def test_window_keeps_system_turn_and_drops_whole_turns(make_tiny):
     fmt = pipe.model.chat_format
     prefix = fmt.encode_messages(history[:1] + [{"role": "user", "content": "x"}])
     pinned = fmt.turn_spans(history[:1] + [{"role": "user", "content": "x"}])[0][1]
+    prefilled, cached = [], []
     for turn in range(8):
         history.append({"role": "user", "content": f"turn {turn} with some words in it"})
         history.append(pipe.chat(history, params=GREEDY, max_new_tokens=8))
+        prefilled.append(pipe.timings.prompt_tokens)
+        cached.append(pipe.timings.cached_tokens)
     slot = pipe.slot
     assert slot.shifts > 0
+    # the whole conversation is sent every turn, and the slid slot goes on from what it kept: each later turn
+    # prefills its own ids only (the reply's last, unfed token and the new user turn), not the history again
+    assert len(fmt.encode_messages(history)) > 96 and max(prefilled[1:]) <= prefilled[1] + 2
+    assert cached[-1] > 96          # prompt ids covered by the slot: more than its context holds
     assert slot.tokens[:pinned] == prefix[:pinned]                 # [gMASK]sop + system survive
     user = pipe.model.tokenizer.special_ids["<|user|>"]
     assert slot.tokens[pinned] == user                              # the kept history starts at a turn

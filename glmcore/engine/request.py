@@ -181,16 +181,57 @@ class RequestState:
 
 
 class Slot:
-    """What one slot of the BatchSession holds: its ids in cache order, and the window bookkeeping."""
+    """What one slot of the BatchSession holds: its ids in cache order, and the window bookkeeping.
+
+    `fed` is every id fed since the slot last held nothing, the ones a window slide discarded included: the
+    conversation the slot continues. A slot that never slid holds all of it (`tokens == fed`); after a slide
+    only the last `fresh` ids of `tokens` are known to be the last ids of `fed` (fed since the slide)."""
 
     def __init__(self, index: int):
         self.index = index
         self.tokens: list[int] = []
+        self.fed: list[int] = []
+        self.fresh = 0
         self.turn_starts: list[int] = []
         self.n_pinned: int | None = None
         self.shifts = 0
         self.state: "RequestState | None" = None      # the running request, None when free
         self.last_used = 0.0
+
+    @property
+    def slid(self) -> bool:
+        return len(self.fed) != len(self.tokens)
+
+    def hold(self, ids: Sequence[int]) -> None:
+        """The cache now holds exactly ids, as if fed from empty."""
+        self.tokens, self.fed, self.fresh = list(ids), list(ids), len(ids)
+
+    def extend(self, ids: Sequence[int]) -> None:
+        self.tokens.extend(ids)
+        self.fed.extend(ids)
+        self.fresh += len(ids)
+
+    def slide(self, n_keep: int, n_discard: int) -> None:
+        """The window slid: n_discard ids after the first n_keep left the cache (turn starts follow)."""
+        self.tokens = self.tokens[:n_keep] + self.tokens[n_keep + n_discard:]
+        self.fresh = min(self.fresh, len(self.tokens) - n_keep)
+        self.turn_starts = [s if s < n_keep else s - n_discard for s in self.turn_starts
+                            if not n_keep <= s < n_keep + n_discard]
+        self.shifts += 1
+
+    def cut(self, n: int) -> None:
+        """Only the first n ids stay. Cutting ids fed since the last slide (rejected drafts) keeps the
+        conversation it continues; cutting deeper leaves a plain prefix."""
+        gone = len(self.tokens) - n
+        if gone <= self.fresh:
+            del self.fed[len(self.fed) - gone:]
+            self.tokens, self.fresh = self.tokens[:n], self.fresh - gone
+        else:
+            self.hold(self.tokens[:n])
+
+    def continued_by(self, ids: Sequence[int]) -> bool:
+        """A slid slot whose whole conversation starts ids: its window goes on with the rest of them."""
+        return self.slid and len(ids) >= len(self.fed) and list(ids[:len(self.fed)]) == self.fed
 
 
 class Engine(Protocol):

@@ -133,7 +133,7 @@ class Scheduler(BackgroundDriver):
                 prefetched.wait()
         self.steps += 1
         for e in plan.entries:
-            e.state.slot.tokens.extend(e.ids)
+            e.state.slot.extend(e.ids)
             if e.scores_prompt:
                 score_prompt(e, logits[e.row])
         first = prefetched

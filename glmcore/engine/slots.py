@@ -57,6 +57,10 @@ class SlotTable:
             head = []                  # every prompt position's logits are wanted: no cached prefix
         held = {s.index: common_prefix(s.tokens, head) for s in self.slots}     # once per slot, not per comparison
         slot = max(free, key=lambda s: (held[s.index], -s.last_used))
+        going_on = max((s for s in free if s.continued_by(head)), key=lambda s: len(s.fed), default=None)
+        if going_on is not None and len(going_on.fed) > held[slot.index]:
+            self.go_on(going_on, state)
+            return
         n = held[slot.index]
         donor = max(self.slots, key=lambda s: held[s.index]) if self.native else slot
         cached = self.cache.lookup(head, held[donor.index]) if self.cache is not None else None
@@ -64,16 +68,29 @@ class SlotTable:
             self.save(slot)            # what the slot holds beyond n is about to be overwritten
         if cached is not None:
             self.batch.import_prefix(slot.index, cached.entry.blob)
-            slot.tokens, n = list(cached.entry.tokens), cached.n
+            slot.hold(cached.entry.tokens)
+            n = cached.n
         elif self.native:
             if held[donor.index] > n:
                 n = held[donor.index]
                 self.batch.copy_prefix(donor.index, slot.index, n)
-                slot.tokens = prompt[:n]
+                slot.hold(prompt[:n])
         if n < len(slot.tokens):
             self.truncate(slot, n)
         slot.turn_starts = [s for s in state.request.turn_starts if 0 < s]
         slot.n_pinned = state.request.n_pinned
+        slot.state = state
+        state.place(slot, n)
+
+    def go_on(self, slot: Slot, state: RequestState) -> None:
+        """Continue a slid slot with the rest of a prompt that starts with its whole conversation: the window
+        the slot kept goes on (as `glmcore chat --overflow window` would), rather than the whole conversation
+        being prefilled again, sliding, every turn. The slot keeps its pinned prefix; the prompt's later turn
+        starts follow the slot's positions."""
+        n = len(slot.fed)
+        offset = len(slot.tokens) - n
+        later = [s + offset for s in state.request.turn_starts if s >= n]
+        slot.turn_starts += [s for s in later if not slot.turn_starts or s > slot.turn_starts[-1]]
         slot.state = state
         state.place(slot, n)
 
@@ -93,15 +110,11 @@ class SlotTable:
 
     def shift(self, slot: Slot, n_keep: int, n_discard: int) -> None:
         """Slide one slot's window: in place where the backend can, else recompute the kept ids."""
-        kept = slot.tokens[:n_keep] + slot.tokens[n_keep + n_discard:]
         if self.can_shift:
             self.batch.shift(slot.index, n_keep, n_discard)
         else:
-            self.refill(slot, kept)
-        slot.tokens = kept
-        slot.turn_starts = [s if s < n_keep else s - n_discard for s in slot.turn_starts
-                            if not n_keep <= s < n_keep + n_discard]
-        slot.shifts += 1
+            self.refill(slot, slot.tokens[:n_keep] + slot.tokens[n_keep + n_discard:])
+        slot.slide(n_keep, n_discard)
 
     def truncate(self, slot: Slot, n: int) -> None:
         """Keep a slot's first n positions, as if nothing after them had been fed: in place where the
@@ -110,7 +123,7 @@ class SlotTable:
             self.batch.copy_prefix(slot.index, slot.index, n)
         else:
             self.refill(slot, slot.tokens[:n])
-        slot.tokens = slot.tokens[:n]
+        slot.cut(n)
 
     def refill(self, slot: Slot, ids: list[int]) -> None:
         self.batch.reset(slot.index)
@@ -120,7 +133,7 @@ class SlotTable:
     def drop(self, slot: Slot) -> None:
         """Forget a slot's cache (after a failed step its content is unknown)."""
         self.batch.reset(slot.index)
-        slot.tokens = []
+        slot.hold([])
 
     def feed(self, slot: Slot, ids: Sequence[int], window: WindowPolicy) -> np.ndarray:
         """Teacher forcing: append given ids to an idle slot under `window` (sliding it as generation
@@ -132,7 +145,7 @@ class SlotTable:
             raise ContextOverflow(f"{len(slot.tokens) + len(ids)} tokens exceed the context of {self.capacity}; "
                                   "raise --ctx or use --overflow window")
         logits = self.batch.step([(slot.index, ids)])[0]
-        slot.tokens.extend(ids)
+        slot.extend(ids)
         return logits
 
     def forget(self) -> None:

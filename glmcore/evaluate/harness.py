@@ -174,7 +174,7 @@ class GlmcoreLM(TemplateLM):
         self.scorer.release()
         sched = self.m.scheduler
         for s in sched.slots:        # the scorer used the slots directly: the scheduler starts from empty ones
-            s.tokens = []
+            sched.table.drop(s)
         out: list[str] = []
         todo = [r.args for r in requests]
         bar = tqdm(total=len(todo), desc="glmcore generate_until", disable=disable_tqdm)
