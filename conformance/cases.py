@@ -248,10 +248,14 @@ def batch_mixed(bs: BatchSession, sc: Script, vocab: int, caps: Capabilities) ->
     backend that cannot shift in place, and a copy on one without native batching, are the scheduler's
     fallbacks (reset, re-prefill the kept ids)."""
     held = [[] for _ in range(bs.n_slots)]
-    rows = []
+    rows, steps = [], 0
     for op in sc.batch_ops:
         if op[0] == "step":
-            out = expect_rows(bs.step(op[1]), len(op[1]), vocab, "a batch step")
+            steps += 1
+            if steps % 2:
+                out = expect_rows(bs.step(op[1]), len(op[1]), vocab, "a batch step")
+            else:    # every other step, some entries want every position's logits (a draft verification beside others)
+                out = _last_rows(bs.step(op[1], [j % 2 == 0 for j in range(len(op[1]))]), op[1], vocab)
             for (slot, ids), row in zip(op[1], out):
                 held[slot] += ids
                 rows.append(row)
@@ -280,6 +284,20 @@ def batch_mixed(bs: BatchSession, sc: Script, vocab: int, caps: Capabilities) ->
             if bs.kv_len(slot) != len(ids):
                 raise ContractError(f"slot {slot} has kv_len {bs.kv_len(slot)} after {op[0]}, expected {len(ids)}")
     return {"batch_mixed": np.stack(rows)}
+
+
+def _last_rows(out, entries, vocab: int) -> list[np.ndarray]:
+    """Each entry's last row of a step that asked every position's logits of the even entries: those get
+    [len(ids), vocab], the others [1, vocab] (or, wastefully but correctly, every position too)."""
+    if len(out) != len(entries):
+        raise ContractError(f"a batch step with per-entry all_logits returned {len(out)} arrays for {len(entries)} "
+                            "entries")
+    last = []
+    for j, ((_, ids), rows) in enumerate(zip(entries, out)):
+        n = np.asarray(rows).shape[0] if np.ndim(rows) == 2 else -1
+        want = len(ids) if j % 2 == 0 else n if n in (1, len(ids)) else 1
+        last.append(expect_rows(rows, want, vocab, f"entry {j} of a step with per-entry all_logits")[-1])
+    return last
 
 
 def batch_mixed_reference(s: Session, sc: Script, vocab: int, in_place) -> dict[str, np.ndarray]:

@@ -146,17 +146,24 @@ class BatchSession(_Closable, ABC):
     @abstractmethod
     def kv_len(self, slot: int) -> int: ...
 
-    def step(self, entries: Sequence[Entry], all_logits: bool = False):
+    def step(self, entries: Sequence[Entry], all_logits: bool | Sequence[bool] = False):
         """Append each entry's ids (one or more; prefill chunks and decode tokens mixed freely, at most
         one entry per slot) to its slot. Returns float32 logits of each entry's last position as an
-        array [len(entries), vocab]; with all_logits a list of [len(ids), vocab] arrays, one per entry.
-        The entries are checked here, once, so no backend repeats (or forgets) the check."""
+        array [len(entries), vocab]; with all_logits (True, or per entry: the entries that want them) a list
+        of arrays, one per entry: [len(ids), vocab] for those that want every position's logits, the others'
+        last rows. The entries are checked here, once, so no backend repeats (or forgets) the check."""
         check_entries(self, entries)
-        return self.forward(entries, all_logits)
+        wanted = [all_logits] * len(entries) if isinstance(all_logits, bool) else [bool(w) for w in all_logits]
+        if len(wanted) != len(entries):
+            raise BackendError(f"all_logits names {len(wanted)} entries for a step of {len(entries)}")
+        return self.forward(entries, wanted if any(wanted) else None)
 
     @abstractmethod
-    def forward(self, entries: Sequence[Entry], all_logits: bool = False):
-        """The backend's step on entries the core has checked (see step)."""
+    def forward(self, entries: Sequence[Entry], all_logits: Sequence[bool] | None = None):
+        """The backend's step on entries the core has checked (see step). all_logits None: each entry's last
+        position's logits as one [len(entries), vocab] array. Otherwise a list with one array per entry:
+        [len(ids), vocab] where all_logits[i], else [1, vocab] (its last position; all of them is correct too,
+        only wasted work: a prefill chunk sharing a step with a draft verification needs no more)."""
 
     @abstractmethod
     def reset(self, slot: int) -> None: ...
@@ -253,15 +260,15 @@ class SessionAdapter(BatchSession):
     def kv_len(self, slot: int) -> int:
         return self.sessions[slot].kv_len
 
-    def forward(self, entries: Sequence[Entry], all_logits: bool = False):
+    def forward(self, entries: Sequence[Entry], all_logits: Sequence[bool] | None = None):
         out = []
-        for slot, ids in entries:
-            s, ids = self.sessions[slot], list(ids)
-            if all_logits or len(ids) > 1 or s.kv_len == 0:
-                out.append(s.prefill(ids, all_logits=all_logits))
+        for i, (slot, ids) in enumerate(entries):
+            s, ids, every = self.sessions[slot], list(ids), all_logits is not None and all_logits[i]
+            if every or len(ids) > 1 or s.kv_len == 0:
+                out.append(s.prefill(ids, all_logits=every))
             else:
                 out.append(s.decode(ids[0]))
-        return out if all_logits else np.stack(out)
+        return np.stack(out) if all_logits is None else [o if w else o[None] for o, w in zip(out, all_logits)]
 
     def reset(self, slot: int) -> None:
         self.sessions[slot].reset()

@@ -557,7 +557,7 @@ class TPBatch(BatchSession):
             raise BackendError("this tensor-parallel session is closed")
         return self.local.kv_len(slot)
 
-    def forward(self, entries, all_logits: bool = False):
+    def forward(self, entries, all_logits: Sequence[bool] | None = None):
         # checked once, here on rank 0 (BatchSession.step); every rank holds the same state, so the
         # followers run forward directly too
         return self._call("forward", [(int(s), [int(t) for t in ids]) for s, ids in entries], all_logits)

@@ -249,6 +249,25 @@ def test_catches_a_prefix_import_that_keeps_the_old_rows():
     assert v.pop("batch_mixed") is False and all(v.values()), v
 
 
+class LastRowsOnly(TorchBackend):
+    """Gives each entry only its last position's logits even where the step asked for every position's."""
+    name = "last_rows_only"
+
+    def load_batch(self, config, weights, options, n_slots):
+        batch = super().load_batch(config, weights, options, n_slots)
+        forward = batch.forward
+        batch.forward = lambda entries, all_logits=None: forward(entries, None if all_logits is None else
+                                                                 [False] * len(entries))
+        return batch
+
+
+def test_catches_a_step_that_ignores_which_entries_want_every_position():
+    """batch_mixed asks every position's logits of some entries of a step (as a draft verification sharing a step
+    with a prefill chunk): a batch session that answers with last rows only fails it."""
+    v = verdicts(suite([LastRowsOnly()], ["chatglm3"]))
+    assert v.pop("batch_mixed") is False and all(v.values()), v
+
+
 def test_catches_a_shift_without_rerotation_and_passes_a_correct_one():
     broken = suite([Toy("shift_bug", ShiftWithoutRerotation, can_shift=True)], ["glm4"])
     v = verdicts(broken)

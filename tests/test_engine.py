@@ -107,7 +107,7 @@ def test_schedule_puts_decodes_first_with_their_drafts_then_prefill_chunks_under
     plan = schedule(t, 8, Fixed([11, 12, 13, 14, 15]), 3)
     assert [(e.state, e.ids, e.draft, e.sample) for e in plan.entries] == [
         (d, [10, 11, 12, 13], [11, 12, 13], True), (p, list(range(20, 24)), [], False)]
-    assert plan.all_logits
+    assert plan.all_logits == [True, False]       # the prefill chunk needs its last row only
     assert plan.batch_entries() == [(d.slot.index, [10, 11, 12, 13]), (p.slot.index, [20, 21, 22, 23])]
     assert d.pending is None and p.todo == list(range(24, 40))
 

@@ -30,10 +30,10 @@ class MinimalSession(Session):
         return self._model.kv_len(0)
 
     def prefill(self, ids, all_logits=False):
-        return self._model.forward([(0, list(ids))], all_logits)[0]
+        return self._model.step([(0, list(ids))], all_logits)[0]
 
     def decode(self, token):
-        return self._model.forward([(0, [token])])[0]
+        return self._model.step([(0, [token])])[0]
 
     def reset(self):
         self._model.reset(0)

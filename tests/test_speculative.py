@@ -230,6 +230,25 @@ def glm4_dir(make_tiny):
     return make_tiny("glm4")
 
 
+@pytest.mark.parametrize("backend", NATIVE)
+def test_only_the_entries_that_verify_drafts_get_every_positions_logits(glm4_dir, backend):
+    """A prefill chunk sharing a step with a draft verification gets its last row only (the output layer over a
+    chunk's every position is work nobody reads); the rows equal those of a step that asks every position."""
+    from glmcore.model import load_model
+    from glmcore.backend import LoadOptions
+    m = load_model(glm4_dir, backend, LoadOptions(threads=1, capacity=64), slots=2)
+    batch, V = m.scheduler.batch, m.config.vocab_size
+    entries = [(0, list(range(5, 11))), (1, list(range(20, 29)))]
+    mixed = batch.step(entries, [True, False])
+    assert [np.shape(o) for o in mixed] == [(6, V), (1, V)]
+    for slot in (0, 1):
+        batch.reset(slot)
+    every = batch.step(entries, True)
+    assert [np.shape(o) for o in every] == [(6, V), (9, V)]
+    np.testing.assert_allclose(mixed[0], every[0], rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(mixed[1][0], every[1][-1], rtol=1e-5, atol=1e-5)
+
+
 def run_all(sched, ps, max_new, **kw):
     hs = [sched.submit(Request(p, GREEDY, max_new, **kw)) for p in ps]
     sched.run()

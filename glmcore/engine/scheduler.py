@@ -142,7 +142,7 @@ class Scheduler(BackgroundDriver):
         drafted, accepted = settle_drafts(plan.entries, self.table)
         self.drafted, self.accepted = self.drafted + drafted, self.accepted + accepted
 
-    def _round(self, active: list[PlanEntry], logits, all_logits: bool,
+    def _round(self, active: list[PlanEntry], logits, all_logits: list[bool] | bool,
                prefetched: structured.PrefetchedMasks | None = None) -> list[PlanEntry]:
         """Mask (with the masks prefetched for this round, if any), sample and apply one position of every active
         entry; deliver the events."""

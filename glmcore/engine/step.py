@@ -64,8 +64,11 @@ class StepPlan:
             e.row = i
 
     @property
-    def all_logits(self) -> bool:
-        return any(e.draft or e.scores_prompt for e in self.entries)
+    def all_logits(self) -> list[bool] | bool:
+        """Per entry, whether it wants every position's logits (it verifies drafts, or scores its prompt);
+        False when none does (one [n, vocab] array of last rows comes back)."""
+        wanted = [bool(e.draft) or e.scores_prompt for e in self.entries]
+        return wanted if any(wanted) else False
 
     def batch_entries(self) -> list[tuple[int, list[int]]]:
         return [(e.index, e.ids) for e in self.entries]
@@ -124,11 +127,12 @@ def make_room(table: SlotTable, state: RequestState, n_new: int) -> list[Event]:
     return []
 
 
-def row_of(entry: PlanEntry, logits, all_logits: bool) -> np.ndarray:
+def row_of(entry: PlanEntry, logits, all_logits: list[bool] | bool) -> np.ndarray:
     """The logits row entry samples in its current round (a view, no copy)."""
     if not all_logits:
         return logits[entry.row]
-    return logits[entry.row][len(entry.ids) - len(entry.draft) - 1 + entry.rounds]
+    # counted from the end: an entry that wants only its last row may get just that row
+    return logits[entry.row][entry.rounds - len(entry.draft) - 1]
 
 
 def constrain(states: Sequence[RequestState], rows: list[np.ndarray], executor,

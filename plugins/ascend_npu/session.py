@@ -426,23 +426,24 @@ class AscendBatchSession(BatchSession):
             raise BackendError(f"slot {slot!r} does not exist: this batch session has slots 0..{self.n_slots - 1}")
         return int(slot)
 
-    def forward(self, entries, all_logits: bool = False):
+    def forward(self, entries, all_logits: Sequence[bool] | None = None):
         # slots, entry counts and capacity were checked by the core (BatchSession.step); the ids index the
         # embedding on the device, so their range is checked here
         entries = [(int(s), check_ids(ids, self.cfg)) for s, ids in entries]
         out: list = [None] * len(entries)
         decodes = [i for i, (_, ids) in enumerate(entries) if len(ids) == 1]
+        every = list(all_logits) if all_logits is not None else [False] * len(entries)
         for i, (s, ids) in enumerate(entries):
             if len(ids) > 1:
-                last, rows = self.runner.prefill_chunks(s, self._lens[s], ids, all_logits)
-                out[i] = rows if all_logits else last
+                last, rows = self.runner.prefill_chunks(s, self._lens[s], ids, every[i])
+                out[i] = rows if every[i] else last if all_logits is None else last[None]
         if decodes:
             logits = self._decode([entries[i][0] for i in decodes], [entries[i][1][0] for i in decodes])
             for row, i in enumerate(decodes):
                 out[i] = logits[row:row + 1] if all_logits else logits[row]
         for s, ids in entries:
             self._lens[s] += len(ids)
-        return out if all_logits else np.stack(out)
+        return np.stack(out) if all_logits is None else out
 
     def _decode(self, slots: list[int], tokens: list[int]) -> np.ndarray:
         """One token for each slot in one call, padded to a batch bucket with rows on the scratch slot."""

@@ -30,7 +30,7 @@ from glmcore.errors import BackendError
 
 HERE = Path(__file__).resolve().parent
 SOURCE = HERE / "csrc" / "glmi4.c"
-ABI = 10
+ABI = 11
 ISAS = ("plain", "avx2", "avxvnni", "avx512vnni")    # in order of preference (glmi4.c ISA_NAMES)
 CFLAGS = ["-O3", "-std=c11", "-fPIC", "-shared", "-pthread"]
 
@@ -95,7 +95,7 @@ def _declare(lib) -> None:
         "glmi4_kernel_calls": (U64, [I]), "glmi4_best_isa": (I, []),
         "glmi4_create": (P, [C.POINTER(Spec), C.c_char_p, I]), "glmi4_destroy": (None, [P]),
         "glmi4_kv_len": (I, [P, I]), "glmi4_reset": (None, [P, I]),
-        "glmi4_step": (I, [P, P, P, P, I, P, I, P]),
+        "glmi4_step": (I, [P, P, P, P, I, P, P, P]),
         "glmi4_draft": (I, [P, I, I, I, P, P, P, P]), "glmi4_shift": (I, [P, I, I, I]),
         "glmi4_copy_prefix": (I, [P, I, I, I]), "glmi4_kv_bytes": (C.c_longlong, [P, I]),
         "glmi4_kv_export": (I, [P, I, I, P]), "glmi4_kv_import": (I, [P, I, I, P]),

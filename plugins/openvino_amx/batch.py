@@ -93,10 +93,10 @@ class OpenVINOBatchSession(BatchSession):
             raise BackendError(f"slot {slot} out of range 0..{self.n_slots - 1}")
         return slot
 
-    def forward(self, entries: Sequence[Entry], all_logits: bool = False):
+    def forward(self, entries: Sequence[Entry], all_logits: Sequence[bool] | None = None):
         entries = [(slot, [int(t) for t in ids]) for slot, ids in entries]   # checked by BatchSession.step
         ids, pos, past, begins, table, table_begins, wanted = [], [], [], [0], [], [0], []
-        for slot, chunk in entries:
+        for i, (slot, chunk) in enumerate(entries):
             start, end = self._len[slot], self._len[slot] + len(chunk)
             if min(chunk) < 0 or max(chunk) >= self.cfg.vocab_size:
                 raise BackendError(f"token id out of range 0..{self.cfg.vocab_size - 1}")
@@ -107,7 +107,7 @@ class OpenVINOBatchSession(BatchSession):
             begins.append(len(ids))
             table += self._blocks(slot, end)
             table_begins.append(len(table))
-            wanted += range(first, len(ids)) if all_logits else [len(ids) - 1]
+            wanted += range(first, len(ids)) if all_logits is not None and all_logits[i] else [len(ids) - 1]
         inputs = {
             "input_ids": np.array(ids, np.int64), "position_ids": np.array(pos, np.int64),
             "past_lens": np.array(past, np.int32), "subsequence_begins": np.array(begins, np.int32),
@@ -121,9 +121,9 @@ class OpenVINOBatchSession(BatchSession):
         logits = np.array(self.request.get_tensor("logits").data[:, 0], dtype=np.float32)   # [n, vocab], a copy
         for slot, chunk in entries:
             self._len[slot] += len(chunk)
-        if not all_logits:
+        if all_logits is None:
             return logits
-        bounds = np.cumsum([0] + [len(c) for _, c in entries])
+        bounds = np.cumsum([0] + [len(c) if w else 1 for (_, c), w in zip(entries, all_logits)])
         return [logits[a:b] for a, b in zip(bounds, bounds[1:])]
 
     def reset(self, slot: int) -> None:

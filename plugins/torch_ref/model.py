@@ -135,7 +135,7 @@ class TorchRefBatch(BatchSession):
         self.model, self.k_cache, self.v_cache = None, [], []
 
     @torch.inference_mode()
-    def forward(self, entries: Sequence[tuple[int, Sequence[int]]], all_logits: bool = False):
+    def forward(self, entries: Sequence[tuple[int, Sequence[int]]], all_logits: Sequence[bool] | None = None):
         groups: dict[int, list[int]] = {}            # length -> indices of the entries of that length
         for i, (_, ids) in enumerate(entries):
             groups.setdefault(len(ids), []).append(i)
@@ -155,8 +155,11 @@ class TorchRefBatch(BatchSession):
                     self.mtp.ids[slot, self.lens[slot]:self.lens[slot] + T] = ids[row]
                     self.mtp.hidden[slot, self.lens[slot]:self.lens[slot] + T] = hidden[row]
                 self.lens[slot] += T
-                out[i] = self.model.logits(hidden[row]).numpy() if all_logits else logits[row].numpy()
-        return out if all_logits else np.stack(out)
+                if all_logits is None:
+                    out[i] = logits[row].numpy()
+                else:       # the output layer over every position only for the entries that want them
+                    out[i] = (self.model.logits(hidden[row]) if all_logits[i] else logits[row][None]).numpy()
+        return np.stack(out) if all_logits is None else out
 
 
 class NextNState:

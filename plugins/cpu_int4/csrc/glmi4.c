@@ -48,7 +48,7 @@
 #define GLMI4_X86 0
 #endif
 
-#define GLMI4_ABI 10
+#define GLMI4_ABI 11
 #define QK 32          /* activation block: one int8 scale per 32 inputs */
 #define TILE 16        /* output rows per packed tile */
 #define PREFETCH 4096   /* decode streams weights: prefetch this far ahead into L1 (measured: +40% on one core) */
@@ -2616,11 +2616,12 @@ void glmi4_reset(void *handle, int slot) {
 
 /* One step over n_entries entries: entry e appends counts[e] ids (concatenated in ids, in entry order) to
  * slot slots[e]; at most one entry per slot. The tokens of all entries go through the layers together,
- * max_batch at a time. logits: NULL, [n_entries][vocab] (each entry's last position) or, all,
- * [sum counts][vocab]. hidden: NULL, or [sum counts][hidden], every token's final normed hidden state (what a
- * NextN layer drafts from). Nothing is appended when an argument is refused. */
+ * max_batch at a time. logits: NULL, or in entry order each entry's last position's row, every position's rows
+ * for the entries with all[e] set (all: NULL for none) [rows][vocab]. hidden: NULL, or [sum counts][hidden],
+ * every token's final normed hidden state (what a NextN layer drafts from). Nothing is appended when an argument
+ * is refused. */
 int glmi4_step(void *handle, const int32_t *ids, const int32_t *slots, const int32_t *counts, int n_entries,
-               float *logits, int all, float *hidden) {
+               float *logits, const uint8_t *all, float *hidden) {
     model *m = handle;
     const glmi4_spec *s = &m->s;
     if (n_entries < 1) return E_ARG;
@@ -2636,21 +2637,20 @@ int glmi4_step(void *handle, const int32_t *ids, const int32_t *slots, const int
         if (ids[i] < 0 || ids[i] >= s->vocab) return E_TOKEN;
     int *rows = m->trow;
     int e = 0, off = 0;                     /* entry of the next token, its offset in that entry */
+    size_t written = 0;                     /* logits rows filled so far */
     for (int done = 0; done < total;) {
         const int T = imin(s->max_batch, total - done);
-        int R = 0, first = -1;
+        int R = 0;
         for (int t = 0; t < T; t++) {
             m->tslot[t] = slots[e];
             m->tpos[t] = m->len[slots[e]] + off;
             const int last = ++off == counts[e];
-            if (all || last) {
-                if (first < 0) first = all ? done + t : e;
-                rows[R++] = t;
-            }
+            if ((all && all[e]) || last) rows[R++] = t;
             if (last) { e++; off = 0; }
         }
-        float *out = logits && R ? logits + (size_t)first * s->vocab : NULL;
+        float *out = logits && R ? logits + written * s->vocab : NULL;
         forward_chunk(m, ids + done, T, rows, out ? R : 0, out, hidden ? hidden + (size_t)done * s->hidden : NULL);
+        written += R;
         done += T;
     }
     for (int i = 0; i < n_entries; i++) m->len[slots[i]] += counts[i];
