@@ -440,10 +440,12 @@ def test_a_backend_without_a_tensor_parallel_path_is_refused():
 
 def test_ascend_npu_eager_two_ranks_conform():
     tp = parallel.TensorParallel(registry().get("ascend_npu"), 2)
-    report = run_suite([tp], families=["chatglm3", "glm4"], precision="f32", weights="f32", extra={"mode": "eager"},
+    report = run_suite([tp], families=["chatglm3", "glm4", "glm4-moe-lite"], precision="f32", weights="f32",
+                       extra={"mode": "eager"},
                        cases=("prefill", "decode", "window_shift", "batch_mixed"), threads=1)
     assert report.passed, format_table(report)
     assert {r.case for r in report.results} == {"prefill", "decode", "window_shift", "batch_mixed"}
+    assert {r.model for r in report.results} == {"chatglm3", "glm4", "glm4-moe-lite"}
 
 
 def test_ascend_npu_graph_mode_keeps_the_collectives_in_one_compiled_step(make_tiny):
