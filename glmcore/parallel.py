@@ -11,6 +11,13 @@ Sharding (Megatron-style, on the canonical weights):
     contribute zeros to an all-reduce), the logits are all-gathered. Measured against replicating them
     (1b chatglm3, f32, 2 ranks, back to back): peak RSS per rank 2797 MiB split vs 3236 MiB replicated
     (0.53x vs 0.61x one rank's 5309), decode 0.6 vs 0.5 tok/s: the split saves memory and costs nothing;
+  - MoE layers: whole routed experts per rank (each routes over all of them and weighs the others' 0),
+    the shared expert split like an FFN; the MoE output joins the FFN's all-reduce;
+  - latent attention (MLA, glm4_moe_lite), as vLLM and SGLang split DeepSeek's: the latent projections
+    (q_a, kv_a) and their norms are replicated, q_b/q and kv_b column-parallel by heads (each head's rows
+    whole), the output row-parallel (each head's v_head_dim columns), its bias added on rank 0 only. The
+    latent KV cache is per token, not per head, so every rank holds all of it: tensor parallelism does
+    not divide the latent cache's memory (as in vLLM);
   - norms are replicated.
 Each rank reads only its slices of the memory-mapped checkpoint (`ShardWeights`).
 
@@ -147,9 +154,11 @@ class ShardWeights(Mapping):
 
         from .arch import Axis, Split
         spec = self._specs()[name]
-        cfg, p, hd = self.cfg, self.p, self.cfg.head_dim
+        cfg, p, hd = self.cfg, self.p, spec.head_size or self.cfg.head_dim
         if spec.split in (Split.REPLICATED, Split.EXPERT):     # an expert: whole, on the rank that holds it
             return w
+        if spec.split is Split.ONCE:
+            return w if p.rank == 0 else np.zeros_like(w)
         if spec.split is Split.VOCAB:
             return w[p.vocab[0]:p.vocab[1]]
         if spec.axis is Axis.QKV:       # weight rows or bias: my q heads, then my k groups, then my v groups
@@ -623,8 +632,6 @@ class TensorParallel(Backend):
 
     # the optional hooks answer for the model as a whole, as the inner backend states them
     def supports(self, config) -> str | None:
-        if getattr(config, "kv_lora_rank", 0):
-            return f"tensor parallelism does not split latent attention yet ({config.arch}); use --tp 1"
         return self.inner.supports(config)
 
     def architectures(self) -> list[str]:

@@ -443,10 +443,12 @@ def test_eval_perplexity_of_a_gguf_is_its_sources(files, tmp_path, capsys):
     assert found[0] == found[1]
 
 
-def test_two_ranks_open_the_gguf_too(files, capsys):
-    """--tp 2: every rank opens the GGUF itself (the weights are never sent) and the text is one rank's."""
+@pytest.mark.parametrize("family", ["glm4-0414", "glm4-moe-lite"])
+def test_two_ranks_open_the_gguf_too(files, capsys, family):
+    """--tp 2: every rank opens the GGUF itself (the weights are never sent) and the text is one rank's (GLM-4.7-Flash:
+    kv_b put back together from the file's k_b and v_b, then split by heads)."""
     from glmcore.cli import main
-    args = ["run", "--backend", "torch", "--model", str(files["glm4-0414"][1]["Q8_0"]), "--prompt", "hi",
+    args = ["run", "--backend", "torch", "--model", str(files[family][1]["Q8_0"]), "--prompt", "hi",
             "--max-new-tokens", "6", "--temperature", "0", "--threads", "1"]
     assert main(args) == 0
     alone = capsys.readouterr().out

@@ -289,11 +289,33 @@ def test_make_model_refuses_an_unknown_size(tmp_path):
         make_model("glm4-moe", "9b", tmp_path / "m")
 
 
-def test_tensor_parallel_refuses_latent_attention_in_one_line(make_tiny):
+def test_tensor_parallel_serves_latent_attention(make_tiny):
+    """GLM-4.7-Flash under --tp 2 (latent attention split by heads, glmcore/parallel.py): the server's greedy reply
+    is one rank's; more ranks than attention heads are refused in one line."""
+    pytest.importorskip("openai", reason="the server tests need the dev extra (openai, httpx)")
+    pytest.importorskip("uvicorn", reason='the server needs its extra: pip install "glmcore[server]"')
+    from test_server import client, serving
+
+    from glmcore.cli import main
     from glmcore.model import load_model
-    with pytest.raises(BackendError, match=r"--tp 2: tensor parallelism does not split latent attention yet "
-                                           r"\(glm4_moe_lite\); use --tp 1"):
-        load_model(make_tiny("glm4-moe-lite"), "torch", LoadOptions(tp=2))
+    from glmcore.pipeline import Pipeline
+    from glmcore.sampling import SamplingParams
+    d = make_tiny("glm4-moe-lite")
+    messages = [{"role": "user", "content": "你好"}]
+    want = Pipeline(d, "torch", LoadOptions(threads=1)).chat(messages, params=SamplingParams(temperature=0),
+                                                             max_new_tokens=6).content
+    assert want
+    m = load_model(d, "torch", LoadOptions(threads=1, tp=2), slots=2)
+    try:
+        assert m.backend.name == "torch tp=2"
+        with serving(m, "glm4-moe-lite") as url:
+            r = client(url).chat.completions.create(model="glm4-moe-lite", messages=messages, max_tokens=6,
+                                                    temperature=0)
+            assert r.choices[0].message.content == want
+    finally:
+        m.close()
+    with pytest.raises(BackendError, match=r"^--tp 5: this model has 4 attention heads; use 1\.\.4 ranks$"):
+        load_model(d, "torch", LoadOptions(tp=5))
 
 
 @pytest.mark.parametrize("family", MOE_FAMILIES)

@@ -16,6 +16,7 @@ import pytest
 
 from glmcore import parallel, synth
 from glmcore.arch import glm as glm_arch
+from glmcore.arch import glm4_moe_lite as lite_arch
 from glmcore.backend import Backend, LoadOptions, registry
 from glmcore.cli import main
 from glmcore.config import ModelConfig
@@ -166,6 +167,119 @@ def test_moe_shards_hold_whole_experts_once(make_tiny):
         parallel.plan(dataclasses.replace(cfg, num_experts=2), 0, 3)
 
 
+def test_two_gloo_ranks_split_the_latent_attention_of_glm4_moe_lite():
+    """GLM-4.7-Flash's layout on two ranks: latent attention split by heads (q_b's and kv_b's rows of my heads,
+    o_proj's columns of them; the latent projections and the latent cache every rank's), experts as glm4_moe's."""
+    tp = parallel.TensorParallel(registry().get("torch"), 2)
+    _passed(run_suite([tp], families=["glm4-moe-lite"], cases=CASES, threads=1), 2)
+
+
+# 4 heads over 3 ranks (1, 1, 2), 8 experts (2, 3, 3); q_proj (no q LoRA) and the attention biases
+LITE_VARIANT = dict(lite_arch.SIZES["tiny"], q_lora_rank=None, attention_bias=True)
+
+
+@pytest.mark.slow
+def test_three_gloo_ranks_on_latent_attention_with_q_proj_biases_and_uneven_heads(tmp_path, monkeypatch):
+    monkeypatch.setitem(lite_arch.SIZES, "variant", LITE_VARIANT)
+    synth.make_model("glm4-moe-lite", "variant", tmp_path)
+    cfg = ModelConfig.from_dir(tmp_path)
+    assert (cfg.q_lora_rank, cfg.qkv_bias) == (0, True)
+    assert [parallel.plan(cfg, r, 3).heads for r in range(3)] == [(0, 1), (1, 2), (2, 4)]
+    tp = parallel.TensorParallel(registry().get("torch"), 3)
+    _passed(run_suite([tp], model_dir=tmp_path, cases=CASES, threads=1), 3)
+
+
+def test_latent_attention_shards_hold_each_heads_rows_once(make_tiny):
+    d = make_tiny("glm4-moe-lite")
+    cfg = ModelConfig.from_dir(d)
+    w = load_weights(d, cfg)
+    shards = [parallel.ShardWeights(w, cfg, parallel.plan(cfg, r, 2)) for r in range(2)]
+    qk, kv, vd = cfg.head_dim, cfg.qk_nope_dim + cfg.v_head_dim, cfg.v_head_dim
+    for p in ("layers.1.", "mtp.0.layer."):           # the NextN layer shards like a decoder layer
+        full = {n[len(p):]: np.asarray(w[n]) for n in w if n.startswith(p)}
+        for s in shards:
+            h0, h1 = s.p.heads
+            assert np.array_equal(s[p + "q_b.weight"], full["q_b.weight"][h0 * qk:h1 * qk])
+            assert np.array_equal(s[p + "kv_b.weight"], full["kv_b.weight"][h0 * kv:h1 * kv])
+            assert np.array_equal(s[p + "attn_out.weight"], full["attn_out.weight"][:, h0 * vd:h1 * vd])
+            for n in ("q_a.weight", "q_a_norm.weight", "kv_a.weight", "kv_a_norm.weight"):    # the shared latent's
+                assert np.array_equal(s[p + n], full[n])
+        for n, axis in (("q_b.weight", 0), ("kv_b.weight", 0), ("attn_out.weight", 1)):
+            assert np.array_equal(np.concatenate([s[p + n] for s in shards], axis), full[n])
+
+
+def _lite_attention_parts(cfg, w, world: int):
+    """Layer 1's attention output of 5 tokens: one device's, and each rank's partial output from its shard
+    (what the all-reduce then sums), with the caches' shapes: the reference forward, in one process."""
+    import torch
+
+    from glmcore_plugins.torch_ref.forward import Glm4MoeLite
+    from glmcore_plugins.torch_ref.ops import torch_ops
+    h = torch.randn(1, 5, cfg.hidden_size, generator=torch.Generator().manual_seed(0))
+
+    def attention(c, weights):
+        model = Glm4MoeLite(c, weights, torch.device("cpu"), torch.float32, torch_ops(), 16).eval()
+        k, v = model.cache_shapes(1, 16)
+        k_cache, v_cache = torch.zeros(k), torch.zeros(v)
+        step = model.make_step(torch.tensor([0]), torch.tensor([0]), 5, k_cache)
+        return model.attention(model.layers[1], h, step, k_cache, v_cache), (k, v)
+
+    plans = [parallel.plan(cfg, r, world) for r in range(world)]
+    parts = [attention(parallel.shard_config(cfg, p), parallel.ShardWeights(w, cfg, p)) for p in plans]
+    return attention(cfg, w), parts
+
+
+@pytest.mark.parametrize("variant", ["tiny", "variant"])
+def test_latent_attention_partial_outputs_sum_to_one_devices(variant, tmp_path, monkeypatch):
+    """Each rank's heads, through its q_b/q, kv_b and o_proj rows and columns (o_proj's bias on rank 0 only),
+    sum to the unsplit attention, evenly and unevenly split; every rank caches the whole latent."""
+    monkeypatch.setitem(lite_arch.SIZES, "variant", LITE_VARIANT)
+    synth.make_model("glm4-moe-lite", variant, tmp_path)
+    cfg = ModelConfig.from_dir(tmp_path)
+    w = load_weights(tmp_path, cfg)
+    for world in (2, 3, 4):
+        (whole, caches), parts = _lite_attention_parts(cfg, w, world)
+        assert all(c == caches for _, c in parts)
+        np.testing.assert_allclose(sum(x for x, _ in parts).numpy(), whole.numpy(), rtol=0, atol=1e-5)
+
+
+def _kv_b_as_k_block_then_v_block(monkeypatch, cfg):
+    """kv_b split as if it stacked every head's K rows, then every head's V rows (a fused [K; V] projection)."""
+    honest = lite_arch.Glm4MoeLiteArchitecture.attention_tensors
+
+    def sabotaged(self, c, p):
+        t = honest(self, c, p)
+        t[p + "kv_b.weight"] = dataclasses.replace(t[p + "kv_b.weight"], blocks=2, head_size=c.qk_nope_dim)
+        return t
+    monkeypatch.setattr(lite_arch.Glm4MoeLiteArchitecture, "attention_tensors", sabotaged)
+
+
+def _kv_b_heads_as_v_then_k(monkeypatch, cfg):
+    """Each head's kv_b rows taken as V, then K (transformers' order is qk_nope, then v)."""
+    honest = parallel.ShardWeights.__getitem__
+
+    def sabotaged(self, name):
+        w = honest(self, name)
+        if not name.endswith("kv_b.weight"):
+            return w
+        heads = w.reshape(-1, cfg.qk_nope_dim + cfg.v_head_dim, w.shape[-1])
+        return np.concatenate([heads[:, cfg.qk_nope_dim:], heads[:, :cfg.qk_nope_dim]], 1).reshape(w.shape)
+    monkeypatch.setattr(parallel.ShardWeights, "__getitem__", sabotaged)
+
+
+@pytest.mark.parametrize("sabotage", [_kv_b_as_k_block_then_v_block, _kv_b_heads_as_v_then_k],
+                         ids=["kv_b as all K rows then all V rows", "each head's kv_b rows as V then K"])
+def test_a_wrong_kv_b_split_breaks_the_sum(sabotage, make_tiny, monkeypatch):
+    """The check above has teeth: kv_b split in a plausible wrong layout (shapes that still fit) gives a different
+    attention."""
+    d = make_tiny("glm4-moe-lite")
+    cfg = ModelConfig.from_dir(d)
+    assert cfg.qk_nope_dim == cfg.v_head_dim       # the wrong layouts have the right shapes: nothing else fails
+    sabotage(monkeypatch, cfg)
+    (whole, _), parts = _lite_attention_parts(cfg, load_weights(d, cfg), 2)
+    assert float((sum(x for x, _ in parts) - whole).abs().max()) > 1e-2
+
+
 def test_32b_width_checkpoint_runs_on_two_ranks(tmp_path, monkeypatch, capsys):
     """GLM-4-32B-0414's width (6144 hidden, 48 heads in 2 KV groups, 23040 FFN) with one layer and the synthetic
     tokenizer's vocabulary (the real 151,552 rows would write 3.7 GB more): it loads, shards and answers with
@@ -195,6 +309,18 @@ def test_scheduler_and_cli_drive_two_ranks(tmp_path, capsys):
     assert main(args + ["--tp", "2", "--threads", "1"]) == 0
     split = capsys.readouterr()
     assert split.out == alone.out and "[torch tp=2] 3 prompts on 3 slots" in split.err
+
+
+def test_glmcore_run_tp2_on_latent_attention_answers_like_one_rank(make_tiny, tmp_path, capsys):
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("你好\nhello there\n", encoding="utf-8")
+    args = ["run", "--backend", "torch", "--model", str(make_tiny("glm4-moe-lite")), "--prompts", str(prompts),
+            "--max-new-tokens", "8", "--temperature", "0", "--threads", "1"]
+    assert main(args) == 0
+    alone = capsys.readouterr()
+    assert main(args + ["--tp", "2"]) == 0
+    split = capsys.readouterr()
+    assert split.out == alone.out and "[torch tp=2] 2 prompts on 2 slots" in split.err
 
 
 def test_glmcore_conformance_tp2(capsys):
@@ -314,10 +440,12 @@ def test_a_backend_without_a_tensor_parallel_path_is_refused():
 
 def test_ascend_npu_eager_two_ranks_conform():
     tp = parallel.TensorParallel(registry().get("ascend_npu"), 2)
-    report = run_suite([tp], families=["chatglm3", "glm4"], precision="f32", weights="f32", extra={"mode": "eager"},
+    report = run_suite([tp], families=["chatglm3", "glm4", "glm4-moe-lite"], precision="f32", weights="f32",
+                       extra={"mode": "eager"},
                        cases=("prefill", "decode", "window_shift", "batch_mixed"), threads=1)
     assert report.passed, format_table(report)
     assert {r.case for r in report.results} == {"prefill", "decode", "window_shift", "batch_mixed"}
+    assert {r.model for r in report.results} == {"chatglm3", "glm4", "glm4-moe-lite"}
 
 
 def test_ascend_npu_graph_mode_keeps_the_collectives_in_one_compiled_step(make_tiny):

@@ -24,6 +24,7 @@ class Split(enum.Enum):
     COLUMN = "column"             # output rows by `axis` (each of `blocks` stacked blocks split alike)
     ROW = "row"                   # input columns by `axis`; the partial products are summed across ranks
     EXPERT = "expert"             # whole experts per rank (leading dimension: experts)
+    ONCE = "once"                 # the bias of a ROW product: rank 0 holds it, the others zeros (summed once)
 
 
 class Axis(enum.Enum):
@@ -55,6 +56,7 @@ class TensorSpec:
     axis: Axis | None = None      # for COLUMN and ROW
     blocks: int = 1               # COLUMN: stacked blocks split alike (a fused gate|up: 2)
     role: Role = Role.LINEAR
+    head_size: int = 0            # Axis.HEADS: rows (COLUMN) or columns (ROW) per head; 0: the config's head_dim
 
 
 # canonical name -> (stored name -> the rows of the canonical tensor it holds, None: all of it)

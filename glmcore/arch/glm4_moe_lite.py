@@ -141,8 +141,10 @@ class Glm4MoeLiteArchitecture(Glm4MoeArchitecture):
 
     def attention_tensors(self, cfg: MlaConfig, p: str) -> dict[str, TensorSpec]:
         h, H = cfg.hidden_size, cfg.num_heads
-        # Latent attention under tensor parallelism is not split yet: the per-head projections are stated as
-        # head-split for when it is, the shared latent projections as replicated.
+        # Under tensor parallelism (as vLLM and SGLang split DeepSeek's MLA) the latent projections and norms are
+        # every rank's: they make the shared latent and rope key, which is why every rank caches all of it. The
+        # per-head tensors split by head, each head's block whole: q_b's (or q's) qk_nope + qk_rope rows, kv_b's
+        # qk_nope + v rows, o_proj's v_head_dim columns.
         t = {}
         if cfg.q_lora_rank:
             t[p + "q_a.weight"] = TensorSpec((cfg.q_lora_rank, h))
@@ -157,11 +159,11 @@ class Glm4MoeLiteArchitecture(Glm4MoeArchitecture):
         if cfg.qkv_bias:
             t[p + "kv_a.bias"] = TensorSpec((cfg.latent_size,), role=Role.BIAS)
         t[p + "kv_a_norm.weight"] = TensorSpec((cfg.kv_lora_rank,), role=Role.NORM)
-        t[p + "kv_b.weight"] = TensorSpec((H * (cfg.qk_nope_dim + cfg.v_head_dim), cfg.kv_lora_rank), Split.COLUMN,
-                                          Axis.HEADS)
-        t[p + "attn_out.weight"] = TensorSpec((h, H * cfg.v_head_dim), Split.ROW, Axis.HEADS)
+        kv_head = cfg.qk_nope_dim + cfg.v_head_dim
+        t[p + "kv_b.weight"] = TensorSpec((H * kv_head, cfg.kv_lora_rank), Split.COLUMN, Axis.HEADS, head_size=kv_head)
+        t[p + "attn_out.weight"] = TensorSpec((h, H * cfg.v_head_dim), Split.ROW, Axis.HEADS, head_size=cfg.v_head_dim)
         if cfg.qkv_bias:
-            t[p + "attn_out.bias"] = TensorSpec((h,), role=Role.BIAS)
+            t[p + "attn_out.bias"] = TensorSpec((h,), Split.ONCE, role=Role.BIAS)
         return t
 
     def to_canonical(self, raw: dict[str, np.ndarray], where: Path) -> dict[str, np.ndarray]:
