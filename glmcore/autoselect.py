@@ -155,6 +155,9 @@ def choose(reg, rerun: bool = False, measure: Callable[[str], Measured] | None =
     if measurement_off():
         return None
     names, accelerator = candidates(reg)
+    if rerun:                            # what the backends chose by measuring (a kernel tier) goes first
+        for n in names:
+            reg.get(n).remeasure()
     if accelerator is not None or len(names) < 2:
         return None
     if not rerun:

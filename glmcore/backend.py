@@ -377,6 +377,10 @@ class Backend(ABC):
         from the weight format."""
         return None
 
+    def remeasure(self) -> None:
+        """Measure again what the backend chose by measuring on this CPU and cached (cpu_int4's kernel tier):
+        `--backend auto` calls it before it times the backends. Default: nothing cached, nothing to do."""
+
     def offers(self, hook: str) -> bool:
         """Whether this backend overrides an optional hook (e.g. "load_shard", "load")."""
         return getattr(type(self), hook) is not getattr(Backend, hook)

@@ -255,6 +255,27 @@ def test_a_pinned_tier_wins_and_the_off_switch_takes_the_widest(tiers, monkeypat
     assert not probe.ready and "GLMCORE_INT4_ISA=avx512vnni is not supported" in probe.reason
 
 
+def test_backend_auto_times_the_tier_again_before_the_backends(tiers, monkeypatch):
+    """`--backend auto` measures again what was chosen by measuring: cpu_int4's tier first (its timings feed the
+    backend figures), then the backends."""
+    from glmcore_plugins.cpu_int4 import CpuInt4Backend
+    n = tiers.native
+    assert n.ISAS[n.choose_isa()[0]] == "avx2"
+    tiers.table["avx2"] = (90.0, 700.0)                     # the CPU's figures moved (another load, a BIOS change)
+    n._tier = None
+    assert n.ISAS[n.choose_isa()[0]] == "avx2"              # the cached choice stands ...
+    order = []
+    monkeypatch.setattr(autoselect, "measure_backend", lambda name: order.append(name) or Measured(name, "int4", 1, 1))
+    reg = registry(CpuInt4Backend(), Fake("other", rank=5))
+    monkeypatch.setattr(n, "tier_choice", lambda rerun=False, real=n.tier_choice: order.append(f"tier {rerun}")
+                        or real(rerun))
+    autoselect.choose(reg, rerun=True)
+    timed = [o for o in order if not o.startswith("tier")]
+    assert sorted(timed) == ["cpu_int4", "other"] and order.index("tier True") < order.index(timed[0])
+    assert n._tier.isa == "avx512vnni"                      # ... until --backend auto times it again
+    assert json.loads(tiers.cache.read_text())["isa"] == "avx512vnni"
+
+
 def test_glmcore_backends_prints_the_tier_timings(tiers, monkeypatch, capsys):
     from glmcore import cli
     n = tiers.native

@@ -96,6 +96,12 @@ class CpuInt4Backend(Backend):
                           if widest != native.expected_isa() else {}))
         return Probe(True, device="cpu", details=details)
 
+    def remeasure(self) -> None:
+        from . import native
+        from glmcore.autoselect import measurement_off
+        if not measurement_off():
+            native.tier_choice(rerun=True)
+
     def capabilities(self) -> Capabilities:
         # int8 activations x int4 weights, accumulated and kept in fp32 between the matrix products
         return Capabilities(precisions=("f32",), weight_formats=("int4",), default_precision="f32",
