@@ -22,6 +22,10 @@ from glmcore.errors import BackendError
 
 from .cpu import compressed_matmul_kernel, has_amx, has_avx512_bf16, integer_isa, native_bf16
 
+# graph.py builds these: the dense GLM, and the MoE GLMs (experts through opset17's GroupedMatMul; glm4_moe_lite's
+# latent attention over a latent cache)
+ARCHITECTURES = ("glm", "glm4_moe", "glm4_moe_lite")
+
 
 class OpenVINOBackend(Backend):
     name = "openvino_amx"
@@ -67,10 +71,15 @@ class OpenVINOBackend(Backend):
                             speed_rank=20 if integer_isa() else 3)
 
     def supports(self, config) -> str | None:
-        return kernels_run(self, config, ("glm",))
+        refused = kernels_run(self, config, ARCHITECTURES)
+        if refused is None and config.arch != "glm" and importlib.util.find_spec("openvino") is not None \
+                and importlib.util.find_spec("openvino.opset17") is None:
+            return (f"{self.name} runs {config.arch}'s experts with opset17's GroupedMatMul, which this openvino "
+                    "lacks; upgrade it: pip install -U 'openvino>=2026.0'")
+        return refused
 
     def architectures(self) -> list[str]:
-        return [arch.get("glm").describe()]
+        return [arch.get(a).describe() for a in ARCHITECTURES]
 
     def _require(self) -> None:
         problem = _runtime_problem()
@@ -190,7 +199,7 @@ def _kernel_line() -> str:
 
 def _runtime_problem() -> str:
     """Why the installed OpenVINO cannot run this backend, or "". The graph uses the top-level opset modules
-    (OpenVINO 2025.0 and newer); the fusions it relies on are checked by tests/test_openvino_amx.py."""
+    (OpenVINO 2025.0 and newer; the MoE GLMs need opset17's GroupedMatMul); the fusions it relies on are checked by tests/test_openvino_amx.py."""
     if importlib.util.find_spec("openvino") is None:
         return "openvino is not installed"
     if importlib.util.find_spec("openvino.opset13") is None:
