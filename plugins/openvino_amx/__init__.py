@@ -118,6 +118,8 @@ class OpenVINOBackend(Backend):
             if options.extra.get("calib"):
                 raise BackendError("openvino_amx: calib=FILE is the calibration text of quant=gptq; add --opt quant=gptq")
             return weights
+        if method == "gptq" and config.arch != "glm":
+            raise BackendError(f"openvino_amx: quant=gptq calibrates the dense GLMs, not {config.arch}; use quant=rtn")
         if method != "gptq" or options.weights != "int4":
             raise BackendError(f"openvino_amx: quant={method!r} with --weights {options.weights} is not supported; "
                                "use quant=rtn, or quant=gptq with --weights int4")

@@ -370,9 +370,7 @@ def _moe(h: ov.Output, W: WeightNodes, p: str, cfg) -> ov.Output:
     weights = ops.multiply(weights, _c(cfg.routed_scaling, np.float32))
     expert = ops.reshape(chosen, _c([-1]), special_zero=False)                                # [N*k]
     pairs = ops.squeeze(ops.shape_of(expert, I32), _c(0))
-    order = ops.topk(expert, pairs, 0, "min", "value", stable=True).output(1)                # pairs by expert
-    offsets = ops.reduce_sum(ops.convert(ops.less_equal(ops.unsqueeze(expert, _c(1)),
-                                                        _c(np.arange(E)[None], np.int32)), I64), _c(0))
+    order, offsets = _by_expert(expert, pairs, E)
     rows = ops.gather(flat, ops.divide(order, _c(k, np.int32)), _c(0))                      # [N*k, hidden]
     names = [p + f"experts.{e}." for e in range(E)]
     gate_up = ops.variadic_split(grouped_matmul(rows, W.stack([n + "ffn_up.weight" for n in names]), offsets),
@@ -386,6 +384,15 @@ def _moe(h: ov.Output, W: WeightNodes, p: str, cfg) -> ov.Output:
     if cfg.num_shared_experts:
         out = ops.add(out, _mlp(flat, W, p + "shared.", F * cfg.num_shared_experts))
     return ops.reshape(out, ops.shape_of(h), special_zero=False).output(0)
+
+
+def _by_expert(expert: ov.Output, pairs: ov.Output, n_experts: int) -> tuple[ov.Output, ov.Output]:
+    """The (token, k) pairs' expert ids [N*k] -> (order: the pairs sorted by expert, stably; offsets [E] i64:
+    GroupedMatMul's cumulative end of each expert's rows, the count of pairs with an expert <= e)."""
+    order = ops.topk(expert, pairs, 0, "min", "value", stable=True).output(1)
+    offsets = ops.reduce_sum(ops.convert(ops.less_equal(ops.unsqueeze(expert, _c(1)),
+                                                        _c(np.arange(n_experts)[None], np.int32)), I64), _c(0))
+    return order, offsets.output(0)
 
 
 def build_model(cfg: ModelConfig, weights, fmt: str = "f32", group_size: int = 128,
