@@ -6,6 +6,7 @@ Single sequence (stateful model) and the paged batch form; prefill, decode and a
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import io
 
 import numpy as np
@@ -178,6 +179,26 @@ def test_experts_run_sparse_on_compressed_weights_and_nextn_is_no_layer(make_tin
         stacked = op.input(1)
         assert stacked.get_element_type().get_type_name() == kind
         assert stacked.get_partial_shape()[0].get_length() == cfg.num_experts
+
+
+@pytest.mark.parametrize("family", MOE_FAMILIES)
+def test_bytes_per_token_reads_the_chosen_experts_and_the_kv_states(make_tiny, family):
+    """The bench's roofline: a decode step reads k of E experts (GatherMatmul), every other matrix as stored (int8:
+    a byte and an f16 scale per row), and per position of each layer K and V (latent attention: the latent key and
+    the latent as the value), f32 with --precision f32."""
+    from glmcore.arch import of
+    from glmcore_conformance.bench import default_bytes_per_token
+    _, cfg, _ = checkpoint(make_tiny, family)
+    opts = options("int8")
+    ours = BACKEND.bytes_per_token(cfg, opts, 0)
+    tensors = of(cfg).tensors(cfg)
+    experts = sum(int(np.prod(t.shape)) + 2 * t.shape[0] for n, t in tensors.items() if ".experts." in n)
+    every_expert = dataclasses.replace(cfg, experts_per_token=cfg.num_experts)
+    unread = graph.decode_weight_bytes(every_expert, tensors, "int8", 128) - ours
+    assert abs(unread - experts * (1 - cfg.experts_per_token / cfg.num_experts)) <= 1
+    assert ours < default_bytes_per_token(cfg, opts, 0)
+    per_position = cfg.latent_size + cfg.kv_lora_rank if family == "glm4-moe-lite" else 2 * cfg.kv_size
+    assert BACKEND.bytes_per_token(cfg, opts, 10) - ours == 10 * cfg.num_layers * per_position * 4
 
 
 @pytest.mark.parametrize("family", MOE_FAMILIES)

@@ -55,6 +55,10 @@ class OpenVINOBackend(Backend):
             "options": "--opt kv_cache=f32|f16|bf16|u8, dynamic_quant=0 (off)|N (default: 32 with bf16, 0 with f32), "
                        "group_size=128, ir=DIR, quant=gptq (int4, calibrated) [calib=FILE]",
             "batch": "native: OpenVINO's paged-attention form of the same graph, many sequences per call",
+            "moe experts": "MoE GLMs: f32 router in the graph, the (token, expert) pairs sorted by expert into "
+                           "opset17 GroupedMatMul (the CPU plugin's GatherMatmul runs only the chosen experts, "
+                           "weights stay i8/i4); GLM-4.7-Flash's latent attention over a latent KV state "
+                           "(kv_lora_rank + rope key, plus the latent again as the value), kv_b absorbed",
             "runs on": "this machine's CPU through OpenVINO's CPU plugin",
             "int8/int4 matmuls": _kernel_line(),
         }
@@ -175,6 +179,18 @@ class OpenVINOBackend(Backend):
         w = graph.WeightNodes(self._weights(config, weights, options, _stderr), opts["weights"],
                               opts.get("group_size", 128))
         return {name: w.effective(name) for name in weights}, options.precision
+
+    def bytes_per_token(self, config, options: LoadOptions, kv_len: int) -> int:
+        """What one decode step reads: the weights as the graph stores them (the chosen experts only) and the KV
+        states (K and V; latent attention: the latent key and the latent again as the value)."""
+        from . import graph, session
+        options = self.resolve(options)
+        opts = session.ir_options(options)
+        weights = graph.decode_weight_bytes(config, arch.of(config).tensors(config), opts["weights"],
+                                            opts.get("group_size", 128))
+        kv = session.compile_config(options)["KV_CACHE_PRECISION"]
+        per_layer = config.latent_size + config.kv_lora_rank if config.arch == "glm4_moe_lite" else 2 * config.kv_size
+        return int(weights + config.num_layers * per_layer * kv_len * (4 if kv == "f32" else 1 if kv == "u8" else 2))
 
     def convert(self, config, weights, options: LoadOptions, out, progress) -> None:
         self._require()

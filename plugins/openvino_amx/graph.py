@@ -78,14 +78,7 @@ class WeightNodes:
 
     def scheme(self, name: str) -> tuple[int, int | None, bool] | str:
         """How the weight `name` is stored: "f32", "f16", or (bits, group, symmetric)."""
-        if self.fmt in ("f32", "f16"):
-            return self.fmt
-        if name == "embed.weight":      # a row lookup: u8 per row, gathered compressed
-            return 8, None, False
-        # int4 keeps the output layer in int8 (as NNCF does by default): the most sensitive layer
-        if self.fmt == "int8" or name == "lm_head.weight":
-            return 8, None, True
-        return 4, group_for(self.w[name].shape[1], self.group_size), True
+        return storage(name, self.w[name].shape[1], self.fmt, self.group_size)
 
     def matrix(self, name: str) -> ov.Output:
         """The weight [out, in] (or the embedding table [vocab, hidden]) as f32 output of its decompression."""
@@ -116,6 +109,45 @@ class WeightNodes:
 
     def vector(self, name: str) -> ov.Node:
         return self._const(self.w.f32(name))
+
+
+def storage(name: str, in_features: int, fmt: str, group_size: int) -> tuple[int, int | None, bool] | str:
+    """How the matrix `name` [out, in_features] is stored in weight format `fmt`: "f32", "f16", or (bits, group,
+    symmetric)."""
+    if fmt in ("f32", "f16"):
+        return fmt
+    if name == "embed.weight":      # a row lookup: u8 per row, gathered compressed
+        return 8, None, False
+    # int4 keeps the output layer in int8 (as NNCF does by default): the most sensitive layer
+    if fmt == "int8" or name == "lm_head.weight":
+        return 8, None, True
+    return 4, group_for(in_features, group_size), True
+
+
+def decode_weight_bytes(cfg: ModelConfig, tensors: dict, fmt: str, group_size: int) -> int:
+    """The weight bytes one decode step reads, as the graph stores them (tensors: the architecture's name ->
+    TensorSpec): one embedding row; of the routed experts, the share a token chooses (GatherMatmul reads only
+    those); every other matrix whole with its scales; norms, biases and the router in f32."""
+    total = 0.0
+    for name, spec in tensors.items():
+        shape = spec.shape
+        n = int(np.prod(shape))
+        if not name.endswith(MATRICES):
+            total += 4 * n
+            continue
+        scheme = storage(name, shape[1], fmt, group_size)
+        if scheme in ("f32", "f16"):
+            size = n * (4 if scheme == "f32" else 2)
+        else:
+            bits, group, sym = scheme
+            scales = shape[0] * (shape[1] // group if group else 1)
+            size = n * bits / 8 + scales * (2 if sym else 5)      # f16 scale, or f32 scale and a u8 zero point
+        if name == "embed.weight":
+            size /= shape[0]
+        elif ".experts." in name:
+            size *= cfg.experts_per_token / cfg.num_experts
+        total += size
+    return int(total)
 
 
 def group_for(in_features: int, group_size: int) -> int | None:
