@@ -60,15 +60,15 @@ class WeightNodes:
     def _int(self, names: list[str], bits: int, group: int | None, sym: bool) -> ov.Output:
         """The matrices `names` [out, in] quantized alike, as one decompression subgraph: [out, in] for one name,
         [len(names), out, in] for a stack (the experts of a layer)."""
-        ws = [self.w.f32(n) for n in names]
-        stack = (lambda parts: parts[0]) if len(ws) == 1 else (lambda parts: np.stack(parts))
+        stack = (lambda parts: parts[0]) if len(names) == 1 else (lambda parts: np.stack(parts))
+        # one f32 matrix at a time: a layer's experts are held quantized only
         if sym:     # i8 / i4 (two values a byte, low nibble first) times an f16 scale
-            qs, scales = zip(*(quantize_sym(w, bits, group) for w in ws))
+            qs, scales = zip(*(quantize_sym(self.w.f32(n), bits, group) for n in names))
             q, scale = stack(qs), stack(scales)
             wq = self._const(q) if bits == 8 else _4bit_const(q, ov.Type.i4)
             deq = ops.multiply(ops.convert(wq, F32), ops.convert(self._const(scale), F32))
         else:       # u8 / u4 minus a zero point, times an f32 scale
-            qs, scales, zeros = zip(*(quantize_asym(w, bits, group) for w in ws))
+            qs, scales, zeros = zip(*(quantize_asym(self.w.f32(n), bits, group) for n in names))
             q, scale, zero = stack(qs), stack(scales), stack(zeros)
             wq, zq = (self._const(q), self._const(zero)) if bits == 8 else (_4bit_const(q), _4bit_const(zero))
             deq = ops.multiply(ops.subtract(ops.convert(wq, F32), ops.convert(zq, F32)), self._const(scale))
