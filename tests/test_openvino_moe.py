@@ -133,6 +133,32 @@ def test_group_limited_routing_on_transformers_own_checkpoint(tmp_path):
         within(model(torch.tensor([ids])).logits[0].numpy(), got, "f32")
 
 
+def test_transformers_own_latent_attention_checkpoint_without_q_lora(tmp_path):
+    """transformers' own glm4_moe_lite checkpoint on the branches the synthetic one leaves out: q_proj without the q
+    LoRA, attention biases (q/kv_a/o), NeoX-order rope (rope_interleave false), group-limited routing with a
+    correction bias that changes choices: f32 logits as transformers'."""
+    cfg = transformers.Glm4MoeLiteConfig(
+        vocab_size=300, hidden_size=48, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=4, q_lora_rank=None, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4,
+        v_head_dim=12, n_routed_experts=8, num_experts_per_tok=3, moe_intermediate_size=24, n_group=2,
+        topk_group=1, attention_bias=True, rope_interleave=False, routed_scaling_factor=1.8,
+        mlp_layer_types=["dense", "sparse"])
+    torch.manual_seed(1)
+    model = transformers.Glm4MoeLiteForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.normal_(0, 0.3 if "norm" not in name else 0.1).add_(1.0 if "norm" in name else 0.0)
+        model.model.layers[1].mlp.gate.e_score_correction_bias.normal_(0, 0.1)
+    model.save_pretrained(tmp_path, safe_serialization=True)
+    ours = ModelConfig.from_dir(tmp_path)
+    assert (ours.q_lora_rank, ours.qkv_bias, ours.rotary_interleaved, ours.num_groups) == (0, True, False, 2)
+    ids = [int(t) for t in np.random.default_rng(5).integers(0, 300, 60)]
+    with BACKEND.load(ours, load_weights(tmp_path, ours), options()) as s:
+        got = s.prefill(ids, all_logits=True)
+    with torch.no_grad():
+        within(model(torch.tensor([ids])).logits[0].numpy(), got, "f32")
+
+
 def test_a_wrong_expert_order_fails(make_tiny, monkeypatch):
     """Sabotage: rows left unsorted under the right offsets, or offsets one expert early, must fail the f32 row
     (so the tests above see the grouping, not just the shapes)."""
