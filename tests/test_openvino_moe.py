@@ -242,6 +242,27 @@ def test_the_ir_cache_round_trips_the_moe_graph(make_tiny, tmp_path, family):
 
 
 @pytest.mark.parametrize("family", MOE_FAMILIES)
+def test_converted_ir_runs_in_openvino_genai_llmpipeline(make_tiny, tmp_path, family):
+    """`glmcore convert`'s MoE IR in openvino_genai, stateful (SDPA) and in GenAI's own paged form (PA): the greedy
+    tokens of our session."""
+    genai = pytest.importorskip("openvino_genai")
+    from glmcore_plugins.openvino_amx import session as ovs
+    _, cfg, w = checkpoint(make_tiny, family)
+    opts = BACKEND.resolve(LoadOptions("f32", "int8", 128))
+    BACKEND.convert(cfg, w, opts, tmp_path, lambda m: None)
+    prompt = np.random.default_rng(3).integers(0, cfg.vocab_size, 17).tolist()
+    with BACKEND.load(cfg, w, opts) as s:
+        ours = [int(np.argmax(s.prefill(prompt)))]
+        while len(ours) < 12:
+            ours.append(int(np.argmax(s.decode(ours[-1]))))
+    for attention in ("SDPA", "PA"):
+        pipe = genai.LLMPipeline(str(tmp_path), "CPU", ATTENTION_BACKEND=attention, **ovs.compile_config(opts))
+        gc = genai.GenerationConfig()
+        gc.max_new_tokens, gc.do_sample, gc.ignore_eos = 12, False, True
+        assert list(pipe.generate(ov.Tensor(np.array([prompt], dtype=np.int64)), gc).tokens[0]) == ours, attention
+
+
+@pytest.mark.parametrize("family", MOE_FAMILIES)
 def test_supported_and_gptq_refused_in_one_line(make_tiny, family):
     _, cfg, w = checkpoint(make_tiny, family)
     assert BACKEND.supports(cfg) is None
