@@ -339,7 +339,9 @@ def _latent_attention(h: ov.Output, W: WeightNodes, p: str, i: int, cfg, step: _
     is [q_nope W_uk | q_rope] and its value the latent c_kv, expanded by W_uv after attention. Equal to
     transformers' per-head k_nope = W_uk c_kv, v = W_uv c_kv; the scale stays 1/sqrt(qk_nope + qk_rope).
     The cache holds c_kv twice (in the key [c_kv | k_rope] and as the value): OpenVINO's attention takes its
-    keys and values as two states."""
+    keys and values as two states. (The key state as the value too, its output's first kv_lora_rank dims kept, is
+    exact but measured worse: the stateful attention is then not fused, and the paged form keeps two key-wide
+    caches.)"""
     H, nope, rope, R, vd = cfg.num_heads, cfg.qk_nope_dim, cfg.qk_rope_dim, cfg.kv_lora_rank, cfg.v_head_dim
     eps = cfg.norm_eps
 
