@@ -282,3 +282,71 @@ def test_conformance_suite_on_both_moe_families(tmp_path, monkeypatch):
     assert {r.model for r in report.results} >= {"glm4-moe", "glm4-moe-lite"} or \
         len({r.model for r in report.results}) == 2, {r.model for r in report.results}
     assert {r.tolerance for r in report.results} >= {"f32", "int8+experts", "int4+experts"}, format_table(report)
+
+
+# ---------------------------------------------------------------- the NextN (MTP) drafter on the batch session
+
+def feed_and_draft(batch, ids):
+    """Drafts after a step-by-step history: a prefill, a draft, decodes, a cut verification, a copied prefix,
+    another slot taking the prefix, a prefix exported and imported into a third slot."""
+    out = []
+    batch.step([(0, ids[:12])])
+    out.append(batch.draft_nextn(0, ids[12], 3))
+    batch.step([(0, ids[12:14])])
+    batch.step([(0, ids[14:20] + [1, 2, 3])], all_logits=True)
+    batch.copy_prefix(0, 0, 20)
+    out.append(batch.draft_nextn(0, ids[20], 2))
+    batch.step([(0, ids[20:25])])
+    batch.copy_prefix(0, 1, 25)
+    out += [batch.draft_nextn(s, ids[25], 4) for s in (0, 1)]
+    batch.import_prefix(2, batch.export_prefix(1, 25))
+    out.append(batch.draft_nextn(2, ids[25], 4))
+    return out
+
+
+@pytest.mark.parametrize("family", MOE_FAMILIES + ["demo"])
+def test_nextn_drafts_are_the_references(make_tiny, family):
+    """The checkpoint's NextN layer as a model of its own drafts what the torch reference drafts (f32: the same
+    greedy tokens), through copy_prefix and a prefix exported and imported; on both MoE families and on the
+    trained demo model (a dense GLM with a NextN layer)."""
+    if family == "demo":
+        from glmcore.demo import PACKAGED_DIR
+        cfg = ModelConfig.from_dir(PACKAGED_DIR)
+        w = load_weights(PACKAGED_DIR, cfg)
+    else:
+        _, cfg, w = checkpoint(make_tiny, family)
+    ids = [int(t) for t in np.random.default_rng(5).integers(5, min(2000, cfg.vocab_size), 30)]
+    drafts = []
+    with contextlib.redirect_stderr(io.StringIO()), BACKEND.load_batch(cfg, w, options(), 3) as ours, \
+            TorchBackend().load_batch(cfg, w, LoadOptions(capacity=512), 3) as ref:
+        for batch in (ours, ref):
+            assert batch.has_nextn
+            batch.start_nextn()
+            drafts.append(feed_and_draft(batch, ids))
+    assert drafts[0] == drafts[1]
+
+
+def test_mtp_speculation_equals_plain_decoding(make_tiny):
+    """Greedy decoding with NextN drafts gives plain decoding's tokens (16 sequences at once and one alone), and
+    drafts do not depend on how the sequence was fed (int8 weights)."""
+    from glmcore.model import load_model
+    from test_speculative import check_drafts_do_not_depend_on_feeding, check_mtp_equals_plain_decoding
+    with contextlib.redirect_stderr(io.StringIO()):
+        m = load_model(make_tiny("glm4-moe"), "openvino_amx", LoadOptions(threads=2, capacity=96, weights="int8"),
+                       slots=16)
+    try:
+        m.scheduler.batch.start_nextn()
+        g = np.random.default_rng(0)
+        check_mtp_equals_plain_decoding(m, [g.integers(5, m.tokenizer.n_vocab, 10 + i).tolist() for i in range(16)])
+        check_drafts_do_not_depend_on_feeding(m.scheduler.batch, m.tokenizer.n_vocab)
+    finally:
+        m.close()
+
+
+def test_a_checkpoint_without_nextn_has_no_drafter(make_tiny):
+    d = make_tiny("glm4")
+    cfg = ModelConfig.from_dir(d)
+    with contextlib.redirect_stderr(io.StringIO()), BACKEND.load_batch(cfg, load_weights(d, cfg), options(), 1) as b:
+        assert not b.has_nextn
+        with pytest.raises(BackendError, match="this checkpoint has no NextN layer to draft with"):
+            b.start_nextn()

@@ -42,7 +42,7 @@ def _c(value, dtype=np.int64) -> ov.Node:
 
 # the weights stored in the chosen format (the rest, norms, biases and the MoE router, stay f32)
 MATRICES = ("embed.weight", "qkv.weight", "attn_out.weight", "ffn_up.weight", "ffn_down.weight", "lm_head.weight",
-            ".q.weight", "q_a.weight", "q_b.weight", "kv_a.weight", "kv_b.weight")
+            ".q.weight", "q_a.weight", "q_b.weight", "kv_a.weight", "kv_b.weight", "eh_proj.weight")
 
 
 class WeightNodes:
@@ -429,45 +429,84 @@ def _by_expert(expert: ov.Output, pairs: ov.Output, n_experts: int) -> tuple[ov.
     return order, offsets.output(0)
 
 
+def _inputs() -> list:
+    """The stateful model's inputs (OpenVINO GenAI's names): input_ids, attention_mask, position_ids, beam_idx."""
+    params = [ops.parameter([-1, -1], I64, name="input_ids"), ops.parameter([-1, -1], I64, name="attention_mask"),
+              ops.parameter([-1, -1], I64, name="position_ids"), ops.parameter([-1], I32, name="beam_idx")]
+    for p in params:
+        p.output(0).get_tensor().set_names({p.get_friendly_name()})
+    return params
+
+
+def _decoder_layer(x: ov.Output, W: WeightNodes, p: str, i: int, cfg: ModelConfig, step: _Step,
+                   sparse: bool) -> ov.Output:
+    """One decoder layer (weights under prefix p, state index i) on the residual x: attention of the
+    architecture's kind, then the MoE block (sparse) or the dense MLP."""
+    attention = _latent_attention if cfg.arch == "glm4_moe_lite" else _attention
+    out = attention(_rms_norm(x, W.vector(p + "input_norm.weight"), cfg.norm_eps), W, p, i, cfg, step)
+    if cfg.post_norms:      # glm4: the sublayer output is normed before the add (the same RMSNorm pattern)
+        out = _rms_norm(out, W.vector(p + "post_self_attn_norm.weight"), cfg.norm_eps)
+    x = ops.add(x, out).output(0)
+    h = _rms_norm(x, W.vector(p + "post_attn_norm.weight"), cfg.norm_eps)
+    out = _moe(h, W, p, cfg) if sparse else _mlp(h, W, p, cfg.ffn_hidden_size)
+    if cfg.post_norms:
+        out = _rms_norm(out, W.vector(p + "post_mlp_norm.weight"), cfg.norm_eps)
+    return ops.add(x, out).output(0)
+
+
+def _logits(x: ov.Output, W: WeightNodes, norm: str, eps: float) -> ov.Node:
+    """The output layer on the hidden states x normed by the weight `norm`: the Result `logits`."""
+    logits = _linear(_rms_norm(x, W.vector(norm), eps), W.matrix("lm_head.weight"), LM_HEAD)
+    result = ops.result(logits)
+    result.output(0).get_tensor().set_names({"logits"})
+    return result
+
+
 def build_model(cfg: ModelConfig, weights, fmt: str = "f32", group_size: int = 128,
                 progress: Callable[[str], None] | None = None) -> ov.Model:
-    """The decoder layers 0..num_layers-1 (a MoE checkpoint's NextN layers, mtp.*, are not decoder layers)."""
+    """The decoder layers 0..num_layers-1 (a checkpoint's NextN layers, mtp.*, are not decoder layers: see
+    build_nextn_model)."""
     if fmt not in WEIGHT_FORMATS:
         raise ValueError(f"unknown weight format {fmt!r}")
     W = WeightNodes(weights, fmt, group_size)
     say = progress or (lambda msg: None)
-
-    input_ids = ops.parameter([-1, -1], I64, name="input_ids")
-    attention_mask = ops.parameter([-1, -1], I64, name="attention_mask")
-    position_ids = ops.parameter([-1, -1], I64, name="position_ids")
-    beam_idx = ops.parameter([-1], I32, name="beam_idx")
-    params = [input_ids, attention_mask, position_ids, beam_idx]
-    for p in params:
-        p.output(0).get_tensor().set_names({p.get_friendly_name()})
+    params = _inputs()
+    input_ids, attention_mask, position_ids, beam_idx = params
     step = _Step(cfg, input_ids, attention_mask, position_ids, beam_idx)
-    attention = _latent_attention if cfg.arch == "glm4_moe_lite" else _attention
-    sparse = getattr(cfg, "sparse_layers", ())
+    sparse = getattr(cfg, "sparse_layers", (False,) * cfg.num_layers)
 
     say("embedding")
     x = ops.gather(W.matrix("embed.weight"), input_ids, _c(0)).output(0)   # [B, T, hidden]
     for i in range(cfg.num_layers):
-        p = f"layers.{i}."
         say(f"layer {i + 1}/{cfg.num_layers}")
-        out = attention(_rms_norm(x, W.vector(p + "input_norm.weight"), cfg.norm_eps), W, p, i, cfg, step)
-        if cfg.post_norms:      # glm4: the sublayer output is normed before the add (the same RMSNorm pattern)
-            out = _rms_norm(out, W.vector(p + "post_self_attn_norm.weight"), cfg.norm_eps)
-        x = ops.add(x, out).output(0)
-        h = _rms_norm(x, W.vector(p + "post_attn_norm.weight"), cfg.norm_eps)
-        out = _moe(h, W, p, cfg) if sparse and sparse[i] else _mlp(h, W, p, cfg.ffn_hidden_size)
-        if cfg.post_norms:
-            out = _rms_norm(out, W.vector(p + "post_mlp_norm.weight"), cfg.norm_eps)
-        x = ops.add(x, out).output(0)
+        x = _decoder_layer(x, W, f"layers.{i}.", i, cfg, step, sparse[i])
     say("output layer")
-    x = _rms_norm(x, W.vector("final_norm.weight"), cfg.norm_eps)
-    logits = _linear(x, W.matrix("lm_head.weight"), LM_HEAD)
-    result = ops.result(logits)
-    result.output(0).get_tensor().set_names({"logits"})
-    return ov.Model([result], step.sinks, params, f"glm-{cfg.family}")
+    return ov.Model([_logits(x, W, "final_norm.weight", cfg.norm_eps)], step.sinks, params, f"glm-{cfg.family}")
+
+
+def build_nextn_model(cfg: ModelConfig, weights, fmt: str = "f32", group_size: int = 128) -> ov.Model:
+    """The checkpoint's multi-token-prediction (NextN) layer mtp.0 as a stateful model of its own, as the torch
+    reference computes it (plugins/torch_ref/forward.py DenseGLM.nextn): at position i it sees the next token
+    input_ids[i] and the target's final hidden state `hidden` [B, T, hidden] there (after the final norm: the
+    output layer's input; for a chained draft its own output): eh_proj(concat(enorm(embed(id)), hnorm(h))) -> one decoder layer of the model's kind (the MoE
+    block on the MoE GLMs; its own KV state) -> its final norm -> the model's lm_head. The embedding at position
+    0 is zero. Outputs: logits [B, T, vocab], and the layer's output [B, T, hidden] before the norm (`hidden`)."""
+    W = WeightNodes(weights, fmt, group_size)
+    params = _inputs()
+    input_ids, attention_mask, position_ids, beam_idx = params
+    hidden = ops.parameter([-1, -1, cfg.hidden_size], F32, name="hidden")
+    hidden.output(0).get_tensor().set_names({"hidden"})
+    step = _Step(cfg, input_ids, attention_mask, position_ids, beam_idx)
+    p = "mtp.0."
+    e = ops.gather(W.matrix("embed.weight"), input_ids, _c(0))
+    e = ops.select(ops.unsqueeze(ops.equal(position_ids, _c(0)), _c(-1)), _c(0.0, np.float32), e)
+    joined = ops.concat([_rms_norm(e.output(0), W.vector(p + "enorm.weight"), cfg.norm_eps),
+                         _rms_norm(hidden.output(0), W.vector(p + "hnorm.weight"), cfg.norm_eps)], -1)
+    x = _linear(joined.output(0), W.matrix(p + "eh_proj.weight"))
+    x = _decoder_layer(x, W, p + "layer.", cfg.num_layers, cfg, step, getattr(cfg, "num_experts", 0) > 0)
+    out = ops.result(x)
+    out.output(0).get_tensor().set_names({"hidden_out"})
+    return ov.Model([_logits(x, W, p + "final_norm.weight", cfg.norm_eps), out], step.sinks, params + [hidden], "glm-nextn")
 
 
 def add_logits_start(model: ov.Model) -> ov.Model:
