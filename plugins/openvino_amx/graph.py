@@ -16,6 +16,12 @@ The subgraphs are laid out exactly as OpenVINO's CPU plugin recognises them, so 
     -> MatMul (the CPU plugin's FullyConnected with decompression), f16 Constant -> Convert -> MatMul; the
     embedding table u8 -> Convert -> Subtract(zero point) -> Multiply(scale), gathered compressed.
 tests/test_openvino_amx.py checks on the compiled runtime model that every one of these fusions happened.
+
+The MoE GLMs (glm4_moe, glm4_moe_lite): the router in f32 in the graph, the (token, expert) pairs sorted by
+expert into opset17's GroupedMatMul over each layer's stacked experts (the CPU plugin's GatherMatmul computes
+only the experts present, on the i8/i4 weights); glm4_moe_lite's latent attention keeps a latent KV state with
+kv_b absorbed into the query and the output (_latent_attention). tests/test_openvino_moe.py holds both to
+transformers and to the torch reference.
 """
 from __future__ import annotations
 
