@@ -313,7 +313,7 @@ def test_own_weights_hook_catches_a_backend_that_lies_about_its_weights():
     assert not by["own weights"].passed and not report.passed
 
 
-def test_tolerance_key_takes_the_looser_part():
+def test_tolerance_key_takes_the_looser_part(monkeypatch):
     assert tolerance_key("f32", "f32") == "f32"
     assert tolerance_key("bf16", "int4") == "int4"
     assert tolerance_key("f32", "bf16") == "bf16"
@@ -322,6 +322,8 @@ def test_tolerance_key_takes_the_looser_part():
     assert tolerance_key("f32", "f32", experts=True) == "f32"
     assert tolerance_key("f32", "int4", experts=True) == "int4+experts"
     assert tolerance_key("int8", "f32", experts=True) == "int8+experts"
+    assert tolerance_key("f32", "f16", experts=True) == "f16+experts"
+    monkeypatch.delitem(TOLERANCES, "f16+experts")     # a format measured on dense models only
     with pytest.raises(GlmcoreError, match=r"no tolerance for f16 on a Mixture-of-Experts model .* add a "
                                            r"'f16\+experts' row"):
         tolerance_key("f16", "f32", experts=True)

@@ -251,12 +251,11 @@ def test_transformers_own_checkpoint_with_group_limited_routing(tmp_path):
 # ---------------------------------------------------------------- backends and commands
 
 @pytest.mark.parametrize("family", MOE_FAMILIES)
-@pytest.mark.parametrize("backend", ["openvino_amx", "tpu_bm1684x"])
-def test_backends_without_moe_kernels_refuse_naming_those_that_run_it(make_tiny, family, backend):
+def test_backends_without_moe_kernels_refuse_naming_those_that_run_it(make_tiny, family):
     from glmcore.model import load_model
     with pytest.raises(BackendError, match=r"cannot run this checkpoint: .* implement glm, not glm4_moe.*backends "
-                                           r"that run it: .*ascend_npu.*torch") as e:
-        load_model(make_tiny(family), backend)
+                                           r"that run it: .*ascend_npu.*openvino_amx.*torch") as e:
+        load_model(make_tiny(family), "tpu_bm1684x")
     assert "\n" not in str(e.value)
 
 

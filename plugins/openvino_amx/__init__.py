@@ -22,6 +22,10 @@ from glmcore.errors import BackendError
 
 from .cpu import compressed_matmul_kernel, has_amx, has_avx512_bf16, integer_isa, native_bf16
 
+# graph.py builds these: the dense GLM, and the MoE GLMs (experts through opset17's GroupedMatMul; glm4_moe_lite's
+# latent attention over a latent cache)
+ARCHITECTURES = ("glm", "glm4_moe", "glm4_moe_lite")
+
 
 class OpenVINOBackend(Backend):
     name = "openvino_amx"
@@ -51,6 +55,10 @@ class OpenVINOBackend(Backend):
             "options": "--opt kv_cache=f32|f16|bf16|u8, dynamic_quant=0 (off)|N (default: 32 with bf16, 0 with f32), "
                        "group_size=128, ir=DIR, quant=gptq (int4, calibrated) [calib=FILE]",
             "batch": "native: OpenVINO's paged-attention form of the same graph, many sequences per call",
+            "moe experts": "MoE GLMs: f32 router in the graph, the (token, expert) pairs sorted by expert into "
+                           "opset17 GroupedMatMul (the CPU plugin's GatherMatmul runs only the chosen experts, "
+                           "weights stay i8/i4); GLM-4.7-Flash's latent attention over a latent KV state "
+                           "(kv_lora_rank + rope key, plus the latent again as the value), kv_b absorbed",
             "runs on": "this machine's CPU through OpenVINO's CPU plugin",
             "int8/int4 matmuls": _kernel_line(),
         }
@@ -67,10 +75,15 @@ class OpenVINOBackend(Backend):
                             speed_rank=20 if integer_isa() else 3)
 
     def supports(self, config) -> str | None:
-        return kernels_run(self, config, ("glm",))
+        refused = kernels_run(self, config, ARCHITECTURES)
+        if refused is None and config.arch != "glm" and importlib.util.find_spec("openvino") is not None \
+                and importlib.util.find_spec("openvino.opset17") is None:
+            return (f"{self.name} runs {config.arch}'s experts with opset17's GroupedMatMul, which this openvino "
+                    "lacks; upgrade it: pip install -U 'openvino>=2026.0'")
+        return refused
 
     def architectures(self) -> list[str]:
-        return [arch.get("glm").describe()]
+        return [arch.get(a).describe() for a in ARCHITECTURES]
 
     def _require(self) -> None:
         problem = _runtime_problem()
@@ -109,6 +122,8 @@ class OpenVINOBackend(Backend):
             if options.extra.get("calib"):
                 raise BackendError("openvino_amx: calib=FILE is the calibration text of quant=gptq; add --opt quant=gptq")
             return weights
+        if method == "gptq" and config.arch != "glm":
+            raise BackendError(f"openvino_amx: quant=gptq calibrates the dense GLMs, not {config.arch}; use quant=rtn")
         if method != "gptq" or options.weights != "int4":
             raise BackendError(f"openvino_amx: quant={method!r} with --weights {options.weights} is not supported; "
                                "use quant=rtn, or quant=gptq with --weights int4")
@@ -153,7 +168,15 @@ class OpenVINOBackend(Backend):
         options = self.resolve(options)
         capacity = default_capacity(config, self.capabilities(), options.capacity)
         model, weights_file = self._model(config, weights, options)
-        return OpenVINOBatchSession(config, model, options, capacity, n_slots, weights_file)
+        nextn = None
+        if config.num_mtp_layers and "mtp.0.eh_proj.weight" in weights:     # speculative decoding's drafter
+            from . import graph, session
+            opts = session.ir_options(options)
+
+            def nextn():
+                return graph.build_nextn_model(config, self._weights(config, weights, options, _stderr),
+                                               opts["weights"], opts.get("group_size", 128))
+        return OpenVINOBatchSession(config, model, options, capacity, n_slots, weights_file, nextn)
 
     def conformance_weights(self, config, weights, options: LoadOptions):
         """The f32 values this configuration's graph computes with (dequantized as the graph does), and
@@ -164,6 +187,18 @@ class OpenVINOBackend(Backend):
         w = graph.WeightNodes(self._weights(config, weights, options, _stderr), opts["weights"],
                               opts.get("group_size", 128))
         return {name: w.effective(name) for name in weights}, options.precision
+
+    def bytes_per_token(self, config, options: LoadOptions, kv_len: int) -> int:
+        """What one decode step reads: the weights as the graph stores them (the chosen experts only) and the KV
+        states (K and V; latent attention: the latent key and the latent again as the value)."""
+        from . import graph, session
+        options = self.resolve(options)
+        opts = session.ir_options(options)
+        weights = graph.decode_weight_bytes(config, arch.of(config).tensors(config), opts["weights"],
+                                            opts.get("group_size", 128))
+        kv = session.compile_config(options)["KV_CACHE_PRECISION"]
+        per_layer = config.latent_size + config.kv_lora_rank if config.arch == "glm4_moe_lite" else 2 * config.kv_size
+        return int(weights + config.num_layers * per_layer * kv_len * (4 if kv == "f32" else 1 if kv == "u8" else 2))
 
     def convert(self, config, weights, options: LoadOptions, out, progress) -> None:
         self._require()
@@ -190,7 +225,7 @@ def _kernel_line() -> str:
 
 def _runtime_problem() -> str:
     """Why the installed OpenVINO cannot run this backend, or "". The graph uses the top-level opset modules
-    (OpenVINO 2025.0 and newer); the fusions it relies on are checked by tests/test_openvino_amx.py."""
+    (OpenVINO 2025.0 and newer; the MoE GLMs need opset17's GroupedMatMul); the fusions it relies on are checked by tests/test_openvino_amx.py."""
     if importlib.util.find_spec("openvino") is None:
         return "openvino is not installed"
     if importlib.util.find_spec("openvino.opset13") is None:

@@ -16,6 +16,12 @@ The subgraphs are laid out exactly as OpenVINO's CPU plugin recognises them, so 
     -> MatMul (the CPU plugin's FullyConnected with decompression), f16 Constant -> Convert -> MatMul; the
     embedding table u8 -> Convert -> Subtract(zero point) -> Multiply(scale), gathered compressed.
 tests/test_openvino_amx.py checks on the compiled runtime model that every one of these fusions happened.
+
+The MoE GLMs (glm4_moe, glm4_moe_lite): the router in f32 in the graph, the (token, expert) pairs sorted by
+expert into opset17's GroupedMatMul over each layer's stacked experts (the CPU plugin's GatherMatmul computes
+only the experts present, on the i8/i4 weights); glm4_moe_lite's latent attention keeps a latent KV state with
+kv_b absorbed into the query and the output (_latent_attention). tests/test_openvino_moe.py holds both to
+transformers and to the torch reference.
 """
 from __future__ import annotations
 
@@ -40,7 +46,9 @@ def _c(value, dtype=np.int64) -> ov.Node:
     return ops.constant(np.array(value, dtype=dtype))
 
 
-MATRICES = ("embed.weight", "qkv.weight", "attn_out.weight", "ffn_up.weight", "ffn_down.weight", "lm_head.weight")
+# the weights stored in the chosen format (the rest, norms, biases and the MoE router, stay f32)
+MATRICES = ("embed.weight", "qkv.weight", "attn_out.weight", "ffn_up.weight", "ffn_down.weight", "lm_head.weight",
+            ".q.weight", "q_a.weight", "q_b.weight", "kv_a.weight", "kv_b.weight", "eh_proj.weight")
 
 
 class WeightNodes:
@@ -55,39 +63,44 @@ class WeightNodes:
             array = array.copy()
         return ov.op.Constant(array, shared_memory=True)
 
-    def _int(self, name: str, bits: int, group: int | None, sym: bool) -> ov.Output:
-        w = self.w.f32(name)
+    def _int(self, names: list[str], bits: int, group: int | None, sym: bool) -> ov.Output:
+        """The matrices `names` [out, in] quantized alike, as one decompression subgraph: [out, in] for one name,
+        [len(names), out, in] for a stack (the experts of a layer)."""
+        stack = (lambda parts: parts[0]) if len(names) == 1 else (lambda parts: np.stack(parts))
+        # one f32 matrix at a time: a layer's experts are held quantized only
         if sym:     # i8 / i4 (two values a byte, low nibble first) times an f16 scale
-            q, scale = quantize_sym(w, bits, group)
+            qs, scales = zip(*(quantize_sym(self.w.f32(n), bits, group) for n in names))
+            q, scale = stack(qs), stack(scales)
             wq = self._const(q) if bits == 8 else _4bit_const(q, ov.Type.i4)
             deq = ops.multiply(ops.convert(wq, F32), ops.convert(self._const(scale), F32))
         else:       # u8 / u4 minus a zero point, times an f32 scale
-            q, scale, zero = quantize_asym(w, bits, group)
+            qs, scales, zeros = zip(*(quantize_asym(self.w.f32(n), bits, group) for n in names))
+            q, scale, zero = stack(qs), stack(scales), stack(zeros)
             wq, zq = (self._const(q), self._const(zero)) if bits == 8 else (_4bit_const(q), _4bit_const(zero))
             deq = ops.multiply(ops.subtract(ops.convert(wq, F32), ops.convert(zq, F32)), self._const(scale))
-        if q.ndim == 3:   # [out, groups, group] -> [out, in]
-            deq = ops.reshape(deq, _c(w.shape), special_zero=False)
+        if group is not None:   # [.., out, groups, group] -> [.., out, in]
+            deq = ops.reshape(deq, _c(q.shape[:-2] + (q.shape[-2] * q.shape[-1],)), special_zero=False)
         return deq.output(0)
 
     def scheme(self, name: str) -> tuple[int, int | None, bool] | str:
         """How the weight `name` is stored: "f32", "f16", or (bits, group, symmetric)."""
-        if self.fmt in ("f32", "f16"):
-            return self.fmt
-        if name == "embed.weight":      # a row lookup: u8 per row, gathered compressed
-            return 8, None, False
-        # int4 keeps the output layer in int8 (as NNCF does by default): the most sensitive layer
-        if self.fmt == "int8" or name == "lm_head.weight":
-            return 8, None, True
-        return 4, group_for(self.w[name].shape[1], self.group_size), True
+        return storage(name, self.w[name].shape[1], self.fmt, self.group_size)
 
     def matrix(self, name: str) -> ov.Output:
         """The weight [out, in] (or the embedding table [vocab, hidden]) as f32 output of its decompression."""
-        scheme = self.scheme(name)
-        if scheme == "f32":
-            return self._const(self.w.f32(name)).output(0)
-        if scheme == "f16":
-            return ops.convert(self._const(self.w.f32(name).astype(np.float16)), F32).output(0)
-        return self._int(name, *scheme)
+        return self.stack([name])
+
+    def stack(self, names: list[str]) -> ov.Output:
+        """Matrices of one shape (one name: [out, in]; several: [len(names), out, in], a layer's experts for
+        GroupedMatMul), each stored as matrix() stores it alone."""
+        scheme = self.scheme(names[0])
+        if scheme in ("f32", "f16"):
+            ws = [self.w.f32(n) for n in names]
+            w = ws[0] if len(ws) == 1 else np.stack(ws)
+            if scheme == "f32":
+                return self._const(w).output(0)
+            return ops.convert(self._const(w.astype(np.float16)), F32).output(0)
+        return self._int(names, *scheme)
 
     def effective(self, name: str) -> np.ndarray:
         """The f32 values the compiled model computes with for `name` (for conformance)."""
@@ -102,6 +115,45 @@ class WeightNodes:
 
     def vector(self, name: str) -> ov.Node:
         return self._const(self.w.f32(name))
+
+
+def storage(name: str, in_features: int, fmt: str, group_size: int) -> tuple[int, int | None, bool] | str:
+    """How the matrix `name` [out, in_features] is stored in weight format `fmt`: "f32", "f16", or (bits, group,
+    symmetric)."""
+    if fmt in ("f32", "f16"):
+        return fmt
+    if name == "embed.weight":      # a row lookup: u8 per row, gathered compressed
+        return 8, None, False
+    # int4 keeps the output layer in int8 (as NNCF does by default): the most sensitive layer
+    if fmt == "int8" or name == "lm_head.weight":
+        return 8, None, True
+    return 4, group_for(in_features, group_size), True
+
+
+def decode_weight_bytes(cfg: ModelConfig, tensors: dict, fmt: str, group_size: int) -> int:
+    """The weight bytes one decode step reads, as the graph stores them (tensors: the architecture's name ->
+    TensorSpec): one embedding row; of the routed experts, the share a token chooses (GatherMatmul reads only
+    those); every other matrix whole with its scales; norms, biases and the router in f32."""
+    total = 0.0
+    for name, spec in tensors.items():
+        shape = spec.shape
+        n = int(np.prod(shape))
+        if not name.endswith(MATRICES):
+            total += 4 * n
+            continue
+        scheme = storage(name, shape[1], fmt, group_size)
+        if scheme in ("f32", "f16"):
+            size = n * (4 if scheme == "f32" else 2)
+        else:
+            bits, group, sym = scheme
+            scales = shape[0] * (shape[1] // group if group else 1)
+            size = n * bits / 8 + scales * (2 if sym else 5)      # f16 scale, or f32 scale and a u8 zero point
+        if name == "embed.weight":
+            size /= shape[0]
+        elif ".experts." in name:
+            size *= cfg.experts_per_token / cfg.num_experts
+        total += size
+    return int(total)
 
 
 def group_for(in_features: int, group_size: int) -> int | None:
@@ -177,103 +229,290 @@ def _rotary(split: ov.Node, index: int, heads: int, cfg: ModelConfig,
     return ops.concat([y, halves.output(1)], -1).output(0)
 
 
-def _kv_cache(new: ov.Output, layer: int, kind: str, cfg: ModelConfig, beam_idx: ov.Output,
-              init: ov.Output, sinks: list) -> ov.Output:
-    """past (state) reordered by beam_idx ++ new along the sequence axis; the result is written back."""
-    info = VariableInfo()
-    info.variable_id = f"past_key_values.{layer}.{kind}present.{layer}.{kind}"
-    info.data_type = F32
-    info.data_shape = ov.PartialShape([-1, cfg.num_kv_heads, -1, cfg.head_dim])
-    var = Variable(info)
-    past = ops.read_value(init, var)
-    present = ops.concat([ops.gather(past, beam_idx, _c(0)), new], 2)
-    sinks.append(ops.assign(present, var))
-    return present.output(0)
+class _Step:
+    """What every layer of one call shares: the batch size, the rotary table rows of the input positions, the
+    attention mask, beam_idx, and the state's Assign nodes (the model's sinks)."""
+
+    def __init__(self, cfg: ModelConfig, input_ids: ov.Output, attention_mask: ov.Output, position_ids: ov.Output,
+                 beam_idx: ov.Output):
+        ids_shape = ops.shape_of(input_ids, I64)
+        self.batch = ops.gather(ids_shape, _c([0]), _c(0))
+        self.seq_len = ops.gather(ops.shape_of(input_ids, I32), _c([1], np.int32), _c(0))
+        self.beam_idx, self.sinks, self._init = beam_idx, [], {}
+        # cos/sin of each input position [B, T, rot/2, 2]
+        self.cos_sin = ops.gather(ov.op.Constant(rotary_table(cfg), shared_memory=True), position_ids, _c(0))
+        # additive attention mask [B, 1, T, L]: query t (absolute position L-T+t) sees keys 0..L-T+t not padded
+        total = ops.gather(ops.shape_of(attention_mask, I64), _c(1), _c(0))
+        t_len = ops.gather(ids_shape, _c(1), _c(0))
+        key_pos = ops.range(_c(0), total, _c(1), I64)
+        query_pos = ops.range(ops.subtract(total, t_len), total, _c(1), I64)
+        causal = ops.less_equal(ops.unsqueeze(key_pos, _c(0)), ops.unsqueeze(query_pos, _c(1)))       # [T, L]
+        keep = ops.logical_and(ops.unsqueeze(causal, _c([0, 1])),
+                               ops.unsqueeze(ops.greater(attention_mask, _c(0)), _c([1, 2])))          # [B,1,T,L]
+        self.mask = ops.select(keep, _c(0.0, np.float32), _c(np.finfo(np.float32).min, np.float32)).output(0)
+
+    def cos_sin_heads(self) -> tuple[ov.Output, ov.Output]:
+        """cos, sin [B, 1, T, rot/2]: broadcast over heads."""
+        table = ops.unsqueeze(self.cos_sin, _c(1))
+        return ops.gather(table, _c(0), _c(-1)).output(0), ops.gather(table, _c(1), _c(-1)).output(0)
+
+    def kv_cache(self, new: ov.Output, layer: int, kind: str, heads: int, dim: int) -> ov.Output:
+        """past (state [B, heads, L, dim]) reordered by beam_idx ++ new along the sequence axis; the result is
+        written back. The state starts at zero length, so a fresh or reset state is empty."""
+        if (heads, dim) not in self._init:
+            self._init[heads, dim] = ops.broadcast(_c(0.0, np.float32), ops.concat([self.batch, _c([heads, 0, dim])], 0))
+        info = VariableInfo()
+        info.variable_id = f"past_key_values.{layer}.{kind}present.{layer}.{kind}"
+        info.data_type = F32
+        info.data_shape = ov.PartialShape([-1, heads, -1, dim])
+        var = Variable(info)
+        past = ops.read_value(self._init[heads, dim], var)
+        present = ops.concat([ops.gather(past, self.beam_idx, _c(0)), new], 2)
+        self.sinks.append(ops.assign(present, var))
+        return present.output(0)
 
 
-def _expand_kv(kv: ov.Output, cfg: ModelConfig) -> ov.Output:
-    """[B, kv_heads, L, hd] -> [B, heads, L, hd] (each KV head serves `group` query heads, in order)."""
-    group = cfg.num_heads // cfg.num_kv_heads
+def _expand_kv(kv: ov.Output, heads: int, kv_heads: int, dim: int) -> ov.Output:
+    """[B, kv_heads, L, dim] -> [B, heads, L, dim] (each KV head serves heads/kv_heads query heads, in order)."""
+    group = heads // kv_heads
     if group == 1:
         return kv
     x = ops.unsqueeze(kv, _c(2))
     x = ops.broadcast(x, _c([1, 1, group, 1, 1]), broadcast_spec="BIDIRECTIONAL")
-    return ops.reshape(x, _c([0, cfg.num_heads, -1, cfg.head_dim]), special_zero=True).output(0)
+    return ops.reshape(x, _c([0, heads, -1, dim]), special_zero=True).output(0)
+
+
+def _heads(x: ov.Output, heads: int, dim: int) -> ov.Output:
+    """[B, T, heads * dim] -> [B, heads, T, dim]."""
+    return ops.transpose(ops.reshape(x, _c([0, 0, heads, dim]), special_zero=True), _c([0, 2, 1, 3])).output(0)
+
+
+def _merge_heads(x: ov.Output, width: int) -> ov.Output:
+    """[B, heads, T, dim] -> [B, T, heads * dim]."""
+    return ops.reshape(ops.transpose(x, _c([0, 2, 1, 3])), _c([0, 0, width]), special_zero=True).output(0)
+
+
+def _rotate(x: ov.Output, cos: ov.Output, sin: ov.Output, dim: int, rot: int, interleaved: bool) -> ov.Output:
+    """x [B, heads, T, dim] with its first `rot` dims rotated, as pairs (2i, 2i+1) where interleaved, else as the
+    NeoX halves (i, i + rot/2); the rest pass through. cos/sin [B, 1, T, rot/2]."""
+    parts = ops.variadic_split(x, _c(-1), _c([rot, dim - rot])) if dim > rot else None
+    r = parts.output(0) if parts is not None else x
+    if interleaved:
+        pairs = ops.reshape(r, _c([0, 0, 0, rot // 2, 2]), special_zero=True)
+        x0, x1 = ops.gather(pairs, _c(0), _c(-1)), ops.gather(pairs, _c(1), _c(-1))
+    else:
+        halves = ops.variadic_split(r, _c(-1), _c([rot // 2, rot // 2]))
+        x0, x1 = halves.output(0), halves.output(1)
+    y0 = ops.subtract(ops.multiply(x0, cos), ops.multiply(x1, sin))
+    y1 = ops.add(ops.multiply(x1, cos), ops.multiply(x0, sin))
+    if interleaved:
+        y = ops.reshape(ops.concat([ops.unsqueeze(y0, _c(-1)), ops.unsqueeze(y1, _c(-1))], -1),
+                        _c([0, 0, 0, rot]), special_zero=True)
+    else:
+        y = ops.concat([y0, y1], -1)
+    return (ops.concat([y, parts.output(1)], -1) if parts is not None else y).output(0)
+
+
+def _attention(h: ov.Output, W: WeightNodes, p: str, i: int, cfg: ModelConfig, step: _Step) -> ov.Output:
+    """Grouped-query attention (dense GLM, glm4_moe): fused QKV (+ bias), glm4_moe's per-head q/k RMSNorm,
+    the rotary (the dense GLM's in the pattern the CPU plugin fuses), keys cached after rotation."""
+    H, Hkv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    qkv = _linear(h, W.matrix(p + "qkv.weight"))
+    if cfg.qkv_bias:
+        qkv = ops.add(qkv, W.vector(p + "qkv.bias")).output(0)
+    split = ops.variadic_split(qkv, _c(-1), _c([cfg.q_size, cfg.kv_size, cfg.kv_size]))
+    if cfg.arch == "glm":
+        q = _rotary(split, 0, H, cfg, step.cos_sin, step.seq_len)
+        k = _rotary(split, 1, Hkv, cfg, step.cos_sin, step.seq_len)
+    else:
+        q, k = _heads(split.output(0), H, hd), _heads(split.output(1), Hkv, hd)
+        if getattr(cfg, "qk_norm", False):    # over each head's dims, before the rotary
+            q = _rms_norm(q, W.vector(p + "q_norm.weight"), cfg.norm_eps)
+            k = _rms_norm(k, W.vector(p + "k_norm.weight"), cfg.norm_eps)
+        cos, sin = step.cos_sin_heads()
+        q = _rotate(q, cos, sin, hd, cfg.rotary_dim, cfg.rotary_interleaved)
+        k = _rotate(k, cos, sin, hd, cfg.rotary_dim, cfg.rotary_interleaved)
+    v = _heads(split.output(2), Hkv, hd)
+    keys = _expand_kv(step.kv_cache(k, i, "key", Hkv, hd), H, Hkv, hd)
+    values = _expand_kv(step.kv_cache(v, i, "value", Hkv, hd), H, Hkv, hd)
+    attn = ops.scaled_dot_product_attention(q, keys, values, step.mask, causal=False)      # [B, heads, T, hd]
+    return _linear(_merge_heads(attn, cfg.q_size), W.matrix(p + "attn_out.weight"))
+
+
+def _latent_attention(h: ov.Output, W: WeightNodes, p: str, i: int, cfg, step: _Step) -> ov.Output:
+    """glm4_moe_lite's multi-head latent attention over a latent cache, kv_b absorbed: the cached keys are
+    [c_kv | k_rope] (kv_lora_rank + qk_rope per token: one KV head every query head attends), each head's query
+    is [q_nope W_uk | q_rope] and its value the latent c_kv, expanded by W_uv after attention. Equal to
+    transformers' per-head k_nope = W_uk c_kv, v = W_uv c_kv; the scale stays 1/sqrt(qk_nope + qk_rope).
+    The cache holds c_kv twice (in the key [c_kv | k_rope] and as the value): OpenVINO's attention takes its
+    keys and values as two states. (The key state as the value too, its output's first kv_lora_rank dims kept, is
+    exact but measured worse: the stateful attention is then not fused, and the paged form keeps two key-wide
+    caches.)"""
+    H, nope, rope, R, vd = cfg.num_heads, cfg.qk_nope_dim, cfg.qk_rope_dim, cfg.kv_lora_rank, cfg.v_head_dim
+    eps = cfg.norm_eps
+
+    def linear(x, name):
+        y = _linear(x, W.matrix(p + name + ".weight"))
+        return ops.add(y, W.vector(p + name + ".bias")).output(0) if p + name + ".bias" in W.w else y
+    if cfg.q_lora_rank:
+        q = linear(_rms_norm(linear(h, "q_a"), W.vector(p + "q_a_norm.weight"), eps), "q_b")
+    else:
+        q = linear(h, "q")
+    q_nope, q_rope = ops.variadic_split(_heads(q, H, nope + rope), _c(-1), _c([nope, rope])).outputs()
+    c_kv, k_rope = ops.variadic_split(linear(h, "kv_a"), _c(-1), _c([R, rope])).outputs()
+    c_kv = ops.unsqueeze(_rms_norm(c_kv, W.vector(p + "kv_a_norm.weight"), eps), _c(1))     # [B, 1, T, R]
+    cos, sin = step.cos_sin_heads()
+    il = cfg.rotary_interleaved
+    q_rope = _rotate(q_rope, cos, sin, rope, rope, il)
+    k_rope = _rotate(ops.unsqueeze(k_rope, _c(1)).output(0), cos, sin, rope, rope, il)
+    kv_b = ops.reshape(W.matrix(p + "kv_b.weight"), _c([H, nope + vd, R]), special_zero=False)
+    w_uk, w_uv = ops.variadic_split(kv_b, _c(1), _c([nope, vd])).outputs()                  # [H, nope|vd, R]
+    query = ops.concat([ops.matmul(q_nope, w_uk, False, False), q_rope], -1)                # [B, H, T, R+rope]
+    keys = step.kv_cache(ops.concat([c_kv, k_rope], -1).output(0), i, "key", 1, R + rope)
+    values = step.kv_cache(c_kv.output(0), i, "value", 1, R)
+    attn = ops.scaled_dot_product_attention(query, _expand_kv(keys, H, 1, R + rope), _expand_kv(values, H, 1, R),
+                                            step.mask, _c(1.0 / np.sqrt(nope + rope), np.float32), causal=False)
+    out = ops.matmul(attn, w_uv, False, True)                                               # [B, H, T, vd]
+    return linear(_merge_heads(out, H * vd), "attn_out")
+
+
+def _mlp(h: ov.Output, W: WeightNodes, p: str, width: int) -> ov.Output:
+    """SwiGLU: ffn_up holds the gate rows, then the up rows."""
+    gate_up = ops.variadic_split(_linear(h, W.matrix(p + "ffn_up.weight")), _c(-1), _c([width, width]))
+    act = ops.multiply(ops.swish(gate_up.output(0)), gate_up.output(1))                   # silu(gate) * up
+    return _linear(act, W.matrix(p + "ffn_down.weight"))
+
+
+def _moe(h: ov.Output, W: WeightNodes, p: str, cfg) -> ov.Output:
+    """The MoE block as transformers computes it. The router in f32: sigmoid scores; the correction bias only for
+    choosing (within the topk_group best of n_group groups, each scored by the sum of its two best); the chosen
+    experts' unbiased scores, renormalised (norm_topk_prob) and scaled. The N*k (token, expert) pairs are then
+    sorted by expert so that GroupedMatMul (offsets: the cumulative count per expert) runs each chosen expert
+    once over its rows (the CPU plugin's GatherMatmul computes only the experts present), weighted, put back in
+    (token, k) order and summed per token; the shared expert is added."""
+    from openvino.opset17 import grouped_matmul     # OpenVINO 2026: supports() refuses MoE checkpoints without it
+    E, k, F, G = cfg.num_experts, cfg.experts_per_token, cfg.moe_ffn_hidden_size, cfg.num_groups
+    flat = ops.reshape(h, _c([-1, cfg.hidden_size]), special_zero=False).output(0)          # [N, hidden]
+    scores = ops.sigmoid(_linear(flat, W.vector(p + "router.weight").output(0)))             # [N, E]
+    choice = ops.add(scores, W.vector(p + "router.bias")).output(0)
+    if G > 1:
+        groups = ops.reshape(choice, _c([0, G, E // G]), special_zero=True)
+        best = ops.reduce_sum(ops.topk(groups, _c(2), -1, "max", "value").output(0), _c(-1))      # [N, G]
+        top = ops.topk(best, _c(cfg.topk_groups), -1, "max", "value").output(1)
+        keep = ops.reduce_max(ops.one_hot(top, _c(G), _c(1.0, np.float32), _c(0.0, np.float32), -1), _c(1))
+        keep = ops.greater(ops.unsqueeze(keep, _c(-1)), _c(0.0, np.float32))                # [N, G, 1]
+        choice = ops.reshape(ops.select(keep, groups, _c(-np.inf, np.float32)),
+                             _c([0, E]), special_zero=True).output(0)
+    chosen = ops.topk(choice, _c(k), -1, "max", "value").output(1)                          # [N, k] i32
+    weights = ops.gather_elements(scores, chosen, 1)
+    if cfg.norm_topk_prob:
+        weights = ops.divide(weights, ops.add(ops.reduce_sum(weights, _c([-1]), True), _c(1e-20, np.float32)))
+    weights = ops.multiply(weights, _c(cfg.routed_scaling, np.float32))
+    expert = ops.reshape(chosen, _c([-1]), special_zero=False)                                # [N*k]
+    pairs = ops.squeeze(ops.shape_of(expert, I32), _c(0))
+    order, offsets = _by_expert(expert, pairs, E)
+    rows = ops.gather(flat, ops.divide(order, _c(k, np.int32)), _c(0))                      # [N*k, hidden]
+    names = [p + f"experts.{e}." for e in range(E)]
+    gate_up = ops.variadic_split(grouped_matmul(rows, W.stack([n + "ffn_up.weight" for n in names]), offsets),
+                                 _c(-1), _c([F, F]))
+    act = ops.multiply(ops.swish(gate_up.output(0)), gate_up.output(1))
+    down = grouped_matmul(act, W.stack([n + "ffn_down.weight" for n in names]), offsets)   # [N*k, hidden]
+    down = ops.multiply(down, ops.unsqueeze(ops.gather(ops.reshape(weights, _c([-1]), False), order, _c(0)), _c(1)))
+    inverse = ops.scatter_update(ops.broadcast(_c(0, np.int32), ops.shape_of(order)), order,
+                                 ops.range(_c(0, np.int32), pairs, _c(1, np.int32), I32), _c(0))
+    out = ops.reduce_sum(ops.reshape(ops.gather(down, inverse, _c(0)), _c([-1, k, cfg.hidden_size]), False), _c(1))
+    if cfg.num_shared_experts:
+        out = ops.add(out, _mlp(flat, W, p + "shared.", F * cfg.num_shared_experts))
+    return ops.reshape(out, ops.shape_of(h), special_zero=False).output(0)
+
+
+def _by_expert(expert: ov.Output, pairs: ov.Output, n_experts: int) -> tuple[ov.Output, ov.Output]:
+    """The (token, k) pairs' expert ids [N*k] -> (order: the pairs sorted by expert, stably; offsets [E] i64:
+    GroupedMatMul's cumulative end of each expert's rows, the count of pairs with an expert <= e)."""
+    order = ops.topk(expert, pairs, 0, "min", "value", stable=True).output(1)
+    offsets = ops.reduce_sum(ops.convert(ops.less_equal(ops.unsqueeze(expert, _c(1)),
+                                                        _c(np.arange(n_experts)[None], np.int32)), I64), _c(0))
+    return order, offsets.output(0)
+
+
+def _inputs() -> list:
+    """The stateful model's inputs (OpenVINO GenAI's names): input_ids, attention_mask, position_ids, beam_idx."""
+    params = [ops.parameter([-1, -1], I64, name="input_ids"), ops.parameter([-1, -1], I64, name="attention_mask"),
+              ops.parameter([-1, -1], I64, name="position_ids"), ops.parameter([-1], I32, name="beam_idx")]
+    for p in params:
+        p.output(0).get_tensor().set_names({p.get_friendly_name()})
+    return params
+
+
+def _decoder_layer(x: ov.Output, W: WeightNodes, p: str, i: int, cfg: ModelConfig, step: _Step,
+                   sparse: bool) -> ov.Output:
+    """One decoder layer (weights under prefix p, state index i) on the residual x: attention of the
+    architecture's kind, then the MoE block (sparse) or the dense MLP."""
+    attention = _latent_attention if cfg.arch == "glm4_moe_lite" else _attention
+    out = attention(_rms_norm(x, W.vector(p + "input_norm.weight"), cfg.norm_eps), W, p, i, cfg, step)
+    if cfg.post_norms:      # glm4: the sublayer output is normed before the add (the same RMSNorm pattern)
+        out = _rms_norm(out, W.vector(p + "post_self_attn_norm.weight"), cfg.norm_eps)
+    x = ops.add(x, out).output(0)
+    h = _rms_norm(x, W.vector(p + "post_attn_norm.weight"), cfg.norm_eps)
+    out = _moe(h, W, p, cfg) if sparse else _mlp(h, W, p, cfg.ffn_hidden_size)
+    if cfg.post_norms:
+        out = _rms_norm(out, W.vector(p + "post_mlp_norm.weight"), cfg.norm_eps)
+    return ops.add(x, out).output(0)
+
+
+def _logits(x: ov.Output, W: WeightNodes, norm: str, eps: float) -> ov.Node:
+    """The output layer on the hidden states x normed by the weight `norm`: the Result `logits`."""
+    logits = _linear(_rms_norm(x, W.vector(norm), eps), W.matrix("lm_head.weight"), LM_HEAD)
+    result = ops.result(logits)
+    result.output(0).get_tensor().set_names({"logits"})
+    return result
 
 
 def build_model(cfg: ModelConfig, weights, fmt: str = "f32", group_size: int = 128,
                 progress: Callable[[str], None] | None = None) -> ov.Model:
+    """The decoder layers 0..num_layers-1 (a checkpoint's NextN layers, mtp.*, are not decoder layers: see
+    build_nextn_model)."""
     if fmt not in WEIGHT_FORMATS:
         raise ValueError(f"unknown weight format {fmt!r}")
     W = WeightNodes(weights, fmt, group_size)
     say = progress or (lambda msg: None)
-
-    input_ids = ops.parameter([-1, -1], I64, name="input_ids")
-    attention_mask = ops.parameter([-1, -1], I64, name="attention_mask")
-    position_ids = ops.parameter([-1, -1], I64, name="position_ids")
-    beam_idx = ops.parameter([-1], I32, name="beam_idx")
-    params = [input_ids, attention_mask, position_ids, beam_idx]
-    for p in params:
-        p.output(0).get_tensor().set_names({p.get_friendly_name()})
-
-    ids_shape = ops.shape_of(input_ids, I64)
-    batch = ops.gather(ids_shape, _c([0]), _c(0))
-    seq_len = ops.gather(ops.shape_of(input_ids, I32), _c([1], np.int32), _c(0))
-    # zero-length initial KV value [B, kv_heads, 0, hd], so a fresh or reset state starts empty
-    init = ops.broadcast(_c(0.0, np.float32), ops.concat([batch, _c([cfg.num_kv_heads, 0, cfg.head_dim])], 0))
-
-    # cos/sin of each input position [B, T, rot/2, 2]
-    cos_sin = ops.gather(ov.op.Constant(rotary_table(cfg), shared_memory=True), position_ids, _c(0))
-
-    # additive attention mask [B, 1, T, L]: query t (absolute position L-T+t) sees keys 0..L-T+t not padded
-    mask_shape = ops.shape_of(attention_mask, I64)
-    total = ops.gather(mask_shape, _c(1), _c(0))
-    t_len = ops.gather(ids_shape, _c(1), _c(0))
-    key_pos = ops.range(_c(0), total, _c(1), I64)
-    query_pos = ops.range(ops.subtract(total, t_len), total, _c(1), I64)
-    causal = ops.less_equal(ops.unsqueeze(key_pos, _c(0)), ops.unsqueeze(query_pos, _c(1)))       # [T, L]
-    keep = ops.logical_and(ops.unsqueeze(causal, _c([0, 1])),
-                           ops.unsqueeze(ops.greater(attention_mask, _c(0)), _c([1, 2])))          # [B,1,T,L]
-    mask = ops.select(keep, _c(0.0, np.float32), _c(np.finfo(np.float32).min, np.float32))
+    params = _inputs()
+    input_ids, attention_mask, position_ids, beam_idx = params
+    step = _Step(cfg, input_ids, attention_mask, position_ids, beam_idx)
+    sparse = getattr(cfg, "sparse_layers", (False,) * cfg.num_layers)
 
     say("embedding")
     x = ops.gather(W.matrix("embed.weight"), input_ids, _c(0)).output(0)   # [B, T, hidden]
-    sinks: list = []
     for i in range(cfg.num_layers):
-        p = f"layers.{i}."
         say(f"layer {i + 1}/{cfg.num_layers}")
-        h = _rms_norm(x, W.vector(p + "input_norm.weight"), cfg.norm_eps)
-        qkv = _linear(h, W.matrix(p + "qkv.weight"))
-        if cfg.qkv_bias:
-            qkv = ops.add(qkv, W.vector(p + "qkv.bias")).output(0)
-        split = ops.variadic_split(qkv, _c(-1), _c([cfg.q_size, cfg.kv_size, cfg.kv_size]))
-        q = _rotary(split, 0, cfg.num_heads, cfg, cos_sin, seq_len)
-        k = _rotary(split, 1, cfg.num_kv_heads, cfg, cos_sin, seq_len)      # keys cached after rotation
-        v = ops.transpose(ops.reshape(split.output(2), _c([0, 0, cfg.num_kv_heads, cfg.head_dim]),
-                                      special_zero=True), _c([0, 2, 1, 3])).output(0)
-        keys = _expand_kv(_kv_cache(k, i, "key", cfg, beam_idx, init, sinks), cfg)
-        values = _expand_kv(_kv_cache(v, i, "value", cfg, beam_idx, init, sinks), cfg)
-        attn = ops.scaled_dot_product_attention(q, keys, values, mask, causal=False)      # [B, heads, T, hd]
-        attn = ops.reshape(ops.transpose(attn, _c([0, 2, 1, 3])), _c([0, 0, cfg.q_size]), special_zero=True)
-        out = _linear(attn, W.matrix(p + "attn_out.weight"))
-        if cfg.post_norms:      # glm4: the sublayer output is normed before the add (the same RMSNorm pattern)
-            out = _rms_norm(out, W.vector(p + "post_self_attn_norm.weight"), cfg.norm_eps)
-        x = ops.add(x, out).output(0)
-        h = _rms_norm(x, W.vector(p + "post_attn_norm.weight"), cfg.norm_eps)
-        gate_up = ops.variadic_split(_linear(h, W.matrix(p + "ffn_up.weight")), _c(-1),
-                                     _c([cfg.ffn_hidden_size, cfg.ffn_hidden_size]))
-        act = ops.multiply(ops.swish(gate_up.output(0)), gate_up.output(1))                # silu(gate) * up
-        out = _linear(act, W.matrix(p + "ffn_down.weight"))
-        if cfg.post_norms:
-            out = _rms_norm(out, W.vector(p + "post_mlp_norm.weight"), cfg.norm_eps)
-        x = ops.add(x, out).output(0)
+        x = _decoder_layer(x, W, f"layers.{i}.", i, cfg, step, sparse[i])
     say("output layer")
-    x = _rms_norm(x, W.vector("final_norm.weight"), cfg.norm_eps)
-    logits = _linear(x, W.matrix("lm_head.weight"), LM_HEAD)
-    result = ops.result(logits)
-    result.output(0).get_tensor().set_names({"logits"})
-    model = ov.Model([result], sinks, params, f"glm-{cfg.family}")
-    return model
+    return ov.Model([_logits(x, W, "final_norm.weight", cfg.norm_eps)], step.sinks, params, f"glm-{cfg.family}")
+
+
+def build_nextn_model(cfg: ModelConfig, weights, fmt: str = "f32", group_size: int = 128) -> ov.Model:
+    """The checkpoint's multi-token-prediction (NextN) layer mtp.0 as a stateful model of its own, as the torch
+    reference computes it (plugins/torch_ref/forward.py DenseGLM.nextn): at position i it sees the next token
+    input_ids[i] and the target's final hidden state `hidden` [B, T, hidden] there (after the final norm: the
+    output layer's input; for a chained draft its own output): eh_proj(concat(enorm(embed(id)), hnorm(h))) -> one decoder layer of the model's kind (the MoE
+    block on the MoE GLMs; its own KV state) -> its final norm -> the model's lm_head. The embedding at position
+    0 is zero. Outputs: logits [B, T, vocab], and the layer's output [B, T, hidden] before the norm (`hidden`)."""
+    W = WeightNodes(weights, fmt, group_size)
+    params = _inputs()
+    input_ids, attention_mask, position_ids, beam_idx = params
+    hidden = ops.parameter([-1, -1, cfg.hidden_size], F32, name="hidden")
+    hidden.output(0).get_tensor().set_names({"hidden"})
+    step = _Step(cfg, input_ids, attention_mask, position_ids, beam_idx)
+    p = "mtp.0."
+    e = ops.gather(W.matrix("embed.weight"), input_ids, _c(0))
+    e = ops.select(ops.unsqueeze(ops.equal(position_ids, _c(0)), _c(-1)), _c(0.0, np.float32), e)
+    joined = ops.concat([_rms_norm(e.output(0), W.vector(p + "enorm.weight"), cfg.norm_eps),
+                         _rms_norm(hidden.output(0), W.vector(p + "hnorm.weight"), cfg.norm_eps)], -1)
+    x = _linear(joined.output(0), W.matrix(p + "eh_proj.weight"))
+    x = _decoder_layer(x, W, p + "layer.", cfg.num_layers, cfg, step, getattr(cfg, "num_experts", 0) > 0)
+    out = ops.result(x)
+    out.output(0).get_tensor().set_names({"hidden_out"})
+    return ov.Model([_logits(x, W, p + "final_norm.weight", cfg.norm_eps), out], step.sinks, params + [hidden], "glm-nextn")
 
 
 def add_logits_start(model: ov.Model) -> ov.Model:
