@@ -47,6 +47,18 @@ class Pipeline:
         n = len(self.cached)
         return self.cached + messages[n:] if n and messages[:n] == self.cached else messages
 
+    def _request(self, messages: list[Message], tools, params: SamplingParams, max_new_tokens: int,
+                 grammar: Grammar | None = None, fmt=None,
+                 max_thinking_tokens: int | None = None) -> tuple[Request, list[int]]:
+        """The scheduler Request for the whole conversation, and the ids forced at the start of the reply (the
+        end of its prompt)."""
+        fmt = fmt or self.model.chat_format
+        opening, constraint = reply_constraint(fmt, self.model.config.vocab_size, grammar, tools,
+                                               thinking_budget=max_thinking_tokens)
+        request = chat_request(fmt, messages, tools, params, max_new_tokens, self.window)
+        request.prompt, request.constraint = list(request.prompt) + opening, constraint
+        return request, opening
+
     def chat(self, messages, tools: list[dict] | None = None, stream: bool = False,
              params: SamplingParams | None = None, max_new_tokens: int = 256, grammar: Grammar | None = None,
              template_kwargs: dict | None = None, max_thinking_tokens: int | None = None):
@@ -71,10 +83,7 @@ class Pipeline:
         m = self.model
         fmt = m.chat_format.configured(template_kwargs)
         messages = self._known(messages)
-        opening, constraint = reply_constraint(fmt, m.config.vocab_size, grammar, tools,
-                                               thinking_budget=max_thinking_tokens)
-        request = chat_request(fmt, messages, tools, params, max_new_tokens, self.window)
-        request.prompt, request.constraint = list(request.prompt) + opening, constraint
+        request, opening = self._request(messages, tools, params, max_new_tokens, grammar, fmt, max_thinking_tokens)
         self.finish_reason, self.context_full = None, False
         handle = m.scheduler.submit(request)
         # Token ids, not text, go to the parser: ChatGLM3 may put <|assistant|> between a text
