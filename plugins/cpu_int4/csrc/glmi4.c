@@ -295,11 +295,21 @@ typedef void (*task_fn)(void *arg, int tid, int nth);
 typedef struct pool pool;
 typedef struct { pool *p; int tid; } worker_arg;
 
+/* A region (pool_run) is open to the workers until the caller has done what it could of it: the caller then
+ * closes it and waits only for the workers that entered. A worker the OS has not scheduled (a loaded
+ * machine: other jobs on the cores) is not waited for, so it never holds up a region it took no part in.
+ * So every task takes its work from a shared counter: any subset of the threads, the caller alone
+ * included, completes it. gate: the region's number (high 32 bits), CLOSED, and how many workers entered. */
+#define GATE_CLOSED (1ull << 31)
+#define GATE_COUNT (GATE_CLOSED - 1)
+
 struct pool {
     int nth;
     pthread_t *th;
     worker_arg *args;
-    _Atomic int gen, pending, nsleep, stop;
+    _Atomic uint64_t gate;
+    _Atomic int done, nsleep, stop;
+    uint32_t region;          /* the caller's count of regions (the gate's high half) */
     task_fn fn;
     void *arg;
     pthread_mutex_t mu;
@@ -308,15 +318,18 @@ struct pool {
 
 #define SPIN_NS 2000000ull   /* spin 2 ms for the next region before sleeping */
 #define SMALL_WORK (1u << 18)  /* multiply-adds below which a region runs on the calling thread */
+#define ROWS_SMALL (1u << 15)  /* row elements below which run_rows makes and quantizes them on the calling thread */
+
+static inline uint32_t gate_region(uint64_t v) { return (uint32_t)(v >> 32); }
 
 static void *worker_main(void *a) {
     pool *p = ((worker_arg *)a)->p;
-    int tid = ((worker_arg *)a)->tid, seen = 0;
+    const int tid = ((worker_arg *)a)->tid;
+    uint32_t seen = 0;
     for (;;) {
-        int g;
-        uint64_t t0 = 0;
+        uint64_t v, t0 = 0;
         unsigned it = 0;
-        while ((g = atomic_load(&p->gen)) == seen) {
+        while (gate_region(v = atomic_load(&p->gate)) == seen) {
             cpu_relax();
             if ((++it & 255u) != 0) continue;
             sched_yield();          /* an oversubscribed machine: let whoever shares this core run */
@@ -326,16 +339,22 @@ static void *worker_main(void *a) {
             } else if (t - t0 > SPIN_NS) {
                 pthread_mutex_lock(&p->mu);
                 atomic_fetch_add(&p->nsleep, 1);
-                while ((g = atomic_load(&p->gen)) == seen) pthread_cond_wait(&p->cv, &p->mu);
+                while (gate_region(v = atomic_load(&p->gate)) == seen) pthread_cond_wait(&p->cv, &p->mu);
                 atomic_fetch_sub(&p->nsleep, 1);
                 pthread_mutex_unlock(&p->mu);
                 break;
             }
         }
-        seen = g;
+        seen = gate_region(v);
         if (atomic_load(&p->stop)) return NULL;
-        p->fn(p->arg, tid, p->nth);
-        atomic_fetch_sub(&p->pending, 1);
+        /* enter region `seen` unless it is closed (or a newer one opened: the next turn takes that) */
+        while (gate_region(v) == seen && !(v & GATE_CLOSED)) {
+            if (atomic_compare_exchange_weak(&p->gate, &v, v + 1)) {
+                p->fn(p->arg, tid, p->nth);     /* fn, arg: written before the gate opened */
+                atomic_fetch_add(&p->done, 1);
+                break;
+            }
+        }
     }
 }
 
@@ -346,15 +365,16 @@ static void pool_run(pool *p, task_fn fn, void *arg) {
     }
     p->fn = fn;
     p->arg = arg;
-    atomic_store(&p->pending, p->nth - 1);
-    atomic_fetch_add(&p->gen, 1);
-    if (atomic_load(&p->nsleep) > 0) {   /* seq_cst pairs with the worker's nsleep++ then gen check */
+    atomic_store(&p->done, 0);
+    atomic_store(&p->gate, (uint64_t)++p->region << 32);
+    if (atomic_load(&p->nsleep) > 0) {   /* seq_cst pairs with the worker's nsleep++ then gate check */
         pthread_mutex_lock(&p->mu);
         pthread_cond_broadcast(&p->cv);
         pthread_mutex_unlock(&p->mu);
     }
     fn(arg, 0, p->nth);
-    for (unsigned it = 1; atomic_load(&p->pending) > 0; it++) {
+    const int entered = (int)(atomic_fetch_or(&p->gate, GATE_CLOSED) & GATE_COUNT);
+    for (unsigned it = 1; atomic_load(&p->done) < entered; it++) {
         cpu_relax();
         if ((it & 255u) == 0) sched_yield();    /* a worker may be waiting for this very core */
     }
@@ -364,7 +384,7 @@ static void pool_free(pool *p) {
     if (!p) return;
     if (p->th) {
         atomic_store(&p->stop, 1);
-        atomic_fetch_add(&p->gen, 1);
+        atomic_store(&p->gate, (uint64_t)++p->region << 32);
         pthread_mutex_lock(&p->mu);
         pthread_cond_broadcast(&p->cv);
         pthread_mutex_unlock(&p->mu);
@@ -2019,7 +2039,7 @@ static void run_rows(model *m, rows_job *r, const glmi4_mat *W) {
     r->G = W->group;
     if (!r->q) { r->q = m->aq; r->dx = m->adx; r->xs = m->axs; r->ldo = m->ldq; }
     atomic_store(&r->next, 0);
-    if (r->T < 4) rows_task(r, 0, 1);      /* decode: not worth waking the pool */
+    if ((size_t)r->T * r->Kp < ROWS_SMALL) rows_task(r, 0, 1);      /* decode: not worth waking the pool */
     else pool_run(m->pool, rows_task, r);
 }
 
@@ -2746,15 +2766,17 @@ typedef struct {
     model *m;
     int slot, n_keep;
     const float *c, *sn;
+    _Atomic int next;         /* the next cached layer to re-rotate */
 } shift_job;
 
 static void shift_task(void *arg, int tid, int nth) {
+    (void)tid, (void)nth;
     shift_job *j = arg;
     model *m = j->m;
     const glmi4_spec *s = &m->s;
     const int at = s->mla ? s->kv_lora : 0;      /* where the rotated dims start in a cache row */
     float row[1024];
-    for (int l = tid; l < m->kv_layers; l += nth)
+    for (int l; (l = atomic_fetch_add(&j->next, 1)) < m->kv_layers;)
         for (int kh = 0; kh < m->kvh; kh++)
             for (int i = j->n_keep; i < m->len[j->slot]; i++) {
                 const size_t off = kv_off(m, j->slot, l, kh, phys(m, j->slot, i)) + at;
@@ -2791,6 +2813,7 @@ int glmi4_shift(void *handle, int slot, int n_keep, int n_discard) {
         sn[i] = (float)sin(ang);
     }
     shift_job j = {.m = m, .slot = slot, .n_keep = n_keep, .c = c, .sn = sn};
+    atomic_store(&j.next, 0);
     pool_run(m->pool, shift_task, &j);
     return E_OK;
 }
