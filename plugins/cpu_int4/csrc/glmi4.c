@@ -2133,6 +2133,72 @@ static void attn_gqa(model *m, const glmi4_layer *L, int l, int T) {
     sublayer_out(m, &L->attn_out, T, L->post_self_attn_norm);
 }
 
+#if GLMI4_X86
+/* Latent attention's two passes over a block of nb cached rows (width lw: the latent, then the rope key), for
+ * one head, each row's result computed exactly as dot_avx2 / axpy_avx2 compute it (so the same bits as a row
+ * at a time), several rows at a time: independent FMA chains where one row at a time waits on the FMA
+ * latency, and (values) the head's output held in registers across the block instead of loaded and stored
+ * per row. Needs R and rp multiples of 16. */
+T_AVX2 INLINE void dot2_acc(__m256 *s0, __m256 *s1, const float *a, const float *b, int n) {
+    for (int i = 0; i < n; i += 16) {
+        *s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), *s0);
+        *s1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), *s1);
+    }
+}
+
+/* out[r] = (ql . row_r[0:R] + qr . row_r[R:R+rp]) * scale, 4 rows at a time */
+T_AVX2 static void mla_scores_avx2(const float *ql, const float *qr, const float *blk, int nb, int lw, int R, int rp,
+                                   float scale, float *out) {
+    int r = 0;
+    for (; r + 4 <= nb; r += 4) {
+        __m256 a[4][2], b[4][2];
+        for (int k = 0; k < 4; k++) a[k][0] = a[k][1] = b[k][0] = b[k][1] = _mm256_setzero_ps();
+        for (int i = 0; i < R; i += 16) {
+            const __m256 q0 = _mm256_loadu_ps(ql + i), q1 = _mm256_loadu_ps(ql + i + 8);
+            for (int k = 0; k < 4; k++) {
+                a[k][0] = _mm256_fmadd_ps(q0, _mm256_loadu_ps(blk + (size_t)(r + k) * lw + i), a[k][0]);
+                a[k][1] = _mm256_fmadd_ps(q1, _mm256_loadu_ps(blk + (size_t)(r + k) * lw + i + 8), a[k][1]);
+            }
+        }
+        for (int i = 0; i < rp; i += 16) {
+            const __m256 q0 = _mm256_loadu_ps(qr + i), q1 = _mm256_loadu_ps(qr + i + 8);
+            for (int k = 0; k < 4; k++) {
+                b[k][0] = _mm256_fmadd_ps(q0, _mm256_loadu_ps(blk + (size_t)(r + k) * lw + R + i), b[k][0]);
+                b[k][1] = _mm256_fmadd_ps(q1, _mm256_loadu_ps(blk + (size_t)(r + k) * lw + R + i + 8), b[k][1]);
+            }
+        }
+        for (int k = 0; k < 4; k++)
+            out[r + k] = (hsum8(_mm256_add_ps(a[k][0], a[k][1])) + hsum8(_mm256_add_ps(b[k][0], b[k][1]))) * scale;
+    }
+    for (; r < nb; r++) {
+        __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), b0 = _mm256_setzero_ps(), b1 = _mm256_setzero_ps();
+        dot2_acc(&a0, &a1, ql, blk + (size_t)r * lw, R);
+        dot2_acc(&b0, &b1, qr, blk + (size_t)r * lw + R, rp);
+        out[r] = (hsum8(_mm256_add_ps(a0, a1)) + hsum8(_mm256_add_ps(b0, b1))) * scale;
+    }
+}
+
+/* o[0:R] += p[r] * row_r[0:R] for the block's rows in order, 32 outputs at a time */
+T_AVX2 static void mla_values_avx2(float *o, const float *p, const float *blk, int nb, int lw, int R) {
+    for (int c = 0; c < R; c += 32) {
+        __m256 a0 = _mm256_loadu_ps(o + c), a1 = _mm256_loadu_ps(o + c + 8), a2 = _mm256_loadu_ps(o + c + 16),
+               a3 = _mm256_loadu_ps(o + c + 24);
+        for (int r = 0; r < nb; r++) {
+            const __m256 w = _mm256_set1_ps(p[r]);
+            const float *x = blk + (size_t)r * lw + c;
+            a0 = _mm256_fmadd_ps(w, _mm256_loadu_ps(x), a0);
+            a1 = _mm256_fmadd_ps(w, _mm256_loadu_ps(x + 8), a1);
+            a2 = _mm256_fmadd_ps(w, _mm256_loadu_ps(x + 16), a2);
+            a3 = _mm256_fmadd_ps(w, _mm256_loadu_ps(x + 24), a3);
+        }
+        _mm256_storeu_ps(o + c, a0);
+        _mm256_storeu_ps(o + c + 8, a1);
+        _mm256_storeu_ps(o + c + 16, a2);
+        _mm256_storeu_ps(o + c + 24, a3);
+    }
+}
+#endif
+
 /* One (token, part of the heads) item of latent attention: scores against the cached latents (the absorbed
  * query against the compressed KV, plus the rope parts), softmax, and the weighted sum of the compressed KV
  * (the value projection follows, per head, outside). */
@@ -2145,13 +2211,22 @@ static void mla_item(model *m, attn_job *a, int item, int tid) {
     float *sc = m->scores + (size_t)tid * NH * s->capacity, *blk = m->rowbuf + (size_t)tid * ATT_BLK * lw;
     const float *ql = m->qlat + (size_t)t * NH * R, *qr = m->qf + (size_t)t * NH * qw + s->nope;
     float *o = m->olat + (size_t)t * NH * R;
+    const int fast = m->isa != ISA_REF && R % 32 == 0 && rp % 16 == 0;   /* the AVX2 passes above */
+    (void)fast;
     for (int i0 = 0; i0 < n; i0 += ATT_BLK) {
         const int nb = imin(ATT_BLK, n - i0);
         for (int r = 0; r < nb; r++) cache_get(m, m->kc, kv_off(m, slot, a->layer, 0, phys(m, slot, i0 + r)), blk + r * lw, lw);
-        for (int h = h0; h < h1; h++)
+        for (int h = h0; h < h1; h++) {
+#if GLMI4_X86
+            if (fast) {
+                mla_scores_avx2(ql + (size_t)h * R, qr + (size_t)h * qw, blk, nb, lw, R, rp, scale, sc + (size_t)(h - h0) * n + i0);
+                continue;
+            }
+#endif
             for (int r = 0; r < nb; r++)
                 sc[(size_t)(h - h0) * n + i0 + r] =
                     (dotf(m, ql + (size_t)h * R, blk + r * lw, R) + dotf(m, qr + (size_t)h * qw, blk + r * lw + R, rp)) * scale;
+        }
     }
     for (int h = h0; h < h1; h++) {
         float *p = sc + (size_t)(h - h0) * n, mx = p[0], sum = 0.f;
@@ -2163,8 +2238,15 @@ static void mla_item(model *m, attn_job *a, int item, int tid) {
     for (int i0 = 0; i0 < n; i0 += ATT_BLK) {
         const int nb = imin(ATT_BLK, n - i0);
         for (int r = 0; r < nb; r++) cache_get(m, m->kc, kv_off(m, slot, a->layer, 0, phys(m, slot, i0 + r)), blk + r * lw, lw);
-        for (int h = h0; h < h1; h++)
+        for (int h = h0; h < h1; h++) {
+#if GLMI4_X86
+            if (fast) {
+                mla_values_avx2(o + (size_t)h * R, sc + (size_t)(h - h0) * n + i0, blk, nb, lw, R);
+                continue;
+            }
+#endif
             for (int r = 0; r < nb; r++) axpyf(m, o + (size_t)h * R, sc[(size_t)(h - h0) * n + i0 + r], blk + r * lw, R);
+        }
     }
 }
 
