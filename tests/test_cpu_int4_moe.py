@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import os
 
 import numpy as np
 import pytest
@@ -40,9 +41,9 @@ def checkpoint(make_tiny, family):
     return d, cfg, load_weights(d, cfg)
 
 
-def load_batch(cfg, w, cache, slots=1, capacity=512, **extra):
+def load_batch(cfg, w, cache, slots=1, capacity=512, threads=2, **extra):
     with contextlib.redirect_stderr(io.StringIO()):
-        return CpuInt4Backend().load_batch(cfg, w, LoadOptions(capacity=capacity, cache_dir=cache, threads=2,
+        return CpuInt4Backend().load_batch(cfg, w, LoadOptions(capacity=capacity, cache_dir=cache, threads=threads,
                                                                extra=extra), slots)
 
 
@@ -110,6 +111,25 @@ def test_one_token_and_batched_steps_give_the_same_bits(make_tiny, cache, family
         mixed = np.concatenate([mixed] + [batch.step([(2, [9]), (0, [t]), (1, [4])], all_logits=True)[1]
                                           for t in ids[25:]])
     assert np.array_equal(whole, single) and np.array_equal(whole, mixed)
+
+
+@pytest.mark.parametrize("family", MOE_FAMILIES)
+def test_more_threads_than_cores_give_one_threads_bits(make_tiny, cache, family):
+    """A parallel region closes when its caller is done and waits only for the workers that entered it; with more
+    threads than cores, workers often miss regions (or come late to closed ones). Every stage must still be done
+    exactly once: a prompt, decode steps of two sequences and a window shift (its layers shared out the same
+    way) give the bits of one thread."""
+    _, cfg, w = checkpoint(make_tiny, family)
+    ids = [int(t) for t in np.random.default_rng(8).integers(0, 2000, 60)]
+    out = []
+    for threads in (1, 3 * (os.cpu_count() or 1) + 1):
+        with load_batch(cfg, w, cache, slots=2, capacity=64, threads=threads) as batch:
+            got = batch.step([(0, ids[:40]), (1, ids[40:52])], all_logits=True)
+            got += [batch.step([(0, [t]), (1, [t + 1])]) for t in ids[52:56]]
+            batch.shift(0, 4, 20)
+            got += [batch.step([(0, [t]), (1, [t])]) for t in ids[56:]]
+        out.append(np.concatenate(got))
+    assert np.array_equal(*out)
 
 
 def test_group_limited_routing_on_transformers_own_checkpoint(tmp_path, cache):

@@ -295,11 +295,21 @@ typedef void (*task_fn)(void *arg, int tid, int nth);
 typedef struct pool pool;
 typedef struct { pool *p; int tid; } worker_arg;
 
+/* A region (pool_run) is open to the workers until the caller has done what it could of it: the caller then
+ * closes it and waits only for the workers that entered. A worker the OS has not scheduled (a loaded
+ * machine: other jobs on the cores) is not waited for, so it never holds up a region it took no part in.
+ * So every task takes its work from a shared counter: any subset of the threads, the caller alone
+ * included, completes it. gate: the region's number (high 32 bits), CLOSED, and how many workers entered. */
+#define GATE_CLOSED (1ull << 31)
+#define GATE_COUNT (GATE_CLOSED - 1)
+
 struct pool {
     int nth;
     pthread_t *th;
     worker_arg *args;
-    _Atomic int gen, pending, nsleep, stop;
+    _Atomic uint64_t gate;
+    _Atomic int done, nsleep, stop;
+    uint32_t region;          /* the caller's count of regions (the gate's high half) */
     task_fn fn;
     void *arg;
     pthread_mutex_t mu;
@@ -308,15 +318,18 @@ struct pool {
 
 #define SPIN_NS 2000000ull   /* spin 2 ms for the next region before sleeping */
 #define SMALL_WORK (1u << 18)  /* multiply-adds below which a region runs on the calling thread */
+#define ROWS_SMALL (1u << 15)  /* row elements below which run_rows makes and quantizes them on the calling thread */
+
+static inline uint32_t gate_region(uint64_t v) { return (uint32_t)(v >> 32); }
 
 static void *worker_main(void *a) {
     pool *p = ((worker_arg *)a)->p;
-    int tid = ((worker_arg *)a)->tid, seen = 0;
+    const int tid = ((worker_arg *)a)->tid;
+    uint32_t seen = 0;
     for (;;) {
-        int g;
-        uint64_t t0 = 0;
+        uint64_t v, t0 = 0;
         unsigned it = 0;
-        while ((g = atomic_load(&p->gen)) == seen) {
+        while (gate_region(v = atomic_load(&p->gate)) == seen) {
             cpu_relax();
             if ((++it & 255u) != 0) continue;
             sched_yield();          /* an oversubscribed machine: let whoever shares this core run */
@@ -326,16 +339,22 @@ static void *worker_main(void *a) {
             } else if (t - t0 > SPIN_NS) {
                 pthread_mutex_lock(&p->mu);
                 atomic_fetch_add(&p->nsleep, 1);
-                while ((g = atomic_load(&p->gen)) == seen) pthread_cond_wait(&p->cv, &p->mu);
+                while (gate_region(v = atomic_load(&p->gate)) == seen) pthread_cond_wait(&p->cv, &p->mu);
                 atomic_fetch_sub(&p->nsleep, 1);
                 pthread_mutex_unlock(&p->mu);
                 break;
             }
         }
-        seen = g;
+        seen = gate_region(v);
         if (atomic_load(&p->stop)) return NULL;
-        p->fn(p->arg, tid, p->nth);
-        atomic_fetch_sub(&p->pending, 1);
+        /* enter region `seen` unless it is closed (or a newer one opened: the next turn takes that) */
+        while (gate_region(v) == seen && !(v & GATE_CLOSED)) {
+            if (atomic_compare_exchange_weak(&p->gate, &v, v + 1)) {
+                p->fn(p->arg, tid, p->nth);     /* fn, arg: written before the gate opened */
+                atomic_fetch_add(&p->done, 1);
+                break;
+            }
+        }
     }
 }
 
@@ -346,15 +365,16 @@ static void pool_run(pool *p, task_fn fn, void *arg) {
     }
     p->fn = fn;
     p->arg = arg;
-    atomic_store(&p->pending, p->nth - 1);
-    atomic_fetch_add(&p->gen, 1);
-    if (atomic_load(&p->nsleep) > 0) {   /* seq_cst pairs with the worker's nsleep++ then gen check */
+    atomic_store(&p->done, 0);
+    atomic_store(&p->gate, (uint64_t)++p->region << 32);
+    if (atomic_load(&p->nsleep) > 0) {   /* seq_cst pairs with the worker's nsleep++ then gate check */
         pthread_mutex_lock(&p->mu);
         pthread_cond_broadcast(&p->cv);
         pthread_mutex_unlock(&p->mu);
     }
     fn(arg, 0, p->nth);
-    for (unsigned it = 1; atomic_load(&p->pending) > 0; it++) {
+    const int entered = (int)(atomic_fetch_or(&p->gate, GATE_CLOSED) & GATE_COUNT);
+    for (unsigned it = 1; atomic_load(&p->done) < entered; it++) {
         cpu_relax();
         if ((it & 255u) == 0) sched_yield();    /* a worker may be waiting for this very core */
     }
@@ -364,7 +384,7 @@ static void pool_free(pool *p) {
     if (!p) return;
     if (p->th) {
         atomic_store(&p->stop, 1);
-        atomic_fetch_add(&p->gen, 1);
+        atomic_store(&p->gate, (uint64_t)++p->region << 32);
         pthread_mutex_lock(&p->mu);
         pthread_cond_broadcast(&p->cv);
         pthread_mutex_unlock(&p->mu);
@@ -2019,7 +2039,7 @@ static void run_rows(model *m, rows_job *r, const glmi4_mat *W) {
     r->G = W->group;
     if (!r->q) { r->q = m->aq; r->dx = m->adx; r->xs = m->axs; r->ldo = m->ldq; }
     atomic_store(&r->next, 0);
-    if (r->T < 4) rows_task(r, 0, 1);      /* decode: not worth waking the pool */
+    if ((size_t)r->T * r->Kp < ROWS_SMALL) rows_task(r, 0, 1);      /* decode: not worth waking the pool */
     else pool_run(m->pool, rows_task, r);
 }
 
@@ -2113,6 +2133,72 @@ static void attn_gqa(model *m, const glmi4_layer *L, int l, int T) {
     sublayer_out(m, &L->attn_out, T, L->post_self_attn_norm);
 }
 
+#if GLMI4_X86
+/* Latent attention's two passes over a block of nb cached rows (width lw: the latent, then the rope key), for
+ * one head, each row's result computed exactly as dot_avx2 / axpy_avx2 compute it (so the same bits as a row
+ * at a time), several rows at a time: independent FMA chains where one row at a time waits on the FMA
+ * latency, and (values) the head's output held in registers across the block instead of loaded and stored
+ * per row. Needs R and rp multiples of 16. */
+T_AVX2 INLINE void dot2_acc(__m256 *s0, __m256 *s1, const float *a, const float *b, int n) {
+    for (int i = 0; i < n; i += 16) {
+        *s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), *s0);
+        *s1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), *s1);
+    }
+}
+
+/* out[r] = (ql . row_r[0:R] + qr . row_r[R:R+rp]) * scale, 4 rows at a time */
+T_AVX2 static void mla_scores_avx2(const float *ql, const float *qr, const float *blk, int nb, int lw, int R, int rp,
+                                   float scale, float *out) {
+    int r = 0;
+    for (; r + 4 <= nb; r += 4) {
+        __m256 a[4][2], b[4][2];
+        for (int k = 0; k < 4; k++) a[k][0] = a[k][1] = b[k][0] = b[k][1] = _mm256_setzero_ps();
+        for (int i = 0; i < R; i += 16) {
+            const __m256 q0 = _mm256_loadu_ps(ql + i), q1 = _mm256_loadu_ps(ql + i + 8);
+            for (int k = 0; k < 4; k++) {
+                a[k][0] = _mm256_fmadd_ps(q0, _mm256_loadu_ps(blk + (size_t)(r + k) * lw + i), a[k][0]);
+                a[k][1] = _mm256_fmadd_ps(q1, _mm256_loadu_ps(blk + (size_t)(r + k) * lw + i + 8), a[k][1]);
+            }
+        }
+        for (int i = 0; i < rp; i += 16) {
+            const __m256 q0 = _mm256_loadu_ps(qr + i), q1 = _mm256_loadu_ps(qr + i + 8);
+            for (int k = 0; k < 4; k++) {
+                b[k][0] = _mm256_fmadd_ps(q0, _mm256_loadu_ps(blk + (size_t)(r + k) * lw + R + i), b[k][0]);
+                b[k][1] = _mm256_fmadd_ps(q1, _mm256_loadu_ps(blk + (size_t)(r + k) * lw + R + i + 8), b[k][1]);
+            }
+        }
+        for (int k = 0; k < 4; k++)
+            out[r + k] = (hsum8(_mm256_add_ps(a[k][0], a[k][1])) + hsum8(_mm256_add_ps(b[k][0], b[k][1]))) * scale;
+    }
+    for (; r < nb; r++) {
+        __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), b0 = _mm256_setzero_ps(), b1 = _mm256_setzero_ps();
+        dot2_acc(&a0, &a1, ql, blk + (size_t)r * lw, R);
+        dot2_acc(&b0, &b1, qr, blk + (size_t)r * lw + R, rp);
+        out[r] = (hsum8(_mm256_add_ps(a0, a1)) + hsum8(_mm256_add_ps(b0, b1))) * scale;
+    }
+}
+
+/* o[0:R] += p[r] * row_r[0:R] for the block's rows in order, 32 outputs at a time */
+T_AVX2 static void mla_values_avx2(float *o, const float *p, const float *blk, int nb, int lw, int R) {
+    for (int c = 0; c < R; c += 32) {
+        __m256 a0 = _mm256_loadu_ps(o + c), a1 = _mm256_loadu_ps(o + c + 8), a2 = _mm256_loadu_ps(o + c + 16),
+               a3 = _mm256_loadu_ps(o + c + 24);
+        for (int r = 0; r < nb; r++) {
+            const __m256 w = _mm256_set1_ps(p[r]);
+            const float *x = blk + (size_t)r * lw + c;
+            a0 = _mm256_fmadd_ps(w, _mm256_loadu_ps(x), a0);
+            a1 = _mm256_fmadd_ps(w, _mm256_loadu_ps(x + 8), a1);
+            a2 = _mm256_fmadd_ps(w, _mm256_loadu_ps(x + 16), a2);
+            a3 = _mm256_fmadd_ps(w, _mm256_loadu_ps(x + 24), a3);
+        }
+        _mm256_storeu_ps(o + c, a0);
+        _mm256_storeu_ps(o + c + 8, a1);
+        _mm256_storeu_ps(o + c + 16, a2);
+        _mm256_storeu_ps(o + c + 24, a3);
+    }
+}
+#endif
+
 /* One (token, part of the heads) item of latent attention: scores against the cached latents (the absorbed
  * query against the compressed KV, plus the rope parts), softmax, and the weighted sum of the compressed KV
  * (the value projection follows, per head, outside). */
@@ -2125,13 +2211,22 @@ static void mla_item(model *m, attn_job *a, int item, int tid) {
     float *sc = m->scores + (size_t)tid * NH * s->capacity, *blk = m->rowbuf + (size_t)tid * ATT_BLK * lw;
     const float *ql = m->qlat + (size_t)t * NH * R, *qr = m->qf + (size_t)t * NH * qw + s->nope;
     float *o = m->olat + (size_t)t * NH * R;
+    const int fast = m->isa != ISA_REF && R % 32 == 0 && rp % 16 == 0;   /* the AVX2 passes above */
+    (void)fast;
     for (int i0 = 0; i0 < n; i0 += ATT_BLK) {
         const int nb = imin(ATT_BLK, n - i0);
         for (int r = 0; r < nb; r++) cache_get(m, m->kc, kv_off(m, slot, a->layer, 0, phys(m, slot, i0 + r)), blk + r * lw, lw);
-        for (int h = h0; h < h1; h++)
+        for (int h = h0; h < h1; h++) {
+#if GLMI4_X86
+            if (fast) {
+                mla_scores_avx2(ql + (size_t)h * R, qr + (size_t)h * qw, blk, nb, lw, R, rp, scale, sc + (size_t)(h - h0) * n + i0);
+                continue;
+            }
+#endif
             for (int r = 0; r < nb; r++)
                 sc[(size_t)(h - h0) * n + i0 + r] =
                     (dotf(m, ql + (size_t)h * R, blk + r * lw, R) + dotf(m, qr + (size_t)h * qw, blk + r * lw + R, rp)) * scale;
+        }
     }
     for (int h = h0; h < h1; h++) {
         float *p = sc + (size_t)(h - h0) * n, mx = p[0], sum = 0.f;
@@ -2143,8 +2238,15 @@ static void mla_item(model *m, attn_job *a, int item, int tid) {
     for (int i0 = 0; i0 < n; i0 += ATT_BLK) {
         const int nb = imin(ATT_BLK, n - i0);
         for (int r = 0; r < nb; r++) cache_get(m, m->kc, kv_off(m, slot, a->layer, 0, phys(m, slot, i0 + r)), blk + r * lw, lw);
-        for (int h = h0; h < h1; h++)
+        for (int h = h0; h < h1; h++) {
+#if GLMI4_X86
+            if (fast) {
+                mla_values_avx2(o + (size_t)h * R, sc + (size_t)(h - h0) * n + i0, blk, nb, lw, R);
+                continue;
+            }
+#endif
             for (int r = 0; r < nb; r++) axpyf(m, o + (size_t)h * R, sc[(size_t)(h - h0) * n + i0 + r], blk + r * lw, R);
+        }
     }
 }
 
@@ -2746,15 +2848,17 @@ typedef struct {
     model *m;
     int slot, n_keep;
     const float *c, *sn;
+    _Atomic int next;         /* the next cached layer to re-rotate */
 } shift_job;
 
 static void shift_task(void *arg, int tid, int nth) {
+    (void)tid, (void)nth;
     shift_job *j = arg;
     model *m = j->m;
     const glmi4_spec *s = &m->s;
     const int at = s->mla ? s->kv_lora : 0;      /* where the rotated dims start in a cache row */
     float row[1024];
-    for (int l = tid; l < m->kv_layers; l += nth)
+    for (int l; (l = atomic_fetch_add(&j->next, 1)) < m->kv_layers;)
         for (int kh = 0; kh < m->kvh; kh++)
             for (int i = j->n_keep; i < m->len[j->slot]; i++) {
                 const size_t off = kv_off(m, j->slot, l, kh, phys(m, j->slot, i)) + at;
@@ -2791,6 +2895,7 @@ int glmi4_shift(void *handle, int slot, int n_keep, int n_discard) {
         sn[i] = (float)sin(ang);
     }
     shift_job j = {.m = m, .slot = slot, .n_keep = n_keep, .c = c, .sn = sn};
+    atomic_store(&j.next, 0);
     pool_run(m->pool, shift_task, &j);
     return E_OK;
 }
