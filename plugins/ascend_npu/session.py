@@ -21,6 +21,10 @@ with dynamic=True, every tensor input mark_static'd and tiling_schedule_optimize
 has that option, so the lengths become graph inputs instead of
 constants that would recompile every step (torchair docs, dynamic_static_graph/typical_issues.md,
 "path 4"). Elsewhere inductor, dynamic=False. Eager mode runs the same module uncompiled, exact lengths.
+
+Speculative decoding's MTP drafter (the batch session's draft_nextn) is torch_ref's (plugins/torch_ref/nextn.py):
+the step's final hidden states, a graph output either way, are kept on the device per slot once start_nextn is
+called, and the checkpoint's NextN layer runs eagerly on the device with this backend's kernels.
 """
 from __future__ import annotations
 
