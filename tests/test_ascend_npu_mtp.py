@@ -1,7 +1,7 @@
 """The NextN (MTP) drafter on ascend_npu's batch session (plugins/ascend_npu/session.py over the drafting shared with
 torch_ref, plugins/torch_ref/nextn.py): on the host path in eager and graph mode its drafts are torch's on the same
-checkpoint (the trained demo model, a dense GLM with a NextN layer, and glm4_moe, whose NextN layer is an MoE
-layer) through decodes, cut verifications, copied prefixes and resets; greedy output with its drafts equals plain
+checkpoint (the trained demo model, a dense GLM with a NextN layer; glm4_moe, whose NextN layer is an MoE layer;
+glm4_moe_lite, latent attention over its own latent cache) through decodes, cut verifications, copied prefixes and resets; greedy output with its drafts equals plain
 decoding; on stand-in torch_npu kernels the layer runs on the fused kernels over the whole cache with each row's
 KV length. ascend_npu exports no KV (no prompt cache), so copy_prefix and reset are the NextN side's whole contract."""
 from __future__ import annotations
@@ -41,7 +41,7 @@ def host(mode: str, precision: str = "f32", **extra) -> LoadOptions:
 
 
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("family", ["demo", "glm4-moe"])
+@pytest.mark.parametrize("family", ["demo", "glm4-moe", "glm4-moe-lite"])
 def test_drafts_are_torchs_on_the_same_checkpoint(make_tiny, family, mode):
     """f32 on the host: the same greedy drafts as the torch reference after the same step-by-step history (a prefill,
     a draft, decodes, a cut verification, a prefix kept in place and copied to another slot), and after a reset and
