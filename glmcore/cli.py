@@ -103,7 +103,8 @@ def add_spec_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--speculative", choices=[m.value for m in Method], default="off",
                    help="speculative decoding, drafts verified in one batched step (a backend with native batched "
                         "steps): ngram by prompt lookup, mtp by the checkpoint's NextN layer (the MoE GLMs' and "
-                        "the demo model's, on torch, cpu_int4 and openvino_amx); the output is the one without it")
+                        "the demo model's, on torch, cpu_int4, openvino_amx and ascend_npu); the output is the one "
+                        "without it")
     p.add_argument("--draft-tokens", type=int, default=4, help="with --speculative: most drafted tokens per step")
 
 

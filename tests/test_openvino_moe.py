@@ -24,6 +24,7 @@ from glmcore_conformance.metrics import compare, out_of_bounds           # noqa:
 from glmcore_conformance.tolerances import TOLERANCES, tolerance_key     # noqa: E402
 from glmcore_plugins.openvino_amx import OpenVINOBackend, graph          # noqa: E402
 from glmcore_plugins.torch_ref import TorchBackend                       # noqa: E402
+from test_speculative import feed_and_draft                              # noqa: E402
 
 MOE_FAMILIES = ["glm4-moe", "glm4-moe-lite"]
 HF_CLASS = {"glm4-moe": "Glm4MoeForCausalLM", "glm4-moe-lite": "Glm4MoeLiteForCausalLM"}
@@ -284,24 +285,6 @@ def test_conformance_suite_on_both_moe_families(tmp_path, monkeypatch):
 
 
 # ---------------------------------------------------------------- the NextN (MTP) drafter on the batch session
-
-def feed_and_draft(batch, ids):
-    """Drafts after a step-by-step history: a prefill, a draft, decodes, a cut verification, a copied prefix,
-    another slot taking the prefix, a prefix exported and imported into a third slot."""
-    out = []
-    batch.step([(0, ids[:12])])
-    out.append(batch.draft_nextn(0, ids[12], 3))
-    batch.step([(0, ids[12:14])])
-    batch.step([(0, ids[14:20] + [1, 2, 3])], all_logits=True)
-    batch.copy_prefix(0, 0, 20)
-    out.append(batch.draft_nextn(0, ids[20], 2))
-    batch.step([(0, ids[20:25])])
-    batch.copy_prefix(0, 1, 25)
-    out += [batch.draft_nextn(s, ids[25], 4) for s in (0, 1)]
-    batch.import_prefix(2, batch.export_prefix(1, 25))
-    out.append(batch.draft_nextn(2, ids[25], 4))
-    return out
-
 
 @pytest.mark.parametrize("family", MOE_FAMILIES + ["demo"])
 def test_nextn_drafts_are_the_references(make_tiny, family):

@@ -354,6 +354,7 @@ def test_run_with_prompt_lookup_prints_what_plain_decoding_prints(tmp_path, caps
 @pytest.mark.parametrize("backend, why", [
     ("cpu_int4", "the checkpoint has no multi-token-prediction (NextN) layer"),      # the backend's own reason
     ("torch", "it needs a checkpoint with a multi-token-prediction (NextN) layer"),  # the generic one
+    ("ascend_npu", "it needs a checkpoint with a multi-token-prediction (NextN) layer"),
 ])
 def test_mtp_without_a_nextn_layer_is_refused_with_the_reason(make_tiny, capsys, backend, why):
     from glmcore.cli import main
@@ -470,6 +471,26 @@ def check_drafts_do_not_depend_on_feeding(batch, V):
     batch.reset(2)
     batch.step([(2, ids[:25])])
     assert stepwise == [batch.draft_nextn(2, ids[25], 4)] * 2
+
+
+def feed_and_draft(batch, ids, export: bool = True):
+    """Drafts after a step-by-step history: a prefill, a draft, decodes, a cut verification, a copied prefix,
+    another slot taking the prefix, a prefix exported and imported into a third slot (with `export`: backends
+    with Capabilities.kv_export)."""
+    out = []
+    batch.step([(0, ids[:12])])
+    out.append(batch.draft_nextn(0, ids[12], 3))
+    batch.step([(0, ids[12:14])])
+    batch.step([(0, ids[14:20] + [1, 2, 3])], all_logits=True)
+    batch.copy_prefix(0, 0, 20)
+    out.append(batch.draft_nextn(0, ids[20], 2))
+    batch.step([(0, ids[20:25])])
+    batch.copy_prefix(0, 1, 25)
+    out += [batch.draft_nextn(s, ids[25], 4) for s in (0, 1)]
+    if export:
+        batch.import_prefix(2, batch.export_prefix(1, 25))
+        out.append(batch.draft_nextn(2, ids[25], 4))
+    return out
 
 
 def test_mtp_first_draft_is_the_nextn_formula(moe):

@@ -57,7 +57,8 @@ class Speculation:
             if not batch.has_nextn:
                 why = getattr(batch, "nextn_refusal", None) or (   # the backend's own reason, where it gives one
                     "it needs a checkpoint with a multi-token-prediction (NextN) layer (glm4_moe: "
-                    "num_nextn_predict_layers, the mtp tensors kept) on a backend that runs it (torch, cpu_int4)")
+                    "num_nextn_predict_layers, the mtp tensors kept) on a backend that runs it (torch, cpu_int4, "
+                    "openvino_amx, ascend_npu)")
                 raise GlmcoreError(f"--speculative mtp cannot run: {why}; use --speculative ngram")
             batch.start_nextn()
             return MtpDrafter(batch)

@@ -21,6 +21,10 @@ with dynamic=True, every tensor input mark_static'd and tiling_schedule_optimize
 has that option, so the lengths become graph inputs instead of
 constants that would recompile every step (torchair docs, dynamic_static_graph/typical_issues.md,
 "path 4"). Elsewhere inductor, dynamic=False. Eager mode runs the same module uncompiled, exact lengths.
+
+Speculative decoding's MTP drafter (the batch session's draft_nextn) is torch_ref's (plugins/torch_ref/nextn.py):
+the step's final hidden states, a graph output either way, are kept on the device per slot once start_nextn is
+called, and the checkpoint's NextN layer runs eagerly on the device with this backend's kernels.
 """
 from __future__ import annotations
 
@@ -38,7 +42,8 @@ from glmcore.config import ModelConfig
 from glmcore.errors import BackendError
 from glmcore.parallel import LOCAL
 
-from glmcore_plugins.torch_ref.forward import FORWARDS
+from glmcore_plugins.torch_ref.forward import FORWARDS, NextN
+from glmcore_plugins.torch_ref.nextn import NextNState
 
 from .ops import moe_ops, select_ops
 
@@ -294,16 +299,20 @@ class StepRunner:
     def bucket(self, n: int) -> int:
         return n if self.mode == "eager" else next(b for b in self.buckets if b >= n)
 
-    def prefill_chunks(self, slot: int, start: int, ids: list[int], all_logits: bool):
+    def prefill_chunks(self, slot: int, start: int, ids: list[int], all_logits: bool, keep=None):
         """Append ids to `slot` from position `start` in bucket-sized chunks. Returns the last
-        position's logits [vocab] and, with all_logits, every position's [len(ids), vocab]."""
+        position's logits [vocab] and, with all_logits, every position's [len(ids), vocab]. keep: where the
+        NextN drafter runs, its NextNState.keep, given each chunk's ids and final hidden states."""
         chunk = self.buckets[-1] if self.mode == "graph" else len(ids)
         rows, last = [], None
         for i in range(0, len(ids), chunk):
             part = ids[i:i + chunk]
             padded = torch.zeros((1, self.bucket(len(part))), dtype=torch.long)
             padded[0, :len(part)] = torch.tensor(part, dtype=torch.long)
-            last, hidden = self.call(padded.to(self.device), [start + i], [slot], [len(part) - 1])
+            padded = padded.to(self.device)
+            last, hidden = self.call(padded, [start + i], [slot], [len(part) - 1])
+            if keep is not None:
+                keep([slot], [start + i], padded[:, :len(part)], hidden[:, :len(part)])
             if all_logits:
                 with torch.inference_mode():
                     rows.append(self.model.logits(hidden[0, :len(part)]).cpu())
@@ -413,6 +422,35 @@ class AscendBatchSession(BatchSession):
         if self.runner.mode == "graph" and self.batch_buckets[-1] < n_slots:
             self.batch_buckets += (n_slots,)
         self._lens = [0] * n_slots
+        # speculative decoding's drafter: the checkpoint's NextN layer, put on the device by start_nextn
+        has = cfg.num_mtp_layers and "mtp.0.eh_proj.weight" in weights and tp is LOCAL
+        self._nextn_layer = (lambda: NextN(self.runner.model, weights, 0, self.runner.device, self.runner.dtype)) \
+            if has else None
+        self.mtp: NextNState | None = None        # what the NextN layer drafts from, kept once start_nextn is called
+
+    @property
+    def has_nextn(self) -> bool:
+        return self._nextn_layer is not None
+
+    def start_nextn(self) -> None:
+        """The NextN layer, its cache and the kept ids and hidden states go on the device now. The layer runs
+        eagerly in either mode, with the Ops table's kernels: one small layer over a catch-up chunk whose length
+        varies with each verification's accepted drafts, then single tokens at growing positions; compiling it
+        would mean a graph per length (or padded buckets) for a layer that is a small part of a draft's cost
+        next to the target's verification step."""
+        if self._nextn_layer is None:
+            raise BackendError("this checkpoint has no NextN layer to draft with")
+        if self.mtp is None:
+            r = self.runner
+            # torch_npu's fused kernels get the whole cache, contiguous, as the target's step passes it (they bound
+            # a row's work by its KV length); host kernels attend over views of the positions a draft reaches
+            self.mtp = NextNState(r.model, self._nextn_layer(), self.n_slots, self.capacity, r.device, r.dtype,
+                                  views=r.ops.name != "npu")
+
+    def draft_nextn(self, slot: int, token: int, k: int) -> list[int]:
+        if self.mtp is None:
+            raise BackendError("draft_nextn before start_nextn: the hidden states it drafts from were not kept")
+        return self.mtp.draft(self._slot(slot), self._lens[slot], token, k)
 
     def report(self) -> dict:
         return dict(self.runner.report(), slots=self.n_slots, **{
@@ -433,9 +471,10 @@ class AscendBatchSession(BatchSession):
         out: list = [None] * len(entries)
         decodes = [i for i, (_, ids) in enumerate(entries) if len(ids) == 1]
         every = list(all_logits) if all_logits is not None else [False] * len(entries)
+        keep = self.mtp.keep if self.mtp is not None else None     # what the NextN layer drafts from
         for i, (s, ids) in enumerate(entries):
             if len(ids) > 1:
-                last, rows = self.runner.prefill_chunks(s, self._lens[s], ids, every[i])
+                last, rows = self.runner.prefill_chunks(s, self._lens[s], ids, every[i], keep)
                 out[i] = rows if every[i] else last if all_logits is None else last[None]
         if decodes:
             logits = self._decode([entries[i][0] for i in decodes], [entries[i][1][0] for i in decodes])
@@ -450,15 +489,19 @@ class AscendBatchSession(BatchSession):
         n = len(slots)
         size = n if self.runner.mode == "eager" else next(b for b in self.batch_buckets if b >= n)
         pad = size - n
-        ids = torch.tensor(tokens + [0] * pad, dtype=torch.long).reshape(size, 1)
-        logits, _ = self.runner.call(ids.to(self.runner.device), [self._lens[s] for s in slots] + [0] * pad,
-                                     slots + [self.n_slots] * pad, [0] * size)
+        ids = torch.tensor(tokens + [0] * pad, dtype=torch.long).reshape(size, 1).to(self.runner.device)
+        starts = [self._lens[s] for s in slots]
+        logits, hidden = self.runner.call(ids, starts + [0] * pad, slots + [self.n_slots] * pad, [0] * size)
+        if self.mtp is not None:
+            self.mtp.keep(slots, starts, ids[:n], hidden[:n])
         return logits[:n].cpu().numpy()
 
     def reset(self, slot: int) -> None:
         self._lens[self._slot(slot)] = 0
         if self.runner.tables is not None:
             self.runner.tables.release(slot)
+        if self.mtp is not None:
+            self.mtp.reset(slot)
 
     def copy_prefix(self, src: int, dst: int, n: int) -> None:
         src, dst = self._slot(src), self._slot(dst)
@@ -471,6 +514,9 @@ class AscendBatchSession(BatchSession):
                 for cache in self.runner.k_cache + self.runner.v_cache:   # keys are stored rotated at 0..n-1
                     cache[dst, :, :n].copy_(cache[src, :, :n])
         self._lens[dst] = n
+        if self.mtp is not None:
+            self.mtp.copy_prefix(src, dst, n)
 
     def close(self) -> None:
         self.runner.close()
+        self.mtp = self._nextn_layer = None

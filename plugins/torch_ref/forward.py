@@ -220,14 +220,16 @@ class DenseGLM(DenseBlock):
         return Step(pos, slots, self.cos[pos], self.sin[pos], allowed, seq_lens, one_slot, rows, at, blocks)
 
     def nextn(self, mtp: "NextN", ids: torch.Tensor, start: torch.Tensor, slots: torch.Tensor, hidden: torch.Tensor,
-              k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+              k_cache: torch.Tensor, v_cache: torch.Tensor,
+              seq_lens: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """The multi-token-prediction (NextN) layer, as vLLM's glm4_moe_mtp and llama.cpp's glm4-moe MTP compute
         it: at position i it sees the next token ids[i] and the target's final hidden state hidden[i] there
         (its own output for a chained draft), eh_proj(concat(enorm(embed(id)), hnorm(h))) -> one decoder layer
         (its own KV cache) -> the shared head (its own final norm, the model's lm_head). The embedding at
         position 0 is zero (nothing precedes it). Returns (float32 logits [B, vocab] of each row's last
-        position, the layer's output [B, T, hidden] before the norm, what a chained draft takes as h)."""
-        step = self.make_step(start, slots, ids.shape[1], k_cache)
+        position, the layer's output [B, T, hidden] before the norm, what a chained draft takes as h). seq_lens: as
+        forward's, each row's KV length for kernels that take it."""
+        step = self.make_step(start, slots, ids.shape[1], k_cache, seq_lens)
         e = self.tp.embed(self.embed, ids).float().masked_fill((step.pos == 0)[..., None], 0.0)
         joined = torch.cat([self.norm(mtp, "enorm", e), self.norm(mtp, "hnorm", hidden.float())], dim=-1)
         x = self.linear(joined.to(self.dtype), mtp.eh_proj).float()

@@ -15,6 +15,7 @@ from glmcore.config import ModelConfig
 from glmcore.parallel import LOCAL
 
 from .forward import FORWARDS, NextN, apply_rotary
+from .nextn import NextNState
 from .ops import torch_ops
 
 __all__ = ["TorchRefBatch", "TorchRefSession", "apply_rotary", "rotary_tables"]
@@ -61,30 +62,12 @@ class TorchRefBatch(BatchSession):
         if self.nextn_layer is None:
             raise BackendError("this checkpoint has no NextN layer to draft with")
         if self.mtp is None:
-            k_shape, v_shape = self.model.cache_shapes(self.n_slots, self.capacity)
-            self.mtp = NextNState(self.nextn_layer, k_shape, v_shape, self.n_slots, self.capacity,
-                                  self.cfg.hidden_size)
+            self.mtp = NextNState(self.model, self.nextn_layer, self.n_slots, self.capacity)
 
-    @torch.inference_mode()
     def draft_nextn(self, slot: int, token: int, k: int) -> list[int]:
-        """k greedy drafts after `token` (sampled, not yet fed) from the checkpoint's NextN layer: it first
-        catches up on the positions the target fed since its last draft (each with the next fed token and
-        the target's hidden state there), then chains on its own output."""
         if self.mtp is None:
             raise BackendError("draft_nextn before start_nextn: the hidden states it drafts from were not kept")
-        m, n = self.mtp, self.lens[slot]
-        done = min(m.lens[slot], n - 1)
-        ids = torch.cat([m.ids[slot, done + 1:n], torch.tensor([int(token)])])[None]
-        one = torch.tensor([slot])
-        logits, x = self.model.nextn(m.layer, ids, torch.tensor([done]), one, m.hidden[slot:slot + 1, done:n],
-                                     m.k_cache[:, :, :n + k], m.v_cache[:, :, :n + k])
-        m.lens[slot] = n           # positions < n now hold what the target's own tokens and states give
-        drafts = [int(torch.argmax(logits[0]))]
-        for j in range(1, k):      # chained drafts: written past n, overwritten by the next catch-up
-            logits, x = self.model.nextn(m.layer, torch.tensor([[drafts[-1]]]), torch.tensor([n + j - 1]), one,
-                                         x[:, -1:], m.k_cache[:, :, :n + k], m.v_cache[:, :, :n + k])
-            drafts.append(int(torch.argmax(logits[0])))
-        return drafts
+        return self.mtp.draft(slot, self.lens[slot], token, k)
 
     def kv_len(self, slot: int) -> int:
         return self.lens[slot]
@@ -92,7 +75,7 @@ class TorchRefBatch(BatchSession):
     def reset(self, slot: int) -> None:
         self.lens[slot] = 0
         if self.mtp is not None:
-            self.mtp.lens[slot] = 0
+            self.mtp.reset(slot)
 
     def copy_prefix(self, src: int, dst: int, n: int) -> None:
         if src != dst:
@@ -150,36 +133,15 @@ class TorchRefBatch(BatchSession):
             k_cache = [c[:, :, :end] for c in self.k_cache]
             v_cache = [c[:, :, :end] for c in self.v_cache]
             logits, hidden = self.model(ids, start, torch.tensor(slots, dtype=torch.int64), last, k_cache, v_cache)
+            if self.mtp is not None:     # what the NextN layer drafts from
+                self.mtp.keep(slots, start.tolist(), ids, hidden)
             for row, (i, slot) in enumerate(zip(members, slots)):
-                if self.mtp is not None:     # what the NextN layer drafts from
-                    self.mtp.ids[slot, self.lens[slot]:self.lens[slot] + T] = ids[row]
-                    self.mtp.hidden[slot, self.lens[slot]:self.lens[slot] + T] = hidden[row]
                 self.lens[slot] += T
                 if all_logits is None:
                     out[i] = logits[row].numpy()
                 else:       # the output layer over every position only for the entries that want them
                     out[i] = (self.model.logits(hidden[row]) if all_logits[i] else logits[row][None]).numpy()
         return np.stack(out) if all_logits is None else out
-
-
-class NextNState:
-    """The NextN layer's side of a batch session: its KV cache (one layer), and per slot the fed ids and the
-    target's final hidden states by position, and how many positions its cache holds (`lens`)."""
-
-    def __init__(self, layer: NextN, k_shape, v_shape, n_slots: int, capacity: int, hidden: int):
-        self.layer = layer
-        self.k_cache, self.v_cache = torch.zeros(k_shape), torch.zeros(v_shape)
-        self.ids = torch.zeros((n_slots, capacity), dtype=torch.int64)
-        self.hidden = torch.zeros((n_slots, capacity, hidden))
-        self.lens = [0] * n_slots
-
-    def copy_prefix(self, src: int, dst: int, n: int) -> None:
-        """Position i of the NextN cache needs the target's id at i + 1: n kept positions keep n - 1 of it."""
-        if src != dst:
-            for cache in (self.k_cache, self.v_cache):
-                cache[dst, :, :n] = cache[src, :, :n]
-            self.ids[dst, :n], self.hidden[dst, :n] = self.ids[src, :n], self.hidden[src, :n]
-        self.lens[dst] = max(min(self.lens[src], n - 1), 0)
 
 
 class TorchRefSession(Session):
