@@ -295,7 +295,6 @@ def test_tensor_parallel_serves_latent_attention(make_tiny):
     pytest.importorskip("uvicorn", reason='the server needs its extra: pip install "glmcore[server]"')
     from test_server import client, serving
 
-    from glmcore.cli import main
     from glmcore.model import load_model
     from glmcore.pipeline import Pipeline
     from glmcore.sampling import SamplingParams

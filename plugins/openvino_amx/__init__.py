@@ -168,15 +168,18 @@ class OpenVINOBackend(Backend):
         options = self.resolve(options)
         capacity = default_capacity(config, self.capabilities(), options.capacity)
         model, weights_file = self._model(config, weights, options)
-        nextn = None
-        if config.num_mtp_layers and "mtp.0.eh_proj.weight" in weights:     # speculative decoding's drafter
-            from . import graph, session
-            opts = session.ir_options(options)
+        return OpenVINOBatchSession(config, model, options, capacity, n_slots, weights_file,
+                                    self._nextn_builder(config, weights, options))
 
-            def nextn():
-                return graph.build_nextn_model(config, self._weights(config, weights, options, _stderr),
+    def _nextn_builder(self, config, weights, options: LoadOptions):
+        """What builds the NextN layer's model at start_nextn (speculative decoding's drafter), where the
+        checkpoint has one; else None."""
+        if not (config.num_mtp_layers and "mtp.0.eh_proj.weight" in weights):
+            return None
+        from . import graph, session
+        opts = session.ir_options(options)
+        return lambda: graph.build_nextn_model(config, self._weights(config, weights, options, _stderr),
                                                opts["weights"], opts.get("group_size", 128))
-        return OpenVINOBatchSession(config, model, options, capacity, n_slots, weights_file, nextn)
 
     def conformance_weights(self, config, weights, options: LoadOptions):
         """The f32 values this configuration's graph computes with (dequantized as the graph does), and
