@@ -161,8 +161,9 @@ def test_continuation_cache_equals_fresh_prefill(make_tiny):
     np.testing.assert_allclose(batch.step([(pipe.slot.index, [7])])[0], fresh.decode(7), atol=1e-4)   # same cache
 
 
-def test_window_keeps_system_turn_and_drops_whole_turns(make_tiny):
-    pipe = Pipeline(make_tiny("chatglm3"), backend="torch", options=LoadOptions(capacity=96),
+@pytest.mark.parametrize("backend", ["torch", "cpu_int4"])     # re-prefilled kept ids; cpu_int4's ring shifted in place
+def test_window_keeps_system_turn_and_drops_whole_turns(make_tiny, backend):
+    pipe = Pipeline(make_tiny("chatglm3"), backend=backend, options=LoadOptions(capacity=96),
                     window=WindowPolicy("window"))
     history = [{"role": "system", "content": "system prompt here"}]
     fmt = pipe.model.chat_format
@@ -180,6 +181,7 @@ def test_window_keeps_system_turn_and_drops_whole_turns(make_tiny):
     # prefills its own ids only (the reply's last, unfed token and the new user turn), not the history again
     assert len(fmt.encode_messages(history)) > 96 and max(prefilled[1:]) <= prefilled[1] + 2
     assert cached[-1] > 96          # prompt ids covered by the slot: more than its context holds
+    assert pipe.model.scheduler.batch.kv_len(pipe.slot.index) == len(pipe.slot.tokens)
     assert slot.tokens[:pinned] == prefix[:pinned]                 # [gMASK]sop + system survive
     user = pipe.model.tokenizer.special_ids["<|user|>"]
     assert slot.tokens[pinned] == user                              # the kept history starts at a turn
