@@ -106,7 +106,7 @@ class ChatFormat:
     family: str
     stop_ids: list[int]
     tool_parser: type = PlainParser   # the reply format's tool parser (glmcore.parsers)
-    can_continue = True  # encode_continuation extends a cached conversation (False: re-encode it whole)
+    can_continue = True  # encode_continuation can extend a cached conversation (False: encode it whole)
     thinking = False     # replies may open with <think>...</think> (split off as Message.reasoning)
     thinking_switch = False   # the template takes enable_thinking (reasoning_effort maps onto it)
     opens_thinking = False   # the generation prompt itself ends with <think> (GLM-Z1): replies start thinking
@@ -399,7 +399,7 @@ class TemplateFormat(ChatFormat):
         self.tool_parser = (XmlCallParser if xml else GLM4Parser if self.glm_roles and self.assistant_id is not None
                             else PlainParser)
         # A template that rewrites earlier replies (GLM-Z1 drops their thinking) cannot extend a cached
-        # conversation with the reply as generated: the pipeline then builds the whole prompt again.
+        # conversation with the reply as generated: encode_continuation refuses it (encode the whole conversation).
         self.can_continue = "</think>" not in self.template
         # A template that speaks of <think> is a reasoning model's: its replies' thinking is split off.
         self.thinking = "<think>" in self.template or "</think>" in self.template

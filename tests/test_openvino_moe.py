@@ -314,8 +314,8 @@ def test_mtp_speculation_equals_plain_decoding(make_tiny):
     from glmcore.model import load_model
     from test_speculative import check_drafts_do_not_depend_on_feeding, check_mtp_equals_plain_decoding
     with contextlib.redirect_stderr(io.StringIO()):
-        m = load_model(make_tiny("glm4-moe"), "openvino_amx", LoadOptions(threads=2, capacity=96, weights="int8"),
-                       slots=16)
+        m = load_model(make_tiny("glm4-moe"), "openvino_amx",      # f32 compute on every CPU (see test_speculative)
+                       LoadOptions("f32", threads=2, capacity=96, weights="int8"), slots=16)
     try:
         m.scheduler.batch.start_nextn()
         g = np.random.default_rng(0)
@@ -332,3 +332,33 @@ def test_a_checkpoint_without_nextn_has_no_drafter(make_tiny):
         assert not b.has_nextn
         with pytest.raises(BackendError, match="this checkpoint has no NextN layer to draft with"):
             b.start_nextn()
+
+
+def test_drafting_before_start_and_a_foreign_nextn_blob_are_refused(make_tiny):
+    """draft_nextn before start_nextn, and a prefix blob whose NextN part is not this model's, are one-line errors."""
+    _, cfg, w = checkpoint(make_tiny, "glm4-moe")
+    with contextlib.redirect_stderr(io.StringIO()), BACKEND.load_batch(cfg, w, options(), 2) as b:
+        with pytest.raises(BackendError, match="draft_nextn before start_nextn"):
+            b.draft_nextn(0, 5, 2)
+        b.start_nextn()
+        b.step([(0, list(range(5, 17)))])
+        blob = b.export_prefix(0, 12)
+        n_caches = len(blob.parts) - 3 - len(b.mtp.states(0))
+        ids = blob.parts[n_caches]
+        foreign = dataclasses.replace(blob, parts=blob.parts[:n_caches] + (ids[:-1],) + blob.parts[n_caches + 1:])
+        with pytest.raises(BackendError, match="NextN part does not fit this session"):
+            b.import_prefix(1, foreign)
+
+
+def test_an_openvino_without_grouped_matmul_refuses_the_moe_glms(make_tiny, monkeypatch):
+    """Before OpenVINO 2026 (no opset17) the MoE graph cannot be built: supports() says so in one line; the dense
+    GLMs still run."""
+    import importlib.util
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "openvino.opset17" else
+                        real(name, *a))
+    for family in ("glm4-moe", "glm4-moe-lite"):
+        why = BACKEND.supports(ModelConfig.from_dir(make_tiny(family)))
+        assert why and "opset17's GroupedMatMul" in why and "pip install -U 'openvino>=2026.0'" in why
+        assert "\n" not in why
+    assert BACKEND.supports(ModelConfig.from_dir(make_tiny("glm4"))) is None

@@ -58,17 +58,15 @@ class PlanEntry:
 class StepPlan:
     entries: list[PlanEntry]
     ended: list[Event]           # requests the KV policy ended while planning (context full, overflow)
+    # per entry, whether it wants every position's logits (it verifies drafts, or scores its prompt); False when
+    # none does (one [n, vocab] array of last rows comes back). Set once here: every round of the step reads it.
+    all_logits: list[bool] | bool = field(init=False)
 
     def __post_init__(self):
         for i, e in enumerate(self.entries):
             e.row = i
-
-    @property
-    def all_logits(self) -> list[bool] | bool:
-        """Per entry, whether it wants every position's logits (it verifies drafts, or scores its prompt);
-        False when none does (one [n, vocab] array of last rows comes back)."""
         wanted = [bool(e.draft) or e.scores_prompt for e in self.entries]
-        return wanted if any(wanted) else False
+        self.all_logits = wanted if any(wanted) else False
 
     def batch_entries(self) -> list[tuple[int, list[int]]]:
         return [(e.index, e.ids) for e in self.entries]

@@ -167,20 +167,21 @@ class Int4BatchSession(BatchSession):
         counts = np.array([p.size for p in parts], np.int32)
         ids32 = np.ascontiguousarray(np.concatenate(parts), dtype=np.int32)
         slots32 = np.array(slots, np.int32)
-        every = np.array(all_logits if all_logits is not None else [False] * len(parts), np.uint8)
-        per_entry = np.where(every, counts, 1)          # logits rows of each entry
-        out = np.empty((int(per_entry.sum()), V), np.float32)
+        # logits rows of each entry: its last, or all of them where all_logits asks (None: every entry its last)
+        every = None if all_logits is None else np.array(all_logits, np.uint8)
+        per_entry = None if every is None else np.where(every, counts, 1)
+        out = np.empty((len(parts) if every is None else int(per_entry.sum()), V), np.float32)
         starts = [self.kv_len(s) for s in slots] if self.nextn else None
         hidden = np.empty((ids32.size, self.cfg.hidden_size), np.float32) if self.nextn else None
         rc = self._lib.glmi4_step(h, ids32.ctypes.data, slots32.ctypes.data, counts.ctypes.data, len(parts),
-                                  out.ctypes.data, every.ctypes.data if all_logits is not None else None,
+                                  out.ctypes.data, None if every is None else every.ctypes.data,
                                   hidden.ctypes.data if self.nextn else None)
         if rc != 0:
             raise BackendError(f"cpu_int4: forward step failed (code {rc})")
         if self.nextn:
             for slot, start, arr, rows in zip(slots, starts, parts, np.split(hidden, np.cumsum(counts)[:-1])):
                 self.nextn.fed(slot, start, arr, rows)
-        return out if all_logits is None else np.split(out, np.cumsum(per_entry)[:-1])
+        return out if every is None else np.split(out, np.cumsum(per_entry)[:-1])
 
     def _where(self, slot: int) -> str:
         return f" in slot {slot}" if self.n_slots > 1 else ""
