@@ -219,6 +219,11 @@ def test_second_turn_prefills_only_the_new_turn(url, tiny_model):
      "presence_penalty", "invalid_value"),
     ({"model": "tiny", "messages": [{"role": "user", "content": "x"}], "frobnicate": 1}, 400, "frobnicate",
      "unsupported_parameter"),
+    # a client's key in the error is escaped and cut (found by tests/test_fuzz_server.py: a newline in a key)
+    ({"model": "tiny", "messages": [{"role": "user", "content": "x"}], "logit_bias": {"3\n": "x"}}, 400,
+     "logit_bias.3\\n", "invalid_value"),
+    ({"model": "tiny", "messages": [{"role": "user", "content": "x"}], "frob\n" + "n" * 60: 1}, 400,
+     "frob\\n" + "n" * 35, "unsupported_parameter"),
     ({"model": "tiny", "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}, 400,
      "messages.0.content.0", "unsupported_value"),
     ({"model": "tiny", "messages": [{"role": "user", "content": "x"}], "stop": ["a", "b", "c", "d", "e"]}, 400,
@@ -237,6 +242,7 @@ def test_errors_are_openai_error_json_with_a_4xx(url, body, status, param, code)
     assert err["param"] == param and err["code"] == code
     if param:
         assert param.split(".")[0] in err["message"]
+    assert "\n" not in err["message"]
 
 
 def test_body_limit_unknown_routes_and_the_openai_client_errors(url):

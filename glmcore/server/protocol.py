@@ -287,8 +287,15 @@ def _param(data, loc) -> str | None:
             break
         else:
             continue                    # a union member's tag, not a place in the body
-        path.append(str(part))
+        path.append(_shown(str(part)))
     return ".".join(path) or None
+
+
+def _shown(key: str) -> str:
+    """A client's key as an error message shows it: control characters escaped (the message stays one line), at
+    most 40 characters."""
+    key = key[:40]
+    return key if key.isprintable() else json.dumps(key, ensure_ascii=False)[1:-1]
 
 
 def parse(cls: type[Strict], body: bytes) -> Strict:
