@@ -106,6 +106,9 @@ def load_weights(model_dir: str | Path, cfg: ModelConfig) -> Weights | Generated
         raw, files = {**raw, **nextn}, files + [side]
     module = arch.of(cfg)
     tensors = module.to_canonical(raw, model_dir)
+    # transformers writes a module the config turns off at zero width (the shared expert at n_shared_experts 0)
+    expected = canonical_shapes(cfg)
+    tensors = {n: t for n, t in tensors.items() if t.size or n in expected}
     module.complete(cfg, tensors, model_dir)
     check_tensors(tensors, cfg, model_dir)
     return Weights(tensors, files, cfg)

@@ -248,6 +248,89 @@ def test_transformers_own_checkpoint_with_group_limited_routing(tmp_path):
     close(got, hf_logits(model, ids))
 
 
+# Configs transformers builds itself (its own defaults wherever a variant is silent), shaped so every backend can
+# run them: each variant turns on paths the tiny checkpoints leave off. rms_norm_eps 1e-2 on small latents makes a
+# norm given the wrong epsilon visible (transformers' latent norms keep their own 1e-6).
+VARIANT_SHAPES = {
+    "glm4-moe": dict(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+                     num_key_value_heads=2, head_dim=16, moe_intermediate_size=32, n_routed_experts=8,
+                     num_experts_per_tok=3, first_k_dense_replace=1, routed_scaling_factor=2.5,
+                     num_nextn_predict_layers=0),
+    "glm4-moe-lite": dict(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                          num_attention_heads=4, num_key_value_heads=4, q_lora_rank=32, kv_lora_rank=32,
+                          qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, moe_intermediate_size=32,
+                          n_routed_experts=8, num_experts_per_tok=3, first_k_dense_replace=1,
+                          routed_scaling_factor=1.8, num_nextn_predict_layers=0),
+}
+VARIANTS = [
+    ("glm4-moe", dict(rms_norm_eps=1e-2, use_qk_norm=True)),
+    ("glm4-moe", dict(norm_topk_prob=False, n_shared_experts=2, first_k_dense_replace=0, n_group=4, topk_group=2)),
+    ("glm4-moe", dict(partial_rotary_factor=1.0, attention_bias=False, tie_word_embeddings=True,
+                      num_key_value_heads=1, n_shared_experts=0)),
+    ("glm4-moe-lite", dict(rms_norm_eps=1e-2)),
+    ("glm4-moe-lite", dict(q_lora_rank=None, rope_interleave=False, attention_bias=True, rms_norm_eps=1e-2,
+                           n_shared_experts=0)),
+    ("glm4-moe-lite", dict(mlp_layer_types=["sparse", "dense", "sparse"], norm_topk_prob=False, n_group=4,
+                           topk_group=2, n_shared_experts=2)),
+]
+
+
+def transformers_variant(path: Path, family: str, changes: dict):
+    """transformers' own model for a variant, saved at `path` with weights drawn so every path matters."""
+    config_class = {"glm4-moe": transformers.Glm4MoeConfig, "glm4-moe-lite": transformers.Glm4MoeLiteConfig}[family]
+    torch.manual_seed(0)
+    model = getattr(transformers, HF_CLASS[family])(config_class(**{**VARIANT_SHAPES[family], **changes})).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            # the latents small, so the epsilon of their norms decides as much as their weights
+            p.normal_(1.0, 0.1) if "norm" in name else p.normal_(0, 0.003 if "_a_proj" in name else 0.2)
+        for m in model.modules():
+            if hasattr(m, "e_score_correction_bias"):
+                m.e_score_correction_bias.normal_(0, 0.1)
+    model.save_pretrained(path, safe_serialization=True)
+    return model
+
+
+@pytest.mark.parametrize("family,changes", VARIANTS, ids=lambda v: v if isinstance(v, str) else
+                         ",".join(f"{k}={x}" for k, x in v.items()))
+def test_transformers_config_variants(tmp_path, family, changes):
+    """Each backend that runs the MoE GLMs, on checkpoints transformers writes for config variants: the torch
+    reference (and ascend_npu's host path) and openvino_amx f32 within the f32 row of transformers' logits; cpu_int4
+    within the int8+experts row of the reference on the weights it packed (int4 is its only format)."""
+    from glmcore_conformance.metrics import compare, out_of_bounds
+    from glmcore_conformance.tolerances import TOLERANCES
+    from glmcore_plugins.cpu_int4 import quant
+    model = transformers_variant(tmp_path, family, changes)
+    ids = [int(t) for t in np.random.default_rng(5).integers(0, 320, 40)]
+    steps = [[(0, ids[:30])]] + [[(0, [t])] for t in ids[30:]]
+    want = hf_logits(model, ids)
+
+    def logits(run):
+        return np.concatenate([s[0] for s in run])
+    ready = registry().ready()
+    close(logits(ours("torch", tmp_path, steps)), want)
+    if "ascend_npu" in ready:
+        close(logits(ours("ascend_npu", tmp_path, steps, mode="eager")), want)
+    cfg = ModelConfig.from_dir(tmp_path)
+    w = load_weights(tmp_path, cfg)
+    if "openvino_amx" in ready:
+        b = registry().get("openvino_amx")
+        opts = b.resolve(LoadOptions(precision="f32", weights="f32", capacity=64, threads=1,
+                                     cache_dir=tmp_path / "cache"))
+        with b.load_batch(cfg, w, opts, 1) as batch:
+            close(logits([batch.step(e, all_logits=True) for e in steps]), want)
+    if "cpu_int4" in ready:
+        b = registry().get("cpu_int4")
+        opts = b.resolve(LoadOptions(capacity=64, threads=1, cache_dir=tmp_path / "cache"))
+        with b.load_batch(cfg, w, opts, 1) as batch:
+            got = logits([batch.step(e, all_logits=True) for e in steps])
+            own = {**dict(w), **quant.dequantized_weights(batch.meta, np.asarray(batch._blob))}
+        with registry().get("torch").load_batch(cfg, own, LoadOptions(capacity=64), 1) as ref:
+            reference = logits([ref.step(e, all_logits=True) for e in steps])
+        figures = compare(reference, got)
+        assert not out_of_bounds(figures, TOLERANCES["int8+experts"].bounds()), figures
+
+
 # ---------------------------------------------------------------- backends and commands
 
 @pytest.mark.parametrize("family", MOE_FAMILIES)
@@ -267,7 +350,8 @@ def test_glmcore_run_answers_with_the_checkpoints_own_template(make_tiny, family
     path = make_tiny(family)
     assert main(["run", "--model", str(path), "--prompt", "你好", "--max-new-tokens", "4", "--temperature", "0"]) == 0
     err = capsys.readouterr().err
-    assert "generated 4 tok" in err and re.match(r"\[(cpu_int4|torch)\] ", err), err      # cpu_int4 where ready
+    # a fresh cache quantizes first (its progress lines come before the report)
+    assert "generated 4 tok" in err and re.search(r"^\[(cpu_int4|torch)\] ", err, re.M), err    # cpu_int4 where ready
     from glmcore.model import load_model
     m = load_model(path)
     try:

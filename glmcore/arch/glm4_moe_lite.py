@@ -46,6 +46,13 @@ class MlaConfig(MoeConfig):
         return self.rotary_dim
 
     @property
+    def latent_norm_eps(self) -> float:
+        """The epsilon of the q_a and kv_a (latent) norms: transformers' Glm4MoeLiteRMSNorm default, 1e-6, which
+        its attention does not override with rms_norm_eps (DeepSeek's own modeling code the same; vLLM and
+        llama.cpp pass rms_norm_eps, 1e-5 at GLM-4.7-Flash)."""
+        return 1e-6
+
+    @property
     def latent_size(self) -> int:
         """Cached values per token and layer: the compressed KV and the rotated rope key."""
         return self.kv_lora_rank + self.qk_rope_dim

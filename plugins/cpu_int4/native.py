@@ -30,7 +30,7 @@ from glmcore.errors import BackendError
 
 HERE = Path(__file__).resolve().parent
 SOURCE = HERE / "csrc" / "glmi4.c"
-ABI = 11
+ABI = 12
 ISAS = ("plain", "avx2", "avxvnni", "avx512vnni")    # in order of preference (glmi4.c ISA_NAMES)
 CFLAGS = ["-O3", "-std=c11", "-fPIC", "-shared", "-pthread"]
 
@@ -84,7 +84,7 @@ class Spec(C.Structure):
                 ("top_k", C.c_int32), ("n_groups", C.c_int32), ("topk_groups", C.c_int32), ("norm_topk", C.c_int32),
                 ("moe_ffn", C.c_int32), ("shared_ffn", C.c_int32), ("routed_scaling", C.c_float),
                 ("mla", C.c_int32), ("q_lora", C.c_int32), ("kv_lora", C.c_int32), ("nope", C.c_int32),
-                ("v_dim", C.c_int32), ("nextn", C.POINTER(NextN))]
+                ("v_dim", C.c_int32), ("latent_eps", C.c_float), ("nextn", C.POINTER(NextN))]
 
 
 def _declare(lib) -> None:

@@ -115,7 +115,7 @@ class Int4BatchSession(BatchSession):
                    shared_ffn=cfg.moe_ffn_hidden_size * cfg.num_shared_experts,
                    routed_scaling=cfg.routed_scaling) if sparse_layers else {}
         latent = dict(mla=1, q_lora=cfg.q_lora_rank, kv_lora=cfg.kv_lora_rank, nope=cfg.qk_nope_dim,
-                      v_dim=cfg.v_head_dim) if mla else {}
+                      v_dim=cfg.v_head_dim, latent_eps=cfg.latent_norm_eps) if mla else {}
         spec = native.Spec(
             hidden=cfg.hidden_size, n_layers=cfg.num_layers, n_heads=cfg.num_heads, n_kv=cfg.num_kv_heads,
             head_dim=cfg.head_dim, ffn=cfg.ffn_hidden_size, vocab=cfg.vocab_size, capacity=self.capacity,

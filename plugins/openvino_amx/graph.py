@@ -349,7 +349,7 @@ def _latent_attention(h: ov.Output, W: WeightNodes, p: str, i: int, cfg, step: _
     exact but measured worse: the stateful attention is then not fused, and the paged form keeps two key-wide
     caches.)"""
     H, nope, rope, R, vd = cfg.num_heads, cfg.qk_nope_dim, cfg.qk_rope_dim, cfg.kv_lora_rank, cfg.v_head_dim
-    eps = cfg.norm_eps
+    eps = cfg.latent_norm_eps
 
     def linear(x, name):
         y = _linear(x, W.matrix(p + name + ".weight"))

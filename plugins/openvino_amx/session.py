@@ -20,7 +20,7 @@ from glmcore.errors import BackendError
 
 from . import graph
 
-GRAPH_VERSION = 5          # bump when build_model's output changes: old cache entries are then not reused
+GRAPH_VERSION = 6          # bump when build_model's output changes: old cache entries are then not reused
 IR_NAME = "openvino_model.xml"          # the name openvino_genai.LLMPipeline looks for
 MANIFEST = "glmcore_openvino.json"
 KV_PRECISIONS = ("f32", "f16", "bf16", "u8")

@@ -379,7 +379,7 @@ class Glm4MoeLite(Glm4Moe):
         cfg, ops, dt = self.cfg, self.ops, self.dtype
         b, t, _ = h.shape
         H, nope, rope, R, vd = cfg.num_heads, cfg.qk_nope_dim, cfg.qk_rope_dim, cfg.kv_lora_rank, cfg.v_head_dim
-        eps, il = cfg.norm_eps, cfg.rotary_interleaved
+        eps, il = cfg.latent_norm_eps, cfg.rotary_interleaved
         if layer.q_a is not None:
             q_a = ops.rms_norm(F.linear(h, layer.q_a, layer.q_a_bias).float(), layer.q_a_norm, eps).to(dt)
             q = F.linear(q_a, layer.q_b)

@@ -48,7 +48,7 @@
 #define GLMI4_X86 0
 #endif
 
-#define GLMI4_ABI 11
+#define GLMI4_ABI 12
 #define QK 32          /* activation block: one int8 scale per 32 inputs */
 #define TILE 16        /* output rows per packed tile */
 #define PREFETCH 4096   /* decode streams weights: prefetch this far ahead into L1 (measured: +40% on one core) */
@@ -136,6 +136,7 @@ typedef struct {
     float routed_scaling;
     /* latent attention (mla != 0): head_dim = nope + rot_dim, the cache holds kv_lora + rot_dim per token */
     int32_t mla, q_lora, kv_lora, nope, v_dim;
+    float latent_eps;                   /* the q_a and kv_a norms' epsilon (transformers: 1e-6, not norm_eps) */
     const struct glmi4_nextn *nextn;    /* the checkpoint's NextN (MTP) layer, or NULL: not loaded */
 } glmi4_spec;
 
@@ -1996,6 +1997,7 @@ typedef struct {
                                     2F; ROW_COPY: the src row as it is */
     const float *w, *src;
     int lds, F;                  /* src row stride */
+    float eps;                   /* ROW_NORM: the norm's epsilon */
     float *dst;                  /* ROW_NORM: keep the normed rows here (stride ldd); NULL: a scratch row */
     int ldd;
     int8_t *q;                   /* the quantized rows (stride ldo; dx, xs: ldo / 32); NULL: m->aq and its stride */
@@ -2016,7 +2018,7 @@ static void rows_task(void *arg, int tid, int nth) {
         float *tmp = m->tmp + (size_t)tid * m->ldq;
         if (r->kind == ROW_NORM) {
             if (r->dst) tmp = r->dst + (size_t)t * r->ldd;
-            rmsnorm(src, r->w, r->K, m->s.norm_eps, tmp);
+            rmsnorm(src, r->w, r->K, r->eps, tmp);
             row = tmp;
         } else if (r->kind == ROW_SILU) {
 #if GLMI4_X86
@@ -2097,7 +2099,8 @@ static void attn_gqa(model *m, const glmi4_layer *L, int l, int T) {
     const glmi4_spec *s = &m->s;
     const int H = s->hidden, hd = s->head_dim, qs = s->n_heads * hd, kvs = s->n_kv * hd, ldqkv = qs + 2 * kvs;
     size_t attn_work = 0;
-    run_rows(m, &(rows_job){.kind = ROW_NORM, .T = T, .w = L->input_norm, .src = m->x, .lds = H}, &L->qkv);
+    run_rows(m, &(rows_job){.kind = ROW_NORM, .T = T, .w = L->input_norm, .eps = m->s.norm_eps, .src = m->x,
+                            .lds = H}, &L->qkv);
     run_gemm(m->pool, m->isa, &L->qkv, T, m->aq, m->adx, m->axs, m->ldq, m->qkv, ldqkv, L->qkv_bias, 0);
     for (int t = 0; t < T; t++) {       /* q/k norms, rotary at the token's position, then cache K and V */
         const int pos = m->tpos[t], slot = m->tslot[t];
@@ -2275,7 +2278,8 @@ static void attn_mla(model *m, const glmi4_layer *L, int l, int T) {
     const int H = s->hidden, NH = s->n_heads, R = s->kv_lora, rp = s->rot_dim, lw = R + rp, qw = s->nope + rp;
     const glmi4_mat *uk = m->uk + (size_t)l * NH, *uv = m->uv + (size_t)l * NH;
     const int lora = L->q_a.data != NULL;
-    run_rows(m, &(rows_job){.kind = ROW_NORM, .T = T, .w = L->input_norm, .src = m->x, .lds = H}, &L->kv_a);
+    run_rows(m, &(rows_job){.kind = ROW_NORM, .T = T, .w = L->input_norm, .eps = m->s.norm_eps, .src = m->x,
+                            .lds = H}, &L->kv_a);
     gemm_job first[2] = {
         {.W = lora ? &L->q_a : &L->q_b, .M = T, .xq = m->aq, .dx = m->adx, .xs = m->axs, .ldq = m->ldq,
          .out = lora ? m->qa : m->qf, .ldo = lora ? s->q_lora : NH * qw, .bias = lora ? L->q_a_bias : NULL},
@@ -2283,7 +2287,8 @@ static void attn_mla(model *m, const glmi4_layer *L, int l, int T) {
          .bias = L->kv_a_bias}};
     run_gemms(m->pool, m->isa, first, 2);
     if (lora) {
-        run_rows(m, &(rows_job){.kind = ROW_NORM, .T = T, .w = L->q_a_norm, .src = m->qa, .lds = s->q_lora}, &L->q_b);
+        run_rows(m, &(rows_job){.kind = ROW_NORM, .T = T, .w = L->q_a_norm, .eps = s->latent_eps, .src = m->qa,
+                            .lds = s->q_lora}, &L->q_b);
         run_gemm(m->pool, m->isa, &L->q_b, T, m->aq, m->adx, m->axs, m->ldq, m->qf, NH * qw, NULL, 0);
     }
     size_t work = 0;
@@ -2291,7 +2296,7 @@ static void attn_mla(model *m, const glmi4_layer *L, int l, int T) {
         const int pos = m->tpos[t], slot = m->tslot[t], half = rp / 2;
         const float *c = s->rope_cos + (size_t)pos * half, *sn = s->rope_sin + (size_t)pos * half;
         float *kv = m->kva + (size_t)t * lw;
-        rmsnorm(kv, L->kv_a_norm, R, s->norm_eps, kv);
+        rmsnorm(kv, L->kv_a_norm, R, s->latent_eps, kv);
         rope(kv + R, 1, rp, rp, c, sn, s->rope_neox);
         rope(m->qf + (size_t)t * NH * qw + s->nope, NH, qw, rp, c, sn, s->rope_neox);
         cache_put(m, m->kc, kv_off(m, slot, l, 0, phys(m, slot, pos)), kv, lw);
@@ -2444,8 +2449,8 @@ static void layer_forward(model *m, int l, int T) {
     const int H = s->hidden;
     if (s->mla) attn_mla(m, L, l, T);
     else attn_gqa(m, L, l, T);
-    run_rows(m, &(rows_job){.kind = ROW_NORM, .T = T, .w = L->post_norm, .src = m->x, .lds = H, .dst = m->h,
-                            .ldd = m->ldq}, L->sparse ? &L->exp_up[0] : &L->ffn_up);
+    run_rows(m, &(rows_job){.kind = ROW_NORM, .T = T, .w = L->post_norm, .eps = m->s.norm_eps, .src = m->x, .lds = H,
+                            .dst = m->h, .ldd = m->ldq}, L->sparse ? &L->exp_up[0] : &L->ffn_up);
     if (L->sparse) {
         moe_block(m, L, T);
         return;
