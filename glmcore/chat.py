@@ -23,8 +23,7 @@ from .errors import ChatError
 from .events import ChatEvent, ReasoningDelta, ToolCall  # ToolCall re-exported
 from .parsers import ChatGLM3Parser, GLM4Parser, PlainParser, ThinkSplitter, XmlCallParser
 from .parsers.reasoning import CLOSE, OPEN
-from .parsers.base import NAME as _NAME, Markup, ToolCallParseError  # noqa: F401  (re-exported)
-from .parsers.segments import parse_chatglm3_call, parse_glm4_call  # noqa: F401  (re-exported)
+from .parsers.base import NAME as _NAME, Markup
 from .template import render as render_template
 
 ROLES = ("system", "user", "assistant", "tool")

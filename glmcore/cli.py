@@ -8,7 +8,6 @@ import shutil
 import sys
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from . import __version__, arch
 from .backend import registry

@@ -801,7 +801,6 @@ def test_paged_batch_decode_graph_gathers_no_cache(make_tiny, monkeypatch, relea
     """The captured batched-decode graph reads the paged cache in place: no index_select (or tensor indexing) of
     a cache input. Where page attention is not available (6.0.rc2's v2r3: int[] decode lengths) the unpaged
     cache is gathered per row, which the check finds."""
-    from glmcore_plugins.ascend_npu import session as sess
     graphs = []
 
     def eager_backend(gm, example_inputs):

@@ -8,8 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from glmcore.chat import (ChatGLM3Format, Message, ToolCall, ToolCallStream, chat_format_for,
-                          parse_chatglm3_call, parse_glm4_call, ToolCallParseError)
+from glmcore.chat import ChatGLM3Format, Message, ToolCall, ToolCallStream, chat_format_for
+from glmcore.parsers.base import ToolCallParseError
+from glmcore.parsers.segments import parse_chatglm3_call, parse_glm4_call
 from glmcore.events import TextDelta, ToolCallDelta, ToolCallEvent, ToolCallStart
 from glmcore.tokenizer import load_tokenizer, write_tokenizer
 

@@ -178,7 +178,8 @@ def test_bin(make_tiny, tmp_path_factory, cases):
     run_batch(tmp, jobs)
 
 
-GGUF_FAMILIES = ("glm4", "glm4-0414", "chatglm3")       # each tokenizer the metadata rebuilds
+GGUF_FAMILIES = ("glm4", "glm4-0414", "chatglm3",      # each tokenizer the metadata rebuilds
+                 "glm4-moe", "glm4-moe-lite")         # and the MoE architectures (glm4moe, deepseek2)
 
 
 @pytest.fixture(scope="module")
@@ -215,6 +216,8 @@ def _gguf_header_size(path: Path) -> int:
 CKPT_FILES = {  # family, file, how it is mutated
     "config": ("chatglm3", "config.json", "json"),
     "index": ("chatglm3", "model.safetensors.index.json", "json"),
+    "moe_config": ("glm4-moe", "config.json", "json"),
+    "latent_config": ("glm4-moe-lite", "config.json", "json"),
     "tokenizer_config": ("glm4", "tokenizer_config.json", "json"),
     "sentencepiece": ("chatglm3", "tokenizer.model", "bytes"),
     "tiktoken": ("glm4", "tokenizer.model", "bytes"),

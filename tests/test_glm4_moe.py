@@ -101,6 +101,8 @@ def test_transformers_4_and_5_config_forms_agree(tmp_path):
     ({"mlp_layer_types": ["dense"]}, r"mlp_layer_types must name one kind per layer \(3\)"),
     ({"routed_scaling_factor": -1}, r"routed_scaling_factor -1 is not a positive number"),
     ({"hidden_act": "gelu"}, r"hidden_act 'gelu' is not supported"),
+    ({"rope_scaling": True}, r"rope_scaling is not an object of rope settings"),
+    ({"rope_parameters": [1]}, r"rope_parameters is not an object of rope settings"),
 ])
 def test_bad_moe_configs_get_one_line_errors(change, match):
     from glmcore.arch.glm4_moe import KEYS, SIZES

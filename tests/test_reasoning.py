@@ -17,7 +17,7 @@ from glmcore.errors import ChatError
 from glmcore.events import ReasoningDelta, TextDelta, ToolCallDelta, ToolCallEvent, ToolCallStart
 from glmcore.hf_tokenizer import GLM_Z1_TEMPLATE
 from glmcore.pipeline import Pipeline
-from glmcore.reasoning import ThinkSplitter, split_reasoning
+from glmcore.parsers.reasoning import ThinkSplitter, split_reasoning
 from glmcore.sampling import SamplingParams
 from glmcore.tokenizer import load_tokenizer
 

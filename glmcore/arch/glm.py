@@ -276,6 +276,10 @@ _GLM4_9B_CHAT_VOCAB = 151552
 def hf_rope(raw: dict, source: str, defaults: dict) -> tuple[float, float]:
     """(rope_theta, partial_rotary_factor) of a transformers config: transformers 5 nests the rope keys in
     rope_parameters, 4.x has them at the top (rope_scaling for types). Only the default rotary is run."""
+    for key in ("rope_parameters", "rope_scaling"):
+        if not isinstance(raw.get(key) or {}, dict):
+            raise ConfigError(f"{source}: {key} is not an object of rope settings; restore the file from the "
+                              "original checkpoint")
     rope = {k: raw[k] for k in ("rope_theta", "partial_rotary_factor") if k in raw}
     rope.update(raw.get("rope_parameters") or {})
     scaling = raw.get("rope_scaling") or {}
