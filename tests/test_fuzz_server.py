@@ -150,9 +150,10 @@ def mutated(draw, schema):
 
 # ------------------------------------------------------------------ the server under fuzz
 
-@pytest.fixture(scope="module")
-def fuzz_server(make_tiny):
-    m = load_model(make_tiny("chatglm3"), "torch", LoadOptions(threads=1, capacity=96), slots=2, token_budget=64)
+# ChatGLM3's own prompt format and tool parser; GLM-4.5's jinja template, XML tool calls and thinking (glm4-moe)
+@pytest.fixture(scope="module", params=["chatglm3", "glm4-moe"])
+def fuzz_server(make_tiny, request):
+    m = load_model(make_tiny(request.param), "torch", LoadOptions(threads=1, capacity=96), slots=2, token_budget=64)
     with serving(m, max_body=4 << 20, read_timeout=5.0) as url:       # room for a 100k-entry choice
         stalls, stop = [], threading.Event()
 
