@@ -253,22 +253,27 @@ def _convert(backend, model, out, *argv):
 
 
 @pytest.fixture(scope="module")
-def packed(ckpt, tmp_path_factory):
-    return _convert("cpu_int4", ckpt, tmp_path_factory.mktemp("packed") / "p")
+def packed(ckpt, make_tiny, tmp_path_factory):
+    """Packed models and their checkpoints: a dense one, and GLM-4.7-Flash's layout (experts, the latent
+    attention's matrices, the NextN layer)."""
+    models = {"dense": ckpt, "latent-moe": make_tiny("glm4-moe-lite")}
+    return {k: (m, _convert("cpu_int4", m, tmp_path_factory.mktemp("packed") / k)) for k, m in models.items()}
 
 
 @FUZZ
-@given(st.lists(st.lists(JSON_EDIT, min_size=1, max_size=3), min_size=BATCH, max_size=BATCH))
-def test_cpu_int4_packed_meta(ckpt, packed, tmp_path_factory, cases):
+@given(st.lists(st.tuples(st.sampled_from(["dense", "latent-moe"]), st.lists(JSON_EDIT, min_size=1, max_size=3)),
+                min_size=BATCH, max_size=BATCH))
+def test_cpu_int4_packed_meta(packed, tmp_path_factory, cases):
     from glmcore.cache import seal, source_of
     tmp = tmp_path_factory.mktemp("meta")
     jobs = []
-    for i, edits in enumerate(cases):
-        d = _case_dir(tmp, packed, i, "meta.json")
+    for i, (which, edits) in enumerate(cases):
+        model, base = packed[which]
+        d = _case_dir(tmp, base, i, "meta.json")
         (d / "meta.json").write_text(json.dumps(mutate_json(json.loads((d / "meta.json").read_text()), edits)))
         (d / "glmcore-entry.json").unlink()
-        seal(d, source_of(packed))                   # a forged seal: only meta.json's own checks remain
-        jobs.append({"kind": "packed", "path": str(d), "model": str(ckpt)})
+        seal(d, source_of(base))                     # a forged seal: only meta.json's own checks remain
+        jobs.append({"kind": "packed", "path": str(d), "model": str(model)})
     run_batch(tmp, jobs)
 
 
