@@ -3,8 +3,10 @@ each ready CPU backend's default format (prefill and decode on a small synthetic
 each) and keeps the fastest. A rule of CPU flags cannot know this: on AMD's AVX-512 OpenVINO's int8 decodes
 at half cpu_int4's speed although the flags say it has integer kernels (issue 43).
 
-The result is cached in the glmcore cache (autoselect.json) with the package version, the CPU's identity and
-the set of backends measured, so it is measured again only when one of those changes; `--backend auto`
+Each architecture is timed on its own shape (a Mixture-of-Experts decode reads only the chosen experts and
+routes every token: a backend's lead on dense layers need not hold there), the first time a checkpoint of it is
+loaded. The result is cached in the glmcore cache (autoselect.json for the dense GLMs, autoselect-ARCH.json for
+the others) with the package version, the CPU's identity and the set of backends measured, so it is measured again only when one of those changes; `--backend auto`
 measures again; GLMCORE_BACKEND=NAME pins the default; GLMCORE_AUTOSELECT=0 turns the measurement off (the
 speed_rank rule, as before: the test suite does this, so no test depends on timings). The same switch and the
 same cache helpers (read_cached, write_cached) serve a backend's own choices by timing: cpu_int4's kernel tier.
@@ -32,6 +34,10 @@ ENV_OFF = "GLMCORE_AUTOSELECT"
 CACHE_FILE = "autoselect.json"
 NEAR = 0.9                 # within 10% of the fastest decode, the better format wins
 PROMPT, GEN, ROUNDS = 64, 16, 3
+# the synthetic checkpoint each architecture is timed on: (family, make-model size, layers); ~40M parameters
+# dense, ~30M (7M active) for the MoE shapes. An architecture without one keeps the speed_rank rule.
+BENCH_SHAPES = {"glm": ("chatglm3", "small", 4), "glm4_moe": ("glm4-moe", "small", 4),
+                "glm4_moe_lite": ("glm4-moe-lite", "small", 4)}
 # bits a weight keeps in each default format: the quality order (a format with more bits loses less)
 FORMAT_BITS = {"f32": 32, "bf16": 16, "f16": 16, "int8": 8, "int4": 4}
 
@@ -53,6 +59,11 @@ class Choice:
     cpu: str = ""
     version: str = ""
     measured_at: str = ""
+    arch: str = "glm"              # the architecture whose shape was timed
+
+
+def cache_name(arch: str) -> str:
+    return CACHE_FILE if arch == "glm" else f"autoselect-{arch}.json"
 
 
 def cpu_identity() -> str:
@@ -72,9 +83,11 @@ def _version() -> str:
     return __version__
 
 
-def candidates(reg) -> tuple[list[str], str | None]:
-    """(the ready CPU speed backends to measure, the rule's choice where it must stand: an accelerator)."""
-    ready = [n for n in reg.names() if reg.entries[n].backend is not None and reg.probe(n).ready]
+def candidates(reg, config=None) -> tuple[list[str], str | None]:
+    """(the ready CPU speed backends to measure, the rule's choice where it must stand: an accelerator); with a
+    config, only those that run it."""
+    ready = [n for n in reg.names() if reg.entries[n].backend is not None and reg.probe(n).ready
+             and (config is None or reg.get(n).supports(config) is None)]
     rank = {n: reg.get(n).capabilities().speed_rank for n in ready}
     cpu = [n for n in ready if rank[n] > 0 and reg.probe(n).device == "cpu"]
     others = [n for n in ready if n not in cpu and rank[n] > max((rank[c] for c in cpu), default=-10**9)
@@ -132,66 +145,71 @@ def write_cached(name: str, data: dict, what: str) -> None:
         print(f"note: could not cache {what} in {path} ({e.strerror})", file=sys.stderr)
 
 
-def cached(names: list[str]) -> Choice | None:
-    """The cached choice, if it was measured by this version on this CPU over these backends."""
-    raw = read_cached(CACHE_FILE)
+def cached(names: list[str] | None, arch: str = "glm") -> Choice | None:
+    """The cached choice for arch, if it was measured by this version on this CPU over these backends (None:
+    over whichever it measured)."""
+    raw = read_cached(cache_name(arch))
     if raw is None:
         return None
     try:
         choice = Choice(**{**raw, "results": [Measured(**r) for r in raw["results"]]})
     except (TypeError, KeyError):
         return None
-    return choice if sorted(r.backend for r in choice.results) == sorted(names) else None
+    return choice if names is None or sorted(r.backend for r in choice.results) == sorted(names) else None
 
 
-def choose(reg, rerun: bool = False, measure: Callable[[str], Measured] | None = None,
-           progress: Callable[[str], None] | None = None) -> Choice | None:
-    """The measured default (cached; rerun=True measures again), or None where the rule stands: measurement
-    off, an accelerator ready, or fewer than two CPU backends to compare. GLMCORE_BACKEND pins it."""
+def choose(reg, rerun: bool = False, measure: Callable[[str, str], Measured] | None = None,
+           progress: Callable[[str], None] | None = None, config=None) -> Choice | None:
+    """The measured default for config's architecture (the dense GLMs' without one; cached; rerun=True
+    measures again), or None where the rule stands: measurement off, an accelerator ready, fewer than two CPU
+    backends that run it, or an architecture without a timing shape. GLMCORE_BACKEND pins it."""
     pin = os.environ.get(ENV_PIN, "").strip()
     if pin:
         reg.get(pin)                      # an unknown name is a clear error
         return Choice(pin, f"pinned by {ENV_PIN}={pin}")
-    if measurement_off():
+    arch = getattr(config, "arch", "glm")
+    if measurement_off() or arch not in BENCH_SHAPES:
         return None
-    names, accelerator = candidates(reg)
+    names, accelerator = candidates(reg, config)
     if rerun:                            # what the backends chose by measuring (a kernel tier) goes first
         for n in names:
             reg.get(n).remeasure()
     if accelerator is not None or len(names) < 2:
         return None
     if not rerun:
-        found = cached(names)
+        found = cached(names, arch)
         if found is not None:
             return found
     measure = measure or measure_backend
     say = progress or (lambda msg: print(msg, file=sys.stderr, flush=True))
-    say(f"note: measuring {', '.join(names)} once on this CPU to choose the default backend (a few seconds "
-        f"each; cached, `--backend auto` measures again, {ENV_PIN}=NAME pins one)")
+    say(f"note: measuring {', '.join(names)} once on this CPU to choose the default backend for {arch} (a few "
+        f"seconds each; cached, `--backend auto` measures again, {ENV_PIN}=NAME pins one)")
     results = []
     for n in names:
         try:
-            results.append(measure(n))
+            results.append(measure(n, arch))
         except Exception as e:           # a backend that fails here is not chosen; the others still are
             results.append(Measured(n, error=f"{type(e).__name__}: {e}"))
     backend, why = decide(results)
-    choice = Choice(backend, why, results, cpu_identity(), _version(), time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()))
-    write_cached(CACHE_FILE, asdict(choice), "the backend measurement")
+    choice = Choice(backend, why, results, cpu_identity(), _version(),
+                    time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), arch)
+    write_cached(cache_name(arch), asdict(choice), "the backend measurement")
     return choice
 
 
 # ---------------------------------------------------------------- the measurement
 
-def _bench_model() -> Path:
-    """A small synthetic ChatGLM3 (the `small` shape cut to 4 layers: ~40M parameters), made once."""
+def _bench_model(arch: str) -> Path:
+    """The architecture's synthetic checkpoint (BENCH_SHAPES), made once."""
     from .cache import build_once, cache_root
     from .synth import make_model
-    final = cache_root() / "autoselect" / f"chatglm3-small-4l-{_version()}"
-    return build_once(final, lambda tmp: make_model("chatglm3", "small", tmp, layers=4),
+    family, size, layers = BENCH_SHAPES[arch]
+    final = cache_root() / "autoselect" / f"{family}-{size}-{layers}l-{_version()}"
+    return build_once(final, lambda tmp: make_model(family, size, tmp, layers=layers),
                       complete=lambda p: (p / "config.json").is_file())
 
 
-def measure_backend(name: str) -> Measured:
+def measure_backend(name: str, arch: str = "glm") -> Measured:
     """Prefill of a PROMPT-token prompt and GEN decode steps on one sequence, the median of ROUNDS after a
     warm-up, with the backend's default format (as `glmcore run` would load it)."""
     import numpy as np
@@ -199,7 +217,7 @@ def measure_backend(name: str) -> Measured:
     from .backend import LoadOptions, registry
     from .config import ModelConfig
     from .weights import load_weights
-    d = _bench_model()
+    d = _bench_model(arch)
     cfg = ModelConfig.from_dir(d)
     backend = registry().get(name)
     opts = backend.resolve(LoadOptions(capacity=PROMPT + GEN + 8))
@@ -227,10 +245,11 @@ def describe(choice: Choice | None, rule_choice: str) -> list[str]:
     if choice is None:
         return [f"default: {rule_choice} (by speed_rank: measurement off ({ENV_OFF}=0), an accelerator is ready, "
                 "or only one CPU backend is ready)"]
-    lines = [f"default: {choice.backend} ({choice.why})"]
+    family, size, layers = BENCH_SHAPES.get(choice.arch, BENCH_SHAPES["glm"])
+    lines = [f"default{'' if choice.arch == 'glm' else ' for ' + choice.arch}: {choice.backend} ({choice.why})"]
     if choice.results:
         lines.append(f"  measured {choice.measured_at} by glmcore {choice.version} on {choice.cpu} "
-                     f"(small synthetic checkpoint, one sequence; `--backend auto` measures again):")
+                     f"(synthetic {family} {size}, {layers} layers, one sequence; `--backend auto` measures again):")
         for r in choice.results:
             lines.append(f"  {r.backend:<14} " + (f"failed: {r.error}" if r.error else
                                                   f"{r.weights:<5} decode {r.decode:8.1f} tok/s  "

@@ -458,9 +458,14 @@ def cmd_backends(a) -> int:
         for k, v in {**r["details"], "batching": r["batching"], "prompt cache": r["prompt cache"],
                      "architectures": "; ".join(r["architectures"])}.items():
             print(f"{'':<14} {k}: {v}")
-    from .autoselect import choose, describe
+    from .autoselect import BENCH_SHAPES, cached, choose, describe
     if any(r["ready"] for r in rows):       # which one runs without --backend, with the numbers behind it
-        print("\n".join(describe(choose(reg), reg.best())))
+        dense = choose(reg)
+        print("\n".join(describe(dense, reg.best())))
+        if dense is not None and dense.results:   # measured (not pinned): the other architectures' choices too,
+            for arch_name in sorted(BENCH_SHAPES.keys() - {"glm"}):      # where a checkpoint of them was loaded
+                if (choice := cached(None, arch_name)) is not None:
+                    print("\n".join(describe(choice, reg.best())))
     return 0
 
 

@@ -70,7 +70,7 @@ def resolve_backend(name: str | None, config: ModelConfig | None = None) -> Back
         raise GlmcoreError("--backend is empty; name a backend (see `glmcore backends`) or leave --backend out")
     if not name or name == "auto":    # the fastest measured on this CPU (glmcore/autoselect.py; auto: measure
         from .autoselect import choose  # again), or None where the speed_rank rule of reg.best() stands
-        chosen = getattr(choose(reg, rerun=name == "auto"), "backend", None)
+        chosen = getattr(choose(reg, rerun=name == "auto", config=config), "backend", None)
         # the measured choice only where it runs this checkpoint's architecture
         name = chosen if chosen and (config is None or reg.get(chosen).supports(config) is None) else None
     name = name or reg.best(config)

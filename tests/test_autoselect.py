@@ -33,23 +33,26 @@ def registry(*backends) -> Registry:
     mod = types.SimpleNamespace(glmcore_backends=hookimpl(lambda: list(backends)))
     reg = Registry()
     reg.register(mod, "fakes")
-    reg.default = lambda name=None: default(reg, name)
+    reg.default = lambda name=None, config=None: default(reg, name, config)
     return reg
 
 
-def default(reg, name=None) -> str:
-    """What `glmcore run` picks with --backend `name` (None: left out) from this registry."""
+def default(reg, name=None, config=None) -> str:
+    """What `glmcore run` picks with --backend `name` (None: left out) from this registry for a checkpoint's
+    config."""
     from glmcore import model
     real = model.registry
     model.registry = lambda: reg
     try:
-        return model.resolve_backend(name).name
+        return model.resolve_backend(name, config).name
     finally:
         model.registry = real
 
 
-# decode tok/s, prefill tok/s, format: the rule (speed_rank) prefers "ranked", the measurement "quick"
+# decode tok/s, prefill tok/s, format: the rule (speed_rank) prefers "ranked", the measurement "quick"; on the
+# MoE shape "ranked" is the faster
 TIMES = {"ranked": (20.0, 100.0, "int8"), "quick": (40.0, 250.0, "int4")}
+MOE_TIMES = {"ranked": (60.0, 300.0, "int8"), "quick": (30.0, 200.0, "int4")}
 
 
 @pytest.fixture
@@ -59,9 +62,9 @@ def env(monkeypatch, tmp_path):
     monkeypatch.delenv("GLMCORE_BACKEND", raising=False)
     calls = []
 
-    def measure(name):
-        calls.append(name)
-        d, p, w = TIMES[name]
+    def measure(name, arch="glm"):
+        calls.append(name if arch == "glm" else f"{name}@{arch}")
+        d, p, w = TIMES[name] if arch == "glm" else MOE_TIMES[name]
         return Measured(name, w, d, p)
     monkeypatch.setattr(autoselect, "measure_backend", measure)
     reg = registry(Fake("ranked", rank=20), Fake("quick", rank=5), Fake("reference", rank=0, weights="f32"))
@@ -136,7 +139,7 @@ def test_an_accelerator_or_a_single_cpu_backend_keeps_the_rule(env):
 
 
 def test_a_failing_backend_is_reported_not_chosen(env, monkeypatch):
-    def measure(name):
+    def measure(name, arch="glm"):
         if name == "quick":
             raise RuntimeError("kernel exploded")
         return Measured(name, "int8", 20.0, 100.0)
@@ -157,6 +160,48 @@ def test_glmcore_backends_prints_the_numbers_and_why(env, monkeypatch, capsys):
     monkeypatch.setenv("GLMCORE_AUTOSELECT", "0")
     assert cli.main(["backends"]) == 0
     assert "default: ranked (by speed_rank" in capsys.readouterr().out
+
+
+class RunsAll(Fake):
+    def supports(self, config):
+        return None
+
+
+class DenseOnly(Fake):
+    def supports(self, config):
+        return None if config.arch == "glm" else f"{self.name} runs only dense GLMs"
+
+
+def test_each_architecture_is_measured_on_its_own_shape(env, monkeypatch, capsys):
+    """An MoE checkpoint's default is timed on an MoE shape, once, among the backends that run it; the dense
+    choice stands beside it; `glmcore backends` prints both."""
+    from glmcore.synth import make_model
+    moe, dense = (make_model(f, "tiny", env.cache.parent / f, generated=True) for f in ("glm4-moe", "chatglm3"))
+    reg = registry(RunsAll("ranked", rank=20), RunsAll("quick", rank=5), DenseOnly("dense-only", rank=30))
+    TIMES["dense-only"] = (10.0, 50.0, "int8")
+    try:
+        assert autoselect.choose(reg, config=moe).backend == "ranked"
+        assert sorted(env.calls) == ["quick@glm4_moe", "ranked@glm4_moe"]         # dense-only is not timed
+        env.calls.clear()
+        assert autoselect.choose(reg, config=dense).backend == "quick" and autoselect.choose(reg).backend == "quick"
+        assert sorted(env.calls) == ["dense-only", "quick", "ranked"]
+        env.calls.clear()
+        assert reg.default(config=moe) == "ranked" and env.calls == []      # cached apart; what `glmcore run` takes
+        assert reg.default(config=dense) == "quick" and env.calls == []
+        assert (env.cache.parent / "autoselect-glm4_moe.json").is_file()
+        from glmcore import cli
+        monkeypatch.setattr(cli, "registry", lambda: reg)
+        assert cli.main(["backends"]) == 0
+        out = capsys.readouterr().out
+        assert "default: quick (fastest decode: 40.0 tok/s" in out
+        assert "default for glm4_moe: ranked (fastest decode: 60.0 tok/s (vs quick 30.0))" in out
+        assert "synthetic glm4-moe small, 4 layers" in out
+    finally:
+        del TIMES["dense-only"]
+
+
+def test_an_architecture_without_a_timing_shape_keeps_the_rule(env):
+    assert autoselect.choose(env.reg, config=types.SimpleNamespace(arch="glm5_dsa")) is None and env.calls == []
 
 
 # ---------------------------------------------------------------- cpu_int4's kernel tier, with fake timings
@@ -265,7 +310,8 @@ def test_backend_auto_times_the_tier_again_before_the_backends(tiers, monkeypatc
     n._tier = None
     assert n.ISAS[n.choose_isa()[0]] == "avx2"              # the cached choice stands ...
     order = []
-    monkeypatch.setattr(autoselect, "measure_backend", lambda name: order.append(name) or Measured(name, "int4", 1, 1))
+    monkeypatch.setattr(autoselect, "measure_backend",
+                        lambda name, arch="glm": order.append(name) or Measured(name, "int4", 1, 1))
     reg = registry(CpuInt4Backend(), Fake("other", rank=5))
     monkeypatch.setattr(n, "tier_choice", lambda rerun=False, real=n.tier_choice: order.append(f"tier {rerun}")
                         or real(rerun))
