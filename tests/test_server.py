@@ -618,6 +618,10 @@ HOSTILE_400 = {
     "lone surrogate": ({"messages": [{"role": "user", "content": "a\ud800b"}]}, "messages.0.content"),
     "lone surrogate in a part": ({"messages": [{"role": "user", "content": [{"type": "text", "text": "\udfff"}]}]},
                                  "messages.0.content.0.text"),
+    # ... under a client's key holding a newline and a surrogate: the path names it escaped, on one line
+    "lone surrogate under odd keys": ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"a\nb": {"type": "string", "\udc80": "\ud800"}}}}}]},
+        "tools.0.function.parameters.properties.a\\nb.\\udc80"),
     # tool calls and tool_choice of the wrong shape
     "arguments a list": ({"messages": [MSG[0], {"role": "assistant", "tool_calls": [
         {**CALL, "function": {"name": "f", "arguments": "[1, 2]"}}]}]}, "messages.1.tool_calls.0.function.arguments"),
@@ -656,7 +660,7 @@ def test_hostile_chat_fields_are_400_naming_the_field(url, case):
                    headers={"content-type": "application/json"})  # ASCII: \ud800
     assert r.status_code == 400, r.text
     err = r.json()["error"]
-    assert err["message"] and (param is None or err["param"] == param), err
+    assert err["message"] and "\n" not in err["message"] and (param is None or err["param"] == param), err
 
 
 @pytest.mark.parametrize("prompt", [[True, False], [1.5], "a\ud800", ["\udc00"], [[1], [2]], [[-1]], {"a": 1}])

@@ -259,8 +259,7 @@ def _bad_text(text: str, data) -> str | None:
         v, path = todo.pop()
         items = v.items() if isinstance(v, dict) else enumerate(v) if isinstance(v, list) else ()
         for k, x in items:
-            # a key is part of the path, which the error message quotes: escaped, so that message is text
-            key = k.encode("utf-8", "backslashreplace").decode("utf-8") if isinstance(k, str) else str(k)
+            key = _shown(k) if isinstance(k, str) else str(k)     # part of the path the error message quotes
             here = f"{path}.{key}" if path else key
             for s in (k, x):
                 if isinstance(s, str):
@@ -292,9 +291,9 @@ def _param(data, loc) -> str | None:
 
 
 def _shown(key: str) -> str:
-    """A client's key as an error message shows it: control characters escaped (the message stays one line), at
-    most 40 characters."""
-    key = key[:40]
+    """A client's key as an error message shows it: lone surrogates and control characters escaped (the message
+    stays one line of text), at most 40 characters."""
+    key = key.encode("utf-8", "backslashreplace").decode("utf-8")[:40]
     return key if key.isprintable() else json.dumps(key, ensure_ascii=False)[1:-1]
 
 
