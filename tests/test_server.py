@@ -625,6 +625,9 @@ HOSTILE_400 = {
     # tool calls and tool_choice of the wrong shape
     "arguments a list": ({"messages": [MSG[0], {"role": "assistant", "tool_calls": [
         {**CALL, "function": {"name": "f", "arguments": "[1, 2]"}}]}]}, "messages.1.tool_calls.0.function.arguments"),
+    "arguments escaping a lone surrogate": ({"messages": [MSG[0], {"role": "assistant", "tool_calls": [
+        {**CALL, "function": {"name": "f", "arguments": '{"\\ud800": null}'}}]}]},
+        "messages.1.tool_calls.0.function.arguments"),
     "arguments a number": ({"messages": [MSG[0], {"role": "assistant", "tool_calls": [
         {**CALL, "function": {"name": "f", "arguments": "5"}}]}]}, "messages.1.tool_calls.0.function.arguments"),
     "arguments 5000 deep": ({"messages": [MSG[0], {"role": "assistant", "tool_calls": [

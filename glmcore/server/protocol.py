@@ -71,6 +71,11 @@ def parse_arguments(arguments: str | dict, where: str) -> dict:
     if value_depth(arguments) > MAX_SCHEMA_DEPTH:
         raise ApiError(400, f"'{where}' is nested deeper than {MAX_SCHEMA_DEPTH} levels; flatten the arguments",
                        where, "invalid_value")
+    # a string's escapes can hold what the body could not: a lone surrogate, which the tokenizer cannot encode
+    inner = _bad_text(json.dumps(arguments), arguments)
+    if inner is not None:
+        raise ApiError(400, f"'{where}' holds a lone UTF-16 surrogate (at '{inner}'), which is not text; send valid "
+                       "Unicode", where, "invalid_value")
     return arguments
 
 
