@@ -6,8 +6,8 @@ at half cpu_int4's speed although the flags say it has integer kernels (issue 43
 Each architecture is timed on its own shape (a Mixture-of-Experts decode reads only the chosen experts and
 routes every token: a backend's lead on dense layers need not hold there), the first time a checkpoint of it is
 loaded. The result is cached in the glmcore cache (autoselect.json for the dense GLMs, autoselect-ARCH.json for
-the others) with the package version, the CPU's identity and the set of backends measured, so it is measured again only when one of those changes; `--backend auto`
-measures again; GLMCORE_BACKEND=NAME pins the default; GLMCORE_AUTOSELECT=0 turns the measurement off (the
+the others) with the package version, the CPU's identity and the set of backends measured, so it is measured
+again only when one of those changes; `--backend auto` measures again; GLMCORE_BACKEND=NAME pins the default; GLMCORE_AUTOSELECT=0 turns the measurement off (the
 speed_rank rule, as before: the test suite does this, so no test depends on timings). The same switch and the
 same cache helpers (read_cached, write_cached) serve a backend's own choices by timing: cpu_int4's kernel tier.
 
@@ -155,6 +155,8 @@ def cached(names: list[str] | None, arch: str = "glm") -> Choice | None:
         choice = Choice(**{**raw, "results": [Measured(**r) for r in raw["results"]]})
     except (TypeError, KeyError):
         return None
+    if choice.arch != arch:              # an edited file: measure again
+        return None
     return choice if names is None or sorted(r.backend for r in choice.results) == sorted(names) else None
 
 
@@ -245,7 +247,7 @@ def describe(choice: Choice | None, rule_choice: str) -> list[str]:
     if choice is None:
         return [f"default: {rule_choice} (by speed_rank: measurement off ({ENV_OFF}=0), an accelerator is ready, "
                 "or only one CPU backend is ready)"]
-    family, size, layers = BENCH_SHAPES.get(choice.arch, BENCH_SHAPES["glm"])
+    family, size, layers = BENCH_SHAPES[choice.arch]
     lines = [f"default{'' if choice.arch == 'glm' else ' for ' + choice.arch}: {choice.backend} ({choice.why})"]
     if choice.results:
         lines.append(f"  measured {choice.measured_at} by glmcore {choice.version} on {choice.cpu} "

@@ -196,6 +196,11 @@ def test_each_architecture_is_measured_on_its_own_shape(env, monkeypatch, capsys
         assert "default: quick (fastest decode: 40.0 tok/s" in out
         assert "default for glm4_moe: ranked (fastest decode: 60.0 tok/s (vs quick 30.0))" in out
         assert "synthetic glm4-moe small, 4 layers" in out
+        # a cache file that claims another architecture's numbers is not used: measured again
+        moe_file = env.cache.parent / "autoselect-glm4_moe.json"
+        moe_file.write_text(json.dumps({**json.loads(moe_file.read_text()), "arch": "glm"}))
+        env.calls.clear()
+        assert reg.default(config=moe) == "ranked" and sorted(env.calls) == ["quick@glm4_moe", "ranked@glm4_moe"]
     finally:
         del TIMES["dense-only"]
 
