@@ -477,8 +477,11 @@ class TemplateFormat(ChatFormat):
 
         Except a spelling the template reads: GLM-4.5's splits an assistant's "<think>…</think>" off its content
         and writes no second /nothink after a user's. A marker would change what it renders, so such a spelling
-        is left as written and means to the prompt what it means to the template (transformers' rendering)."""
+        is left as written and means to the prompt what it means to the template (transformers' rendering). And a
+        switch a user is meant to type (USER_SWITCHES) is the token wherever it is written, whatever the template
+        reads (GLM-4.7's reads no /nothink; its model still knows the token)."""
         names = sorted(self.tok.special_ids, key=len, reverse=True)
+        guarded = [n for n in names if n not in USER_SWITCHES]
         render = lambda text=lambda s: s: self.render(messages, tools, add_generation_prompt, text=text)
         mark = f"glmcoretext{secrets.token_hex(8)}x"
 
@@ -489,9 +492,9 @@ class TemplateFormat(ChatFormat):
         def unmarked(text: str) -> str:
             return re.sub(f"{mark}(\\d+)x", lambda m: names[int(m.group(1))], text)
 
-        rendered = marked(names) if names else render()
+        rendered = marked(guarded) if guarded else render()
         if mark in rendered and unmarked(rendered) != (plain := render()):
-            kept = [n for n in names if f"{mark}{names.index(n)}x" in rendered and unmarked(marked([n])) == plain]
+            kept = [n for n in guarded if f"{mark}{names.index(n)}x" in rendered and unmarked(marked([n])) == plain]
             rendered = marked(kept) if kept else plain
             if unmarked(rendered) != plain:         # the kept ones together still change it: none kept
                 rendered = plain
@@ -522,6 +525,12 @@ class TemplateFormat(ChatFormat):
         # after the template's own opening (the [gMASK]<sop> of GLM-4-0414, nothing for GLM-Edge).
         return self._encode(new_messages, None, True, skip=self.render([], None, False))
 
+
+
+# Special tokens a user is meant to type in a message: GLM-4.5's documented way to turn thinking off for a turn
+# is "/nothink" at the end of it. Encoded as the token (as transformers, vLLM and llama.cpp encode the rendered
+# prompt); every other special spelled in a client's text stays text (TemplateFormat._encode).
+USER_SWITCHES = frozenset({"/nothink"})
 
 
 def _map_strings(value, f):

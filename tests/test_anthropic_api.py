@@ -2,7 +2,7 @@
 `anthropic` SDK: plain replies whole and streamed (Anthropic's SSE sequence), stop sequences, tool_use blocks and
 tool_result blocks sent back, thinking blocks and the thinking switch/budget, usage with the slot's cached tokens,
 count_tokens, and errors in Anthropic's shape (x-api-key included); on the built-in demo model (ChatGLM3), a GLM-4
-checkpoint and a GLM-4.7-style GLM-4.5-layout one."""
+checkpoint and a GLM-4.5-layout one with GLM-4.7's template."""
 from __future__ import annotations
 
 import json

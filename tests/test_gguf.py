@@ -456,17 +456,20 @@ def test_two_ranks_open_the_gguf_too(files, capsys, family):
     assert capsys.readouterr().out == alone
 
 
-def test_glm45_gguf_template_renders_as_transformers(files):
-    """A GGUF holding GLM-4.5's real chat template (the synthetic glm4-moe checkpoint's): glmcore's prompt (text
-    and ids) for each conversation is transformers' apply_chat_template on the checkpoint's tokenizer with the
-    same template (the reference for GLM-4.5's hub files), tools, tool calls/results and thinking on/off."""
+@pytest.mark.parametrize("family, shipped", [("glm4-moe", "glm45_chat_template.jinja"),
+                                             ("glm4-moe-lite", "glm47_chat_template.jinja")])
+def test_moe_gguf_template_renders_as_transformers(files, family, shipped):
+    """A GGUF holding the real chat template of the synthetic checkpoint's model (GLM-4.6's for glm4-moe,
+    GLM-4.7's for GLM-4.7-Flash): glmcore's prompt (text and ids) for each conversation is transformers'
+    apply_chat_template on the checkpoint's tokenizer with the same template (the reference for the hub files),
+    tools, tool calls/results, thinking on/off and earlier turns' thinking cleared."""
     from transformers import PreTrainedTokenizerFast
 
     from glmcore.chat import chat_format_for
     from glmcore.tokenizer import load_tokenizer
-    d, ggufs = files["glm4-moe"]
+    d, ggufs = files[family]
     template = gguf.GGUFReader(ggufs["F32"]).fields["tokenizer.chat_template"].contents()
-    assert template == (Path(__file__).parents[1] / "glmcore" / "data" / "glm45_chat_template.jinja").read_text()
+    assert template == (Path(__file__).parents[1] / "glmcore" / "data" / shipped).read_text()
     c = open_gguf(ggufs["F32"])
     fmt = chat_format_for(load_tokenizer(c.tokenizer_dir, c.config.family))
     reference = PreTrainedTokenizerFast.from_pretrained(d)

@@ -196,7 +196,8 @@ def server_tool(llamacpp):
 # What llama.cpp renders for each family's GGUF (llama-server's default --jinja: the file's template through its own
 # Jinja engine, with bos_token/eos_token, enable_thinking and OpenAI's tools; the leading BOS text stripped where
 # the vocabulary adds BOS, [gMASK] for GLM-4-0414/4.5, and added back by /tokenize), and what is compared:
-# - glm4-moe, glm4-moe-lite (GLM-4.5's template): every conversation, tool calls/results and thinking on/off.
+# - glm4-moe (GLM-4.6's template), glm4-moe-lite (GLM-4.7's): every conversation, tool calls/results and thinking
+#   on/off.
 # - glm4-0414: plain conversations and tools offered. Its template writes a call as an assistant turn with the tool
 #   name as `metadata` and a result as role "observation"; llama.cpp keeps neither (OpenAI tool_calls and role
 #   "tool" reach a template that ignores them, `metadata` is dropped), so a call and its result vanish from its
@@ -209,7 +210,10 @@ def server_tool(llamacpp):
 # - chatglm3: the checkpoint ships no template, so neither does the GGUF, and llama-server's default is then ChatML
 #   (<|im_start|>user...), which ChatGLM3 never saw. Compared with llama.cpp's built-in `chatglm3` format
 #   (--no-jinja --chat-template chatglm3; it takes no tools), which is the model's own (its build_chat_input).
-SERVER_ARGS = {"chatglm3": ["--no-jinja", "--chat-template", "chatglm3"]}
+# - glm4-moe-lite: llama-server keeps every earlier reply's thinking by default (--reasoning-preserve sets GLM-4.7's
+#   clear_thinking=false); the template's own default, which transformers and vLLM render and glmcore follows,
+#   clears it: compared with --no-reasoning-preserve (clear_thinking=true, the template's default rendering).
+SERVER_ARGS = {"chatglm3": ["--no-jinja", "--chat-template", "chatglm3"], "glm4-moe-lite": ["--no-reasoning-preserve"]}
 # - content parts ([{"type": "text", ...}]): GLM-4.5's template joins them itself (and llama.cpp passes them so);
 #   the older templates take strings only, which glmcore's server joins the parts into before the format sees them.
 COMPARED = {"glm4-moe": {"plain", "tools", "calls", "parts"}, "glm4-moe-lite": {"plain", "tools", "calls", "parts"},
@@ -235,7 +239,7 @@ def test_chat_template_rendered_as_llama_server(server_tool, converted, family):
     c = open_gguf(f32)
     tok = load_tokenizer(c.tokenizer_dir, c.config.family)
     fmt = chat_format_for(tok)
-    if family in SERVER_ARGS:       # why llama.cpp's built-in format: the file names none
+    if family == "chatglm3":        # why llama.cpp's built-in format: the file names none
         assert "tokenizer.chat_template" not in gguf.GGUFReader(f32).fields
     cases = [case for case in CONVERSATIONS if _protocol(*case[:2]) in COMPARED[family]]
     assert len(cases) >= 6
@@ -247,4 +251,10 @@ def test_chat_template_rendered_as_llama_server(server_tool, converted, family):
             ours = fmt.configured(kwargs).encode_messages(messages, tools)
             if ours != theirs:
                 wrong.append((messages, prompt, tok.decode(ours, skip_special=False)))
+    if family == "glm4-moe-lite":   # llama-server's default, preserved thinking: glmcore's clear_thinking=false
+        with LlamaServer(server_tool, f32, []) as server:
+            for messages, tools, kwargs in cases:
+                theirs = server.tokenize(server.apply_template(messages, tools, chat_template_kwargs=kwargs))
+                if fmt.configured({**kwargs, "clear_thinking": False}).encode_messages(messages, tools) != theirs:
+                    wrong.append((messages, "preserved", theirs))
     assert not wrong, (len(wrong), wrong[:2])

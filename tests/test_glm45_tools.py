@@ -1,6 +1,6 @@
 """GLM-4.5 / 4.6 / 4.7 conversations: XML tool calls parsed and streamed as they are written, constrained decoding
 in that format, thinking under control -- on a random-weight GLM-4.5-layout checkpoint with the GLM-4.6 template
-and with a GLM-4.7-style one (no newline after the role tag or the tool name, the reply opening inside <think>).
+and with GLM-4.7's own (no newline after the role tag or the tool name, the reply opening inside <think>).
 
 The cases are those of the GLM tool-call bug reports of vLLM (glm45 parser: arguments buffered until </tool_call>,
 #33218 / #44326; zero-argument calls; values holding tag-like text), llama.cpp (#19068: a hang on the XML form),
@@ -14,9 +14,10 @@ import jsonschema
 import pytest
 
 from glmcore.backend import LoadOptions
-from glmcore.chat import ToolCall, ToolCallStream, as_message, chat_format_for
+from glmcore.chat import Message, ToolCall, ToolCallStream, as_message, chat_format_for
 from glmcore.events import ReasoningDelta, TextDelta, ToolCallDelta, ToolCallEvent, ToolCallStart
-from glmcore.tokenizer import load_tokenizer
+from glmcore.arch.glm4_moe import GLM47_TEMPLATE
+from glmcore.tokenizer import DATA_DIR, load_tokenizer
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {
     "city": {"type": "string"}, "days": {"type": "integer"}, "opts": {"type": "object"}}}}},
@@ -24,30 +25,11 @@ TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": 
 WEATHER = {"city": 'Bei "jing"\n</arg_key> <b>', "days": 3, "opts": {"a": [1, {"b": None, "c": "x"}], "d": 1.5}}
 
 
-def glm47_style(template: str) -> str:
-    """The GLM-4.6 template written as GLM-4.7 writes its turns (vLLM's glm47 parser): no newline after
-    <|assistant|> or the tool name, arguments without newlines, a generation prompt that opens <think>, and
-    preserved thinking (clear_thinking=false keeps earlier turns' reasoning)."""
-    out = template.replace("{%- if loop.index0 > ns.last_user_index and reasoning_content -%}",
-                           "{%- if (loop.index0 > ns.last_user_index or (clear_thinking is defined and not "
-                           "clear_thinking)) and reasoning_content -%}")
-    out = out.replace("{{ '\\n<think>' + reasoning_content.strip() +  '</think>'}}",
-                           "{{ '<think>' + reasoning_content.strip() +  '</think>'}}")
-    out = out.replace("{{ '\\n<think></think>' }}", "{{ '<think></think>' }}")
-    out = out.replace("{{ '\\n<tool_call>' + tc.name }}\n{% set _args = tc.arguments or {} %}\n"
-                      "{% for k, v in _args.items() %}\n<arg_key>{{ k }}</arg_key>\n"
-                      "<arg_value>{{ v | tojson(ensure_ascii=False) if v is not string else v }}</arg_value>\n"
-                      "{% endfor %}\n</tool_call>",
-                      "{{ '<tool_call>' + tc.name }}{% set _args = tc.arguments or {} %}"
-                      "{% for k, v in _args.items() %}<arg_key>{{ k }}</arg_key>"
-                      "<arg_value>{{ v | tojson(ensure_ascii=False) if v is not string else v }}</arg_value>"
-                      "{% endfor %}</tool_call>")
-    out = out.replace("<|assistant|>{{- '\\n<think></think>' if (enable_thinking is defined and not enable_thinking) "
-                      "else '' -}}", "<|assistant|>{{- '<think></think>' if (enable_thinking is defined and not "
-                      "enable_thinking) else '<think>' -}}")
-    assert out.count("<tool_call>' + tc.name }}{%") == 1 and out.endswith("else '<think>' -}}\n{%- endif -%}") \
-        or out.rstrip().endswith("{%- endif -%}"), "the GLM-4.6 template changed: update glm47_style"
-    return out
+def glm47_template() -> str:
+    """GLM-4.7's own chat template (as GLM-4.7-Flash ships it; glmcore/data): no newline after the role tag or the
+    tool name, a generation prompt that opens <think> (`</think>` alone with thinking off), earlier turns'
+    thinking cleared to `</think>` unless clear_thinking=false."""
+    return (DATA_DIR / GLM47_TEMPLATE).read_text(encoding="utf-8")
 
 
 @pytest.fixture(scope="module")
@@ -61,7 +43,7 @@ def glm47(glm46, tmp_path_factory):
     shutil.copytree(glm46, dst)
     (dst / "chat_template.jinja").unlink(missing_ok=True)
     cfg = json.loads((dst / "tokenizer_config.json").read_text())
-    cfg["chat_template"] = glm47_style(cfg["chat_template"])
+    cfg["chat_template"] = glm47_template()
     (dst / "tokenizer_config.json").write_text(json.dumps(cfg, ensure_ascii=False))
     return dst
 
@@ -263,7 +245,7 @@ def test_named_call_and_a_cut_off_call(served):
 
 @pytest.mark.parametrize("budget", [0, 3, 8])
 def test_thinking_budget_closes_the_thought_and_the_answer_follows(served, budget):
-    """GLM-4.7-style replies open inside <think>: a budget of N ends the thought within N tokens with the template's
+    """GLM-4.7's replies open inside <think>: a budget of N ends the thought within N tokens with the template's
     own </think>, and the reply goes on past it; usage counts the thought's tokens as reasoning_tokens."""
     m, c = served["glm47"]
     for seed in range(2):
@@ -436,19 +418,65 @@ def test_serve_flag_sets_the_default_budget(glm46, monkeypatch, args, want):
         server.ServeOptions(max_thinking_tokens=-2).check()
 
 
+# special tokens a client spells in its text: a role tag, an earlier reply's inline thinking, the /nothink switch
+SPELLED = [{"role": "user", "content": "a <|assistant|> b"}, {"role": "assistant", "content": "<think>old</think>answer"},
+           {"role": "user", "content": "<|user|> q /nothink"}]
+
+
 def test_spellings_the_template_reads_mean_what_they_mean_to_it(glm46):
     """A user's "<|assistant|>" stays text, while the /nothink and inline <think>…</think> that GLM-4.5's template
     reads in the client's text are left as written for it (no second /nothink; the earlier reply's thinking split
     off), in the same prompt."""
     fmt = _fmt(glm46).configured({"enable_thinking": False})
     tok = fmt.tok
-    messages = [{"role": "user", "content": "a <|assistant|> b"},
-                {"role": "assistant", "content": "<think>old</think>answer"},
-                {"role": "user", "content": "<|user|> q /nothink"}]
-    ids = fmt.encode_messages(messages)
+    ids = fmt.encode_messages(SPELLED)
     text = tok.decode(ids, skip_special=False)
     assert text.count("/nothink") == 2 and "old" not in text        # one per user turn
     assert "<think></think>\nanswer" in text
     spelled = tok.encode("<|assistant|>")
     assert len(spelled) > 1 and any(ids[i:i + len(spelled)] == spelled for i in range(len(ids)))
     assert ids.count(tok.special_ids["<|user|>"]) == 2 and ids.count(tok.special_ids["/nothink"]) == 2
+
+
+def test_glm47_spellings_the_user_means(glm47):
+    """GLM-4.7's template reads no /nothink, yet a user's /nothink is the token (the switch GLM-4.5 documents, as
+    transformers, vLLM and llama.cpp encode it); a user's "<|assistant|>" stays text; the inline thinking of an
+    earlier reply is split off and cleared as the template does."""
+    fmt = _fmt(glm47)
+    tok = fmt.tok
+    ids = fmt.encode_messages(SPELLED)
+    text = tok.decode(ids, skip_special=False)
+    assert "old" not in text and "<|assistant|></think>answer" in text
+    spelled = tok.encode("<|assistant|>")
+    assert len(spelled) > 1 and any(ids[i:i + len(spelled)] == spelled for i in range(len(ids)))
+    assert ids.count(tok.special_ids["<|user|>"]) == 2 and ids.count(tok.special_ids["/nothink"]) == 1
+
+
+def test_glm47_thinking_off_and_cleared_thoughts(glm47):
+    """GLM-4.7's own template (as GLM-4.7-Flash ships it): thinking off ends the prompt with `</think>` alone, and
+    the reply after it is the answer from its first token; a reply kept as its generated ids ("thought</think>
+    answer", the <think> being the prompt's) renders as the template renders an earlier turn: `</think>answer`,
+    its thought cleared, exactly as transformers renders the same turn sent as text."""
+    fmt = _fmt(glm47)
+    user = [as_message({"role": "user", "content": "hi"})]
+    assert fmt.opens_thinking and fmt.tok.decode(fmt.encode_messages(user), skip_special=False).endswith(
+        "<|assistant|><think>")
+    off = fmt.configured({"enable_thinking": False})
+    assert not off.opens_thinking
+    assert off.tok.decode(off.encode_messages(user), skip_special=False).endswith("<|assistant|></think>")
+    events, stream = _push(off, fmt.tok.encode("Sunny all week."))
+    assert not [e for e in events if isinstance(e, ReasoningDelta)]
+    assert stream.message.content == "Sunny all week." and not stream.message.reasoning
+
+    generated = fmt.tok.encode("I check.") + [fmt.tok.special_ids["</think>"]] + fmt.tok.encode("Sunny.")
+    events, stream = _push(fmt, generated)
+    assert stream.message.reasoning == "I check." and stream.message.content == "Sunny."
+    turns = user + [Message("assistant", "Sunny.", ids=generated), as_message({"role": "user", "content": "and tomorrow?"})]
+    text = fmt.tok.decode(fmt.encode_messages(turns), skip_special=False)
+    assert "<|assistant|></think>Sunny.<|user|>and tomorrow?" in text and "I check." not in text
+    import transformers
+    theirs = transformers.AutoTokenizer.from_pretrained(glm47)
+    plain = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Sunny.", "reasoning_content": "I check."},
+             {"role": "user", "content": "and tomorrow?"}]
+    assert fmt.encode_messages(turns) == list(theirs.apply_chat_template(plain, add_generation_prompt=True,
+                                                                          return_dict=False))

@@ -346,8 +346,9 @@ def test_backends_without_moe_kernels_refuse_naming_those_that_run_it(make_tiny,
 
 @pytest.mark.parametrize("family", MOE_FAMILIES)
 def test_glmcore_run_answers_with_the_checkpoints_own_template(make_tiny, family, capsys):
-    """The default backend for an MoE checkpoint is the best ready one that runs it; the prompt is the
-    GLM-4.5/4.6 template's ([gMASK]<sop><|user|>\\n...<|assistant|>), and the answer streams."""
+    """The default backend for an MoE checkpoint is the best ready one that runs it; the prompt is the checkpoint's
+    template's (GLM-4.6's [gMASK]<sop><|user|>\\n...<|assistant|>, GLM-4.7-Flash's [gMASK]<sop><|user|>...
+    <|assistant|><think>), and the answer streams."""
     from glmcore.cli import main
     path = make_tiny(family)
     assert main(["run", "--model", str(path), "--prompt", "你好", "--max-new-tokens", "4", "--temperature", "0"]) == 0
@@ -360,8 +361,9 @@ def test_glmcore_run_answers_with_the_checkpoints_own_template(make_tiny, family
         ids = m.chat_format.encode_messages([__import__("glmcore.chat", fromlist=["as_message"]).as_message(
             {"role": "user", "content": "你好"})])
         sp = m.tokenizer.special_ids
-        assert ids[:3] == [sp["[gMASK]"], sp["<sop>"], sp["<|user|>"]] and ids[-1] == sp["<|assistant|>"], ids
-        assert m.tokenizer.decode(ids[3:-1]) == "\n你好"
+        opening = [sp["<|assistant|>"]] + ([sp["<think>"]] if family == "glm4-moe-lite" else [])
+        assert ids[:3] == [sp["[gMASK]"], sp["<sop>"], sp["<|user|>"]] and ids[-len(opening):] == opening, ids
+        assert m.tokenizer.decode(ids[3:-len(opening)]) == ("你好" if family == "glm4-moe-lite" else "\n你好")
         assert m.backend.supports(m.config) is None
     finally:
         m.close()
@@ -387,15 +389,17 @@ def test_tensor_parallel_serves_latent_attention(make_tiny):
     d = make_tiny("glm4-moe-lite")
     messages = [{"role": "user", "content": "你好"}]
     want = Pipeline(d, "torch", LoadOptions(threads=1)).chat(messages, params=SamplingParams(temperature=0),
-                                                             max_new_tokens=6).content
-    assert want
+                                                             max_new_tokens=6)
+    assert want.reasoning or want.content       # GLM-4.7's template opens the reply inside <think>
     m = load_model(d, "torch", LoadOptions(threads=1, tp=2), slots=2)
     try:
         assert m.backend.name == "torch tp=2"
         with serving(m, "glm4-moe-lite") as url:
             r = client(url).chat.completions.create(model="glm4-moe-lite", messages=messages, max_tokens=6,
                                                     temperature=0)
-            assert r.choices[0].message.content == want
+            said = r.choices[0].message
+            assert (getattr(said, "reasoning_content", None) or "", said.content or "") == (want.reasoning,
+                                                                                             want.content)
     finally:
         m.close()
     with pytest.raises(BackendError, match=r"^--tp 5: this model has 4 attention heads; use 1\.\.4 ranks$"):
@@ -417,8 +421,8 @@ def test_eval_perplexity_runs_on_the_moe_models(make_tiny, tmp_path, capsys, fam
 @pytest.mark.parametrize("family", MOE_FAMILIES)
 def test_serve_answers_through_the_openai_client(make_tiny, family):
     """glmcore serve on an MoE checkpoint (its default backend: cpu_int4 here, torch without a C compiler): the
-    reply the Pipeline gives, streamed and not; the GLM-4.5/4.6 template's enable_thinking switch reaches the
-    prompt (it renders /nothink)."""
+    reply the Pipeline gives (thought and answer), streamed and not; the template's enable_thinking switch reaches
+    the prompt (GLM-4.6's renders /nothink, GLM-4.7-Flash's closes the thought with </think> at once)."""
     pytest.importorskip("openai", reason="the server tests need the dev extra (openai, httpx)")
     pytest.importorskip("uvicorn", reason='the server needs its extra: pip install "glmcore[server]"')
     from test_server import client, serving
@@ -429,22 +433,31 @@ def test_serve_answers_through_the_openai_client(make_tiny, family):
     from glmcore.sampling import SamplingParams
     d = make_tiny(family)
     messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "你好"}]
-    want = Pipeline(d, options=LoadOptions(threads=1)).chat(messages, params=SamplingParams(temperature=0),
-                                                           max_new_tokens=6).content
+    reply = Pipeline(d, options=LoadOptions(threads=1)).chat(messages, params=SamplingParams(temperature=0),
+                                                            max_new_tokens=6)
+    want = (reply.reasoning, reply.content)
+    assert "".join(want)
     m = load_model(d, options=LoadOptions(threads=1), slots=2)
     try:
         assert m.backend.name in ("cpu_int4", "torch", "ascend_npu")
         plain = m.chat_format.encode_messages([as_message(x) for x in messages])
         nothink = m.chat_format.configured({"enable_thinking": False}).encode_messages(
             [as_message(x) for x in messages])
-        assert m.tokenizer.special_ids["/nothink"] in nothink and nothink != plain     # a special token of GLM-4.5
+        sp = m.tokenizer.special_ids
+        if family == "glm4-moe-lite":
+            assert plain[-1] == sp["<think>"] and nothink[-1] == sp["</think>"]
+        else:
+            assert sp["/nothink"] in nothink and nothink != plain     # a special token of GLM-4.5
         with serving(m, family) as url:
             c = client(url)
             r = c.chat.completions.create(model=family, messages=messages, max_tokens=6, temperature=0)
-            assert r.choices[0].message.content == want
+            said = r.choices[0].message
+            assert (getattr(said, "reasoning_content", None) or "", said.content or "") == want
             chunks = list(c.chat.completions.create(model=family, messages=messages, max_tokens=6, temperature=0,
                                                    stream=True))
-            assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == want
+            deltas = [ch.choices[0].delta for ch in chunks if ch.choices]
+            assert ("".join(getattr(d, "reasoning_content", None) or "" for d in deltas),
+                    "".join(d.content or "" for d in deltas)) == want
             r = c.chat.completions.create(model=family, messages=messages, max_tokens=6, temperature=0,
                                           extra_body={"chat_template_kwargs": {"enable_thinking": False}})
             assert r.usage.prompt_tokens == len(nothink)

@@ -1,7 +1,7 @@
 """OpenAI's Responses API (/v1/responses) against a live server, driven by the official `openai` SDK: plain replies
 whole and streamed (typed events, sequence numbers), previous_response_id continuations on the server's store, tool
 calls and their results, reasoning items; on the built-in demo model (ChatGLM3), a GLM-4 checkpoint, and a
-GLM-4.7-style GLM-4.5-layout one (XML tool calls, a reply that opens inside <think>)."""
+GLM-4.5-layout one with GLM-4.7's template (XML tool calls, a reply that opens inside <think>)."""
 from __future__ import annotations
 
 import json
@@ -14,7 +14,7 @@ import pytest
 openai = pytest.importorskip("openai", reason="the server tests need the dev extra (openai, httpx)")
 pytest.importorskip("uvicorn", reason='the server needs its extra: pip install "glmcore[server]"')
 
-from test_glm45_tools import STRICT, glm47_style  # noqa: E402
+from test_glm45_tools import STRICT, glm47_template  # noqa: E402
 from test_server import CALLS, SCRIPTED, TOOLS as CHAT_TOOLS, client, scripted, serving  # noqa: E402,F401
 
 from glmcore.backend import LoadOptions  # noqa: E402
@@ -32,7 +32,7 @@ def servers(make_tiny, tmp_path_factory):
     shutil.copytree(make_tiny("glm4-moe"), glm47)
     (glm47 / "chat_template.jinja").unlink(missing_ok=True)
     cfg = json.loads((glm47 / "tokenizer_config.json").read_text())
-    cfg["chat_template"] = glm47_style(cfg["chat_template"])
+    cfg["chat_template"] = glm47_template()
     (glm47 / "tokenizer_config.json").write_text(json.dumps(cfg, ensure_ascii=False))
     from contextlib import ExitStack
     with ExitStack() as stack:

@@ -504,10 +504,21 @@ GLM45_SPECIALS = ["<|endoftext|>", "[MASK]", "[gMASK]", "[sMASK]", "<sop>", "<eo
                   "<|image|>", "<|video|>"]
 
 
+# The chat templates the MoE GLMs ship (glmcore/data, verbatim; no weights or hub files are reachable here):
+# - GLM-4.5 / 4.6: GLM-4.6's chat_template.jinja as llama.cpp stores it (models/templates/GLM-4.6.jinja).
+# - GLM-4.7 / GLM-4.7-Flash: GLM-4.7's, the same protocol written without newlines (`<|assistant|><think>`
+#   opens every reply, `</think>` alone where an earlier turn's thinking is cleared or thinking is off,
+#   `<tool_call>NAME<arg_key>...`, `clear_thinking=false` keeps earlier thinking). Put together from public
+#   copies of zai-org's file that agree line for line (a prompt formatter's embedded copy, llama.cpp patches
+#   and renderer tests quoting it; LLaMA-Factory's GLM-4.7-Flash template states the `</think>`-only rule).
+GLM45_TEMPLATE = "glm45_chat_template.jinja"
+GLM47_TEMPLATE = "glm47_chat_template.jinja"
+
+
 def synthetic_moe_config(out: Path, spec: dict, keys: dict, name: str, tokenizer_from,
-                         real_vocab: int = REAL_VOCAB) -> dict:
-    """tokenizer.json + tokenizer_config.json with GLM-4.5's specials and the GLM-4.6 chat template (shipped in
-    glmcore/data), generation_config.json, and config.json's keys for a synthetic MoE GLM. The ranks are the
+                         real_vocab: int = REAL_VOCAB, template: str = GLM45_TEMPLATE) -> dict:
+    """tokenizer.json + tokenizer_config.json with GLM-4.5's specials and the given chat template (one of
+    glmcore/data's above), generation_config.json, and config.json's keys for a synthetic MoE GLM. The ranks are the
     first 2048 of glmcore's GLM-4 rank file, or with tokenizer_from (GLM-4's tokenizer.model, or a directory
     holding it) all of GLM-4's: GLM-4.5/4.6/4.7 use GLM-4's BPE with their own specials numbered from 151329,
     so that gives GLM-4.5's tokenizer id for id, and the real 151552-row vocabulary."""
@@ -519,9 +530,9 @@ def synthetic_moe_config(out: Path, spec: dict, keys: dict, name: str, tokenizer
         ranks = glm4_ranks(Path(tokenizer_from), real_vocab)
     n_vocab = len(ranks) + len(GLM45_SPECIALS)
     vocab = real_vocab if real else -(-n_vocab // 64) * 64
-    template = (DATA_DIR / "glm45_chat_template.jinja").read_text(encoding="utf-8")
+    chat_template = (DATA_DIR / template).read_text(encoding="utf-8")
     raw = {"_name_or_path": name, **keys, **spec, "vocab_size": max(vocab, n_vocab)}
-    write_synthetic_tokenizer(out, raw, ranks, GLM45_SPECIALS, template, ["[gMASK]", "<sop>"])
+    write_synthetic_tokenizer(out, raw, ranks, GLM45_SPECIALS, chat_template, ["[gMASK]", "<sop>"])
     return raw
 
 

@@ -17,8 +17,9 @@ import numpy as np
 
 from ..errors import CheckpointError, ConfigError
 from .base import Axis, Role, Split, TensorSpec
-from .glm4_moe import (FUSED_PARTS, GGUF_FUSED, GGUF_LAYER, LAYER_NAMES, Glm4MoeArchitecture, MoeConfig, getter,
-                       gguf_moe_fields, hf_moe_names, moe_fields, moe_gguf_to_canonical, moe_to_canonical, synthetic_moe_config)
+from .glm4_moe import (FUSED_PARTS, GGUF_FUSED, GGUF_LAYER, GLM47_TEMPLATE, LAYER_NAMES, Glm4MoeArchitecture,
+                       MoeConfig, getter, gguf_moe_fields, hf_moe_names, moe_fields, moe_gguf_to_canonical,
+                       moe_to_canonical, synthetic_moe_config)
 from .glm import hf_rope
 
 # transformers' Glm4MoeLiteConfig defaults (GLM-4.7-Flash's shape), used where config.json leaves a key out.
@@ -188,7 +189,7 @@ class Glm4MoeLiteArchitecture(Glm4MoeArchitecture):
         spec["num_hidden_layers"] = n
         spec["mlp_layer_types"] = ["dense"] + ["sparse"] * (n - 1)
         return synthetic_moe_config(out, spec, KEYS, "glmcore-synthetic/GLM-4.7-Flash-" + size, tokenizer_from,
-                                    real_vocab=154880)
+                                    real_vocab=154880, template=GLM47_TEMPLATE)
 
 
 _MLA_LAYER = {k: v for k, v in LAYER_NAMES.items() if not k.startswith("self_attn.")}
