@@ -7,7 +7,7 @@ import os
 import shutil
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from . import __version__, arch
 from .backend import registry
@@ -39,10 +39,12 @@ def add_gen_args(p: argparse.ArgumentParser) -> None:
     d = SamplingParams()
     p.add_argument("--system", help="system prompt")
     p.add_argument("--max-new-tokens", type=int, default=256, help="most tokens in one reply")
-    p.add_argument("--temperature", type=float, default=d.temperature, help="0 = greedy")
-    p.add_argument("--top-p", type=float, default=d.top_p, help="nucleus sampling mass (1 = off)")
-    p.add_argument("--top-k", type=int, default=d.top_k, help="sample among the k likeliest (0 = off)")
-    p.add_argument("--repetition-penalty", type=float, default=d.repetition_penalty, help="1 = off")
+    # left out: what the checkpoint recommends (generation_config.json / a GGUF's general.sampling.*), else these
+    given = "the checkpoint's generation_config.json, else"
+    p.add_argument("--temperature", type=float, help=f"0 = greedy (default: {given} {d.temperature:g})")
+    p.add_argument("--top-p", type=float, help=f"nucleus sampling mass, 1 = off (default: {given} {d.top_p:g})")
+    p.add_argument("--top-k", type=int, help=f"sample among the k likeliest, 0 = off (default: {given} {d.top_k})")
+    p.add_argument("--repetition-penalty", type=float, help=f"1 = off (default: {given} {d.repetition_penalty:g})")
     p.add_argument("--presence-penalty", type=float, default=d.presence_penalty,
                    help="subtracted from the logit of each token already generated (OpenAI's; -2..2, 0 = off)")
     p.add_argument("--frequency-penalty", type=float, default=d.frequency_penalty,
@@ -111,9 +113,13 @@ def speculation(a) -> Speculation:
     return Speculation(a.speculative, a.draft_tokens)
 
 
-def sampling(a) -> SamplingParams:
-    return SamplingParams(a.temperature, a.top_p, a.top_k, a.repetition_penalty, a.seed, a.presence_penalty,
-                          a.frequency_penalty)
+def sampling(a, defaults: SamplingParams = SamplingParams()) -> SamplingParams:
+    """The flags' SamplingParams; a flag left out is the loaded checkpoint's recommendation (`defaults`). Called
+    before the load too (with glmcore's defaults), so a bad flag is refused before the weights load."""
+    given = {k: getattr(a, k) for k in ("temperature", "top_p", "top_k", "repetition_penalty")
+             if getattr(a, k) is not None}
+    return replace(defaults, **given, seed=a.seed, presence_penalty=a.presence_penalty,
+                   frequency_penalty=a.frequency_penalty)
 
 
 def _pipeline(a):
@@ -134,9 +140,10 @@ def cmd_run(a) -> int:
                            f"up to {DEFAULT_MAX_SLOTS})")
     if a.prompts is not None:
         return _run_batch(a)
-    params = sampling(a)
+    sampling(a)
     grammar = grammar_from_files(a.json_schema, a.grammar)
     pipe = _pipeline(a)
+    params = sampling(a, pipe.model.sampling)
     messages = _messages(a.system) + [{"role": "user", "content": a.prompt}]
     _stream_reply(pipe, messages, None, params, a.max_new_tokens, grammar=grammar, view=thinking_view(a),
                   template_kwargs=template_kwargs(a))
@@ -156,11 +163,13 @@ def _run_batch(a) -> int:
     prompts = [line for line in decode_text(data, f"--prompts {a.prompts!r}", fix).splitlines() if line.strip()]
     if not prompts:
         raise GlmcoreError(f"--prompts {a.prompts!r} has no prompt; write one prompt a line")
-    params, window = sampling(a), WindowPolicy(a.overflow, a.n_keep, a.n_discard)
+    sampling(a)
+    window = WindowPolicy(a.overflow, a.n_keep, a.n_discard)
     grammar = grammar_from_files(a.json_schema, a.grammar)
     # a slot holds a whole context of KV cache: a file of 100,000 prompts must not ask for 100,000 of them
     m = load_model(a.model, a.backend, load_options(a), slots=min(a.slots or DEFAULT_MAX_SLOTS, len(prompts)),
                    token_budget=a.token_budget, speculation=speculation(a))
+    params = sampling(a, m.sampling)
     sched = m.scheduler
     start = time.perf_counter()
     handles = []
@@ -308,8 +317,9 @@ def _read_line(prompt: str) -> str | None:
 
 
 def cmd_chat(a) -> int:
-    params = sampling(a)
+    sampling(a)
     pipe = _pipeline(a)
+    params = sampling(a, pipe.model.sampling)
     state = ChatState(a.system, thinking=False if a.no_thinking else None)
     # undecodable bytes arrive as surrogates and are refused per line, instead of ending the session
     if hasattr(sys.stdin, "reconfigure"):

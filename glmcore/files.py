@@ -39,6 +39,19 @@ def read_bounded(path, limit: int, what: str, fix: str, error=GlmcoreError) -> b
     return data
 
 
+def read_json_object(path, limit: int, what: str, fix: str, error=GlmcoreError) -> dict:
+    """A user-named JSON file that must hold an object, read bounded as read_bounded reads; anything else is one
+    line naming `what` and `fix`."""
+    import json
+    try:
+        data = json.loads(read_bounded(path, limit, what, fix, error).decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:
+        raise error(f"{path} is not valid JSON ({type(e).__name__}: {str(e)[:80]}); {fix}") from None
+    if not isinstance(data, dict):
+        raise error(f"{path} is not a JSON object; {fix}")
+    return data
+
+
 def decode_text(data: bytes, what: str, fix: str, error=GlmcoreError) -> str:
     """UTF-8 text, or one line naming the first byte that is not."""
     try:

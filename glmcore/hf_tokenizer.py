@@ -16,7 +16,7 @@ from functools import lru_cache
 from pathlib import Path
 
 from .errors import TokenizerError
-from .files import read_bounded
+from .files import read_json_object
 from .vocabulary import GLM4_PAT, Tokenizer
 
 # Templates modelled on the published files (the real files are not in this workspace; see the tests).
@@ -135,16 +135,9 @@ MAX_JSON_BYTES = 256 << 20      # GLM-4-0414's tokenizer.json is ~20 MB
 
 
 def _read_json(path: Path, what: str) -> dict:
-    try:
-        # bounded: a tokenizer.json is a few MB; a huge one is refused before it is parsed
-        data = json.loads(read_bounded(path, MAX_JSON_BYTES, what, f"copy {what} from the original checkpoint",
-                                       TokenizerError).decode("utf-8"))
-    except (UnicodeDecodeError, ValueError, RecursionError) as e:
-        raise TokenizerError(f"{path} is not valid JSON ({type(e).__name__}: {str(e)[:80]}); copy {what} from the "
-                             "original checkpoint again") from None
-    if not isinstance(data, dict):
-        raise TokenizerError(f"{path} is not a JSON object; copy {what} from the original checkpoint again")
-    return data
+    # bounded: a tokenizer.json is a few MB; a huge one is refused before it is parsed
+    return read_json_object(path, MAX_JSON_BYTES, what, f"copy {what} from the original checkpoint again",
+                            TokenizerError)
 
 
 def _token_name(v) -> str | None:

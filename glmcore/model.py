@@ -11,8 +11,12 @@ from .cache import cache_root
 from .config import ModelConfig
 from .engine.prompt_cache import DEFAULT_CACHE_MIB, PromptCache
 from .scheduler import Scheduler, Speculation
-from .errors import BackendError, GlmcoreError
+from .errors import BackendError, CheckpointError, GlmcoreError
+from .files import read_json_object
+from .sampling import GGUF_RECOMMENDED_KEYS, SamplingParams, recommended
 from .weights import load_weights
+
+MAX_GENERATION_CONFIG_BYTES = 1 << 20       # a real one is a few hundred bytes
 
 
 def demo_model_dir(notice=lambda msg: print(msg, file=sys.stderr)) -> Path:
@@ -31,6 +35,7 @@ class LoadedModel:
     chat_format: object
     backend: Backend
     scheduler: Scheduler
+    sampling: SamplingParams = SamplingParams()     # what a request that sets none samples with (the checkpoint's)
 
     def close(self) -> None:
         self.scheduler.stop()
@@ -48,6 +53,20 @@ class Checkpoint:
 
     def weights(self):
         return self.gguf.weights if self.gguf is not None else load_weights(self.path, self.config)
+
+    def sampling(self) -> SamplingParams:
+        """The sampling the checkpoint recommends (glmcore.sampling.recommended): generation_config.json's, or the
+        GGUF's general.sampling.* keys."""
+        if self.gguf is not None:
+            meta = self.gguf.meta
+            values = {ours: meta.get(key, float, None) for key, ours in GGUF_RECOMMENDED_KEYS.items()}
+            return recommended(values, f"{self.path} (general.sampling.*)")
+        path = self.path / "generation_config.json"
+        if not path.exists():
+            return SamplingParams()
+        return recommended(read_json_object(path, MAX_GENERATION_CONFIG_BYTES, "generation_config.json",
+                                            "fix it, or delete it to sample with glmcore's defaults", CheckpointError),
+                           str(path))
 
 
 def open_checkpoint(model) -> Checkpoint:
@@ -96,6 +115,7 @@ def load_model(model: str | Path | None = None, backend: str | None = None, opti
 
     ckpt = open_checkpoint(model if model else demo_model_dir())
     model_dir, config = ckpt.path, ckpt.config
+    sampling = ckpt.sampling()          # a bad value is refused before the weights load
     b = resolve_backend(backend, config)
     if options is not None and options.tp != 1:
         from .parallel import tensor_parallel
@@ -121,7 +141,7 @@ def load_model(model: str | Path | None = None, backend: str | None = None, opti
     batch = b.load_batch(config, weights, opts, slots)
     scheduler = Scheduler(batch, caps, n_vocab=tokenizer.n_vocab, token_budget=token_budget, speculation=speculation,
                           prompt_cache=cache)
-    return LoadedModel(model_dir, config, tokenizer, chat_format_for(tokenizer), b, scheduler)
+    return LoadedModel(model_dir, config, tokenizer, chat_format_for(tokenizer), b, scheduler, sampling)
 
 
 def prompt_cache(cache_ram: int | None, caps, backend: str) -> PromptCache | None:

@@ -69,7 +69,7 @@ class Pipeline:
         checkpoint's chat template (vLLM's chat_template_kwargs, e.g. {"enable_thinking": False} where the template
         has that switch). A thinking model's reply streams ReasoningDelta before its answer; Message.reasoning;
         `max_thinking_tokens` ends its thought after that many tokens with the template's </think>."""
-        events = self._events([as_message(m) for m in messages], tools, params or SamplingParams(), max_new_tokens,
+        events = self._events([as_message(m) for m in messages], tools, params or self.model.sampling, max_new_tokens,
                               grammar, template_kwargs, max_thinking_tokens)
         if stream:
             return events

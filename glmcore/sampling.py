@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -62,6 +62,36 @@ class SamplingParams:
         bad = sorted(t for t in self.logit_bias if t >= n_vocab)
         if bad:
             raise SamplingError(f"invalid logit bias token id {bad[0]}: the vocabulary's ids are 0..{n_vocab - 1}")
+
+
+# The sampling a checkpoint recommends: generation_config.json's keys (those vLLM's default `--generation-config
+# auto` reads; transformers' generate() samples with them) or a GGUF's general.sampling.* (llama.cpp's converter
+# writes them from that file and llama-server reads them). They replace SamplingParams' own defaults; a request's
+# or a flag's value still wins. do_sample is not read (vLLM and llama.cpp do not either).
+RECOMMENDED_KEYS = {"temperature": float, "top_p": float, "top_k": int, "repetition_penalty": float}
+GGUF_RECOMMENDED_KEYS = {"general.sampling.temp": "temperature", "general.sampling.top_p": "top_p",
+                         "general.sampling.top_k": "top_k", "general.sampling.penalty_repeat": "repetition_penalty"}
+
+
+def recommended(values: Mapping[str, object], where: str) -> SamplingParams:
+    """SamplingParams with the recommended values `values` holds (absent or null ones keep glmcore's defaults); a
+    value that is not a number, or is out of range, is one line naming `where` and the key. top_k <= 0 is off,
+    as vLLM (-1) and llama.cpp (0) read it."""
+    given = {}
+    for key, kind in RECOMMENDED_KEYS.items():
+        v = values.get(key)
+        if v is None:
+            continue
+        number = isinstance(v, (int, float)) and not isinstance(v, bool) and abs(v) < 1e300    # JSON ints are unbounded
+        if not number or not np.isfinite(v) or (kind is int and not float(v).is_integer()):
+            shown = repr(v)[:40]
+            raise SamplingError(f"{where}: {key} is {shown}, not a{'n integer' if kind is int else ' number'}; fix "
+                                "the value or delete the key")
+        given[key] = max(int(v), 0) if kind is int else float(v)
+    try:
+        return replace(SamplingParams(), **given)
+    except SamplingError as e:
+        raise SamplingError(f"{where}: {e}; or delete the key") from None
 
 
 def log_softmax(logits: np.ndarray) -> np.ndarray:

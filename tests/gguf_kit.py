@@ -30,6 +30,13 @@ def write_gguf(model_dir: Path, out: Path, qtype: str = "F32", split_tensors: in
     blocks = cfg.num_layers + mtp
     w = gguf.GGUFWriter(out, name, split_max_tensors=split_tensors)
     w.add_name(raw.get("_name_or_path", "").split("/")[-1])
+    # the recommended sampling, as llama.cpp's converter stores generation_config.json's (gguf-py's Metadata.load)
+    gen = Path(model_dir) / "generation_config.json"
+    recommended = json.loads(gen.read_text()) if gen.is_file() else {}
+    for key, add in (("temperature", w.add_sampling_temp), ("top_p", w.add_sampling_top_p),
+                     ("top_k", w.add_sampling_top_k), ("repetition_penalty", w.add_sampling_penalty_repeat)):
+        if recommended.get(key) is not None:
+            add(recommended[key])
     w.add_context_length(cfg.max_seq_len)
     w.add_embedding_length(cfg.hidden_size)
     w.add_feed_forward_length(cfg.ffn_hidden_size)

@@ -170,6 +170,26 @@ def test_stop_cancels_the_generation_and_frees_the_slot(server, browser):
     assert browser.find_elements(By.CSS_SELECTOR, ".msg") == []
 
 
+def test_empty_sampling_settings_leave_the_models_recommendation(server, browser):
+    """Temperature and top-p start empty ("model's"): the request then carries neither, and the server samples
+    as the checkpoint recommends (glmcore.sampling.recommended); a value typed in is sent."""
+    open_page(browser, server)
+    assert browser.find_element(By.ID, "temperature").get_attribute("value") == ""
+    setting(browser, "max_tokens", "2")
+    browser.execute_script("window.__bodies = []; const f = window.fetch;"
+                           "window.fetch = (u, o) => { if (o && o.body) window.__bodies.push(o.body); return f(u, o); }")
+    sent = []
+    for temperature in ("", "0.3"):
+        setting(browser, "temperature", temperature)
+        n = len(browser.find_elements(By.CSS_SELECTOR, ".msg.assistant"))
+        send(browser, f"hi {temperature}")
+        WebDriverWait(browser, 60).until(lambda d: len(d.find_elements(By.CSS_SELECTOR, ".msg.assistant")) == n + 1
+                                         and d.find_element(By.ID, "send").is_displayed())
+        sent.append(json.loads([b for b in browser.execute_script("return window.__bodies") if '"messages"' in b][-1]))
+    assert "temperature" not in sent[0] and "top_p" not in sent[0]
+    assert sent[1]["temperature"] == 0.3 and "top_p" not in sent[1]
+
+
 def test_model_text_never_becomes_html(server, browser):
     open_page(browser, server)
     hostile = ('<img src=x onerror="window.__pwned=1"> **bold** `<b>x</b>`\n\n- <script>window.__pwned=2</script>\n'

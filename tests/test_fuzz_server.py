@@ -150,8 +150,9 @@ def mutated(draw, schema):
 
 # ------------------------------------------------------------------ the server under fuzz
 
-# ChatGLM3's own prompt format and tool parser; GLM-4.5's jinja template, XML tool calls and thinking (glm4-moe)
-@pytest.fixture(scope="module", params=["chatglm3", "glm4-moe"])
+# ChatGLM3's own prompt format and tool parser; the jinja templates with XML tool calls and thinking: GLM-4.6's
+# (glm4-moe), GLM-4.7's (glm4-moe-lite: replies open inside <think>, latent attention)
+@pytest.fixture(scope="module", params=["chatglm3", "glm4-moe", "glm4-moe-lite"])
 def fuzz_server(make_tiny, request):
     m = load_model(make_tiny(request.param), "torch", LoadOptions(threads=1, capacity=96), slots=2, token_budget=64)
     with serving(m, max_body=4 << 20, read_timeout=5.0) as url:       # room for a 100k-entry choice

@@ -508,9 +508,9 @@ GLM45_SPECIALS = ["<|endoftext|>", "[MASK]", "[gMASK]", "[sMASK]", "<sop>", "<eo
 # - GLM-4.5 / 4.6: GLM-4.6's chat_template.jinja as llama.cpp stores it (models/templates/GLM-4.6.jinja).
 # - GLM-4.7 / GLM-4.7-Flash: GLM-4.7's, the same protocol written without newlines (`<|assistant|><think>`
 #   opens every reply, `</think>` alone where an earlier turn's thinking is cleared or thinking is off,
-#   `<tool_call>NAME<arg_key>...`, `clear_thinking=false` keeps earlier thinking). Put together from public
-#   copies of zai-org's file that agree line for line (a prompt formatter's embedded copy, llama.cpp patches
-#   and renderer tests quoting it; LLaMA-Factory's GLM-4.7-Flash template states the `</think>`-only rule).
+#   `<tool_call>NAME<arg_key>...`, `clear_thinking=false` keeps earlier thinking). From a public verbatim copy
+#   of zai-org's file (a prompt formatter's embedded copy), whose lines agree with every partial quote found
+#   (llama.cpp server patches, renderer tests; LLaMA-Factory's GLM-4.7-Flash template states the `</think>` rule).
 GLM45_TEMPLATE = "glm45_chat_template.jinja"
 GLM47_TEMPLATE = "glm47_chat_template.jinja"
 

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 from ..engine.speculative import Speculation
 from ..errors import GlmcoreError
+from ..sampling import SamplingParams
 
 INSTALL = 'pip install "glmcore[server]"'
 MAX_HEAD = 64 << 10          # bytes of a request line and headers (h11's own limit is 16 KiB)
@@ -178,6 +179,10 @@ def serve(model_dir, backend, options, so: ServeOptions) -> int:
           f"{batch.n_slots} slots, context {batch.capacity}, token budget {so.token_budget}"
           + (f" | prompt cache {cache.budget >> 20} MiB" if (cache := model.scheduler.table.cache) else "")
           + (" | API key required" if so.api_key else ""), file=sys.stderr, flush=True)
+    d = model.sampling
+    print(f"glmcore serve: requests that leave them out sample with temperature {d.temperature:g}, top_p {d.top_p:g}, "
+          f"top_k {d.top_k}, repetition_penalty {d.repetition_penalty:g}"
+          + (" (the checkpoint's recommendation)" if d != SamplingParams() else ""), file=sys.stderr, flush=True)
     if not so.api_key and not ipaddress.ip_address(bound_host).is_loopback:
         print(f"warning: listening on {bound_host} without --api-key: anyone who can reach it can use it",
               file=sys.stderr, flush=True)

@@ -534,7 +534,7 @@ class ChatCompletion(Exchange):
             raise ApiError(400, str(e), "chat_template_kwargs", "invalid_value") from None
         messages = to_messages(state, req)
         tools, calls, must_call = tool_setup(fmt, req)
-        params, stops = sampling(req, state.model.tokenizer.n_vocab), req.stops()
+        params, stops = sampling(req, state.model), req.stops()
         state.check_size(prompt_chars(messages, tools), "messages")
         if len(messages) > state.scheduler.capacity:   # every message is at least its role token
             raise ApiError(400, f"'messages' holds {len(messages)} messages, more than a context of "
@@ -639,7 +639,7 @@ class TextCompletion(Exchange):
         if self.score_only and not req.echo:
             raise ApiError(400, "'max_tokens' 0 generates nothing: it only scores the prompt, with \"echo\": true; "
                            "set echo or ask for a token", "max_tokens", "invalid_value")
-        self.sreq = SchedRequest(ids, sampling(req, state.model.tokenizer.n_vocab),
+        self.sreq = SchedRequest(ids, sampling(req, state.model),
                                  1 if self.score_only else max_new(state, req, len(ids)), [state.model.tokenizer.eos_id])
         constrain_completion(state.model, req, self.sreq)
         load_test_fields(req, self.sreq)

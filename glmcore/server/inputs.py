@@ -11,9 +11,10 @@ from ..sampling import SamplingParams
 from .protocol import ApiError, ChatRequest, parse_arguments
 
 
-def sampling(req, n_vocab: int) -> SamplingParams:
-    """The request's SamplingParams (choice 0's seed: choice i of n draws with seed + i)."""
-    d = SamplingParams()
+def sampling(req, model) -> SamplingParams:
+    """The request's SamplingParams (choice 0's seed: choice i of n draws with seed + i); what it leaves out is the
+    checkpoint's recommendation (LoadedModel.sampling)."""
+    d, n_vocab = model.sampling, model.tokenizer.n_vocab
     bias = {}
     for key, value in (req.logit_bias or {}).items():
         if not key.strip().isdigit() or int(key) >= n_vocab:
@@ -26,9 +27,9 @@ def sampling(req, n_vocab: int) -> SamplingParams:
         bias[int(key)] = float(value)
     try:
         return SamplingParams(d.temperature if req.temperature is None else req.temperature,
-                              d.top_p if req.top_p is None else req.top_p, req.top_k or 0,
-                              req.repetition_penalty or 1.0, req.seed, req.presence_penalty or 0.0,
-                              req.frequency_penalty or 0.0, bias)
+                              d.top_p if req.top_p is None else req.top_p, d.top_k if req.top_k is None else max(req.top_k, 0),
+                              d.repetition_penalty if req.repetition_penalty is None else req.repetition_penalty,
+                              req.seed, req.presence_penalty or 0.0, req.frequency_penalty or 0.0, bias)
     except GlmcoreError as e:
         raise ApiError(400, str(e)) from None
 

@@ -175,7 +175,7 @@ class _Sampling(Strict):
     stop: str | list[str] | None = None
     user: str | None = None                # an end-user id for the caller's own records
     # extensions with vLLM's names (the sampler has them)
-    top_k: int | None = Field(None, ge=0, le=2**31 - 1)
+    top_k: int | None = Field(None, ge=-1, le=2**31 - 1)     # -1 and 0: off (vLLM's -1, OpenAI clients' 0)
     # a penalty divides (or multiplies) logits: far from 1 it overflows float32 into inf/NaN probabilities
     repetition_penalty: float | None = Field(None, ge=0.01, le=100)
     ignore_eos: bool = False
