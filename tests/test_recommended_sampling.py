@@ -123,3 +123,27 @@ def test_a_generation_config_that_is_not_json_is_one_line(make_tiny, tmp_path):
         assert m.sampling.top_k == 0
     finally:
         m.close()
+
+
+def test_any_json_value_is_taken_or_refused_in_one_line():
+    """generation_config.json is untrusted: whatever JSON its sampling keys hold gives SamplingParams or one
+    SamplingError line, never another exception."""
+    from hypothesis import given, settings, strategies as st
+
+    from glmcore.errors import SamplingError
+    from glmcore.sampling import RECOMMENDED_KEYS, recommended
+    json_values = st.recursive(st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=8),
+                               lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=4), inner,
+                                                                                           max_size=3), max_leaves=6)
+
+    @settings(max_examples=300, deadline=None)
+    @given(st.dictionaries(st.sampled_from(sorted(RECOMMENDED_KEYS)), json_values))
+    def check(values):
+        try:
+            p = recommended(values, "generation_config.json")
+        except SamplingError as e:
+            assert "\n" not in str(e) and str(e).startswith("generation_config.json: ")
+        else:
+            assert isinstance(p, SamplingParams)
+
+    check()

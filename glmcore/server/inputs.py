@@ -27,7 +27,8 @@ def sampling(req, model) -> SamplingParams:
         bias[int(key)] = float(value)
     try:
         return SamplingParams(d.temperature if req.temperature is None else req.temperature,
-                              d.top_p if req.top_p is None else req.top_p, d.top_k if req.top_k is None else max(req.top_k, 0),
+                              d.top_p if req.top_p is None else req.top_p,
+                              d.top_k if req.top_k is None else max(req.top_k, 0),
                               d.repetition_penalty if req.repetition_penalty is None else req.repetition_penalty,
                               req.seed, req.presence_penalty or 0.0, req.frequency_penalty or 0.0, bias)
     except GlmcoreError as e:
