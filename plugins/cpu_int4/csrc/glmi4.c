@@ -655,6 +655,38 @@ T_AVX2 INLINE void madd4_chunk(__m256i i16[4][2], const uint8_t *u, const int8_t
               [x2] "m"(*(const int32_t *)x2), [x3] "m"(*(const int32_t *)x3));
 }
 
+/* madd4_chunk with the chunk's nibble halves already split into registers (a tile not unpacked beforehand). */
+T_AVX2 INLINE void madd4_split(__m256i i16[4][2], __m256i lo, __m256i hi, const int8_t *x0, const int8_t *x1,
+                               const int8_t *x2, const int8_t *x3) {
+    __m256i bx, p0, p1;
+    __asm__("vpbroadcastd %[x0], %[bx]\n\t"
+            "vpmaddubsw %[bx], %[lo], %[p0]\n\t"
+            "vpmaddubsw %[bx], %[hi], %[p1]\n\t"
+            "vpaddw %[p0], %[a0], %[a0]\n\t"
+            "vpaddw %[p1], %[a1], %[a1]\n\t"
+            "vpbroadcastd %[x1], %[bx]\n\t"
+            "vpmaddubsw %[bx], %[lo], %[p0]\n\t"
+            "vpmaddubsw %[bx], %[hi], %[p1]\n\t"
+            "vpaddw %[p0], %[a2], %[a2]\n\t"
+            "vpaddw %[p1], %[a3], %[a3]\n\t"
+            "vpbroadcastd %[x2], %[bx]\n\t"
+            "vpmaddubsw %[bx], %[lo], %[p0]\n\t"
+            "vpmaddubsw %[bx], %[hi], %[p1]\n\t"
+            "vpaddw %[p0], %[a4], %[a4]\n\t"
+            "vpaddw %[p1], %[a5], %[a5]\n\t"
+            "vpbroadcastd %[x3], %[bx]\n\t"
+            "vpmaddubsw %[bx], %[lo], %[p0]\n\t"
+            "vpmaddubsw %[bx], %[hi], %[p1]\n\t"
+            "vpaddw %[p0], %[a6], %[a6]\n\t"
+            "vpaddw %[p1], %[a7], %[a7]"
+            : [a0] "+x"(i16[0][0]), [a1] "+x"(i16[0][1]), [a2] "+x"(i16[1][0]), [a3] "+x"(i16[1][1]),
+              [a4] "+x"(i16[2][0]), [a5] "+x"(i16[2][1]), [a6] "+x"(i16[3][0]), [a7] "+x"(i16[3][1]),
+              [bx] "=&x"(bx), [p0] "=&x"(p0), [p1] "=&x"(p1)
+            : [lo] "x"(lo), [hi] "x"(hi),
+              [x0] "m"(*(const int32_t *)x0), [x1] "m"(*(const int32_t *)x1),
+              [x2] "m"(*(const int32_t *)x2), [x3] "m"(*(const int32_t *)x3));
+}
+
 /* Tokens m..m+NT-1: their int8 activations, block scales and group sums. */
 T_AVX2 INLINE void token_rows(const gemm_job *j, int m, int NT, const int8_t **xq, const float **dx, const float **xs) {
     const int nbx = j->ldq / QK;
@@ -739,15 +771,38 @@ T_AVX2 INLINE void q4_tile_avx2(const gemm_job *j, const uint8_t *p, const uint8
                             : [w] "m"(*(const __m256i *)(q + 32 * c)), [m4] "x"(m4),
                               [x0] "m"(*(const int32_t *)(x0 + 4 * c)));
                 }
-            } else {
+            } else if (NT == 2) {
+                /* a step's experts given two tokens (most of a 16-sequence MoE step's expert work): the same as
+                 * NT = 1 with the split nibbles shared, in asm for the reason the 4-token loop is (from C, the
+                 * compiler unrolled the chunks and stored every product to the stack) */
+                const int8_t *x0 = xq[0] + b * QK, *x1 = xq[1] + b * QK;
+                for (int c = 0; c < 8; c++) {
+                    __m256i lo, hi, bx, p0, p1;
+                    __asm__("vmovdqu %[w], %[lo]\n\t"
+                            "vpsrlw $4, %[lo], %[hi]\n\t"
+                            "vpand %[m4], %[lo], %[lo]\n\t"
+                            "vpand %[m4], %[hi], %[hi]\n\t"
+                            "vpbroadcastd %[x0], %[bx]\n\t"
+                            "vpmaddubsw %[bx], %[lo], %[p0]\n\t"
+                            "vpmaddubsw %[bx], %[hi], %[p1]\n\t"
+                            "vpaddw %[p0], %[a0], %[a0]\n\t"
+                            "vpaddw %[p1], %[a1], %[a1]\n\t"
+                            "vpbroadcastd %[x1], %[bx]\n\t"
+                            "vpmaddubsw %[bx], %[lo], %[p0]\n\t"
+                            "vpmaddubsw %[bx], %[hi], %[p1]\n\t"
+                            "vpaddw %[p0], %[a2], %[a2]\n\t"
+                            "vpaddw %[p1], %[a3], %[a3]"
+                            : [a0] "+x"(i16[0][0]), [a1] "+x"(i16[0][1]), [a2] "+x"(i16[1][0]), [a3] "+x"(i16[1][1]),
+                              [lo] "=&x"(lo), [hi] "=&x"(hi), [bx] "=&x"(bx), [p0] "=&x"(p0), [p1] "=&x"(p1)
+                            : [w] "m"(*(const __m256i *)(q + 32 * c)), [m4] "x"(m4),
+                              [x0] "m"(*(const int32_t *)(x0 + 4 * c)), [x1] "m"(*(const int32_t *)(x1 + 4 * c)));
+                }
+            } else {        /* NT == 4, the tile not unpacked (4..UNPACK_M_AVX2 - 1 tokens) */
+                const int8_t *x0 = xq[0] + b * QK, *x1 = xq[1] + b * QK, *x2 = xq[2] + b * QK, *x3 = xq[3] + b * QK;
                 for (int c = 0; c < 8; c++) {
                     const __m256i v = _mm256_loadu_si256((const __m256i *)(q + 32 * c));
-                    const __m256i lo = _mm256_and_si256(v, m4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
-                    for (int t = 0; t < NT; t++) {
-                        const __m256i bx = _mm256_set1_epi32(ld32(xq[t] + b * QK + 4 * c));
-                        i16[t][0] = _mm256_add_epi16(i16[t][0], _mm256_maddubs_epi16(lo, bx));
-                        i16[t][1] = _mm256_add_epi16(i16[t][1], _mm256_maddubs_epi16(hi, bx));
-                    }
+                    madd4_split(i16, _mm256_and_si256(v, m4), _mm256_and_si256(_mm256_srli_epi16(v, 4), m4),
+                                x0 + 4 * c, x1 + 4 * c, x2 + 4 * c, x3 + 4 * c);
                 }
             }
             if (GB == 1 && !W->asym) {   /* group 32, symmetric: fold the block straight into acc */
