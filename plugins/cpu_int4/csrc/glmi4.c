@@ -620,42 +620,9 @@ T_AVX2 INLINE int32_t ld32(const int8_t *p) {
  * unpack_tile_avx2, into unp), then per token one broadcast and two vpmaddubsw. |q*x| <= 15*127, so eight pair sums stay below 32767 and the int16
  * accumulation over a 32-block is exact. */
 /* i16[t][h] += vpmaddubsw(nibble-bytes half h of one 8-input chunk, 4 bytes of token t broadcast), for the
- * 4 tokens of a register block: the inner step of both 4-token AVX2 kernels. Written in asm so the eight
- * accumulators stay in registers and the loads fold into the instructions. */
-T_AVX2 INLINE void madd4_chunk(__m256i i16[4][2], const uint8_t *u, const int8_t *x0, const int8_t *x1,
-                               const int8_t *x2, const int8_t *x3) {
-    __m256i lo, hi, bx, p0, p1;
-    __asm__("vmovdqa %[ulo], %[lo]\n\t"
-            "vmovdqa %[uhi], %[hi]\n\t"
-            "vpbroadcastd %[x0], %[bx]\n\t"
-            "vpmaddubsw %[bx], %[lo], %[p0]\n\t"
-            "vpmaddubsw %[bx], %[hi], %[p1]\n\t"
-            "vpaddw %[p0], %[a0], %[a0]\n\t"
-            "vpaddw %[p1], %[a1], %[a1]\n\t"
-            "vpbroadcastd %[x1], %[bx]\n\t"
-            "vpmaddubsw %[bx], %[lo], %[p0]\n\t"
-            "vpmaddubsw %[bx], %[hi], %[p1]\n\t"
-            "vpaddw %[p0], %[a2], %[a2]\n\t"
-            "vpaddw %[p1], %[a3], %[a3]\n\t"
-            "vpbroadcastd %[x2], %[bx]\n\t"
-            "vpmaddubsw %[bx], %[lo], %[p0]\n\t"
-            "vpmaddubsw %[bx], %[hi], %[p1]\n\t"
-            "vpaddw %[p0], %[a4], %[a4]\n\t"
-            "vpaddw %[p1], %[a5], %[a5]\n\t"
-            "vpbroadcastd %[x3], %[bx]\n\t"
-            "vpmaddubsw %[bx], %[lo], %[p0]\n\t"
-            "vpmaddubsw %[bx], %[hi], %[p1]\n\t"
-            "vpaddw %[p0], %[a6], %[a6]\n\t"
-            "vpaddw %[p1], %[a7], %[a7]"
-            : [a0] "+x"(i16[0][0]), [a1] "+x"(i16[0][1]), [a2] "+x"(i16[1][0]), [a3] "+x"(i16[1][1]),
-              [a4] "+x"(i16[2][0]), [a5] "+x"(i16[2][1]), [a6] "+x"(i16[3][0]), [a7] "+x"(i16[3][1]),
-              [lo] "=&x"(lo), [hi] "=&x"(hi), [bx] "=&x"(bx), [p0] "=&x"(p0), [p1] "=&x"(p1)
-            : [ulo] "m"(*(const __m256i *)u), [uhi] "m"(*(const __m256i *)(u + 32)),
-              [x0] "m"(*(const int32_t *)x0), [x1] "m"(*(const int32_t *)x1),
-              [x2] "m"(*(const int32_t *)x2), [x3] "m"(*(const int32_t *)x3));
-}
-
-/* madd4_chunk with the chunk's nibble halves already split into registers (a tile not unpacked beforehand). */
+ * 4 tokens of a register block: the inner step of both 4-token AVX2 kernels (the halves split in registers, or
+ * loaded from an unpacked tile). Written in asm so the eight accumulators stay in registers: from intrinsics,
+ * compilers hoist the broadcasts and store products or accumulators to the stack. */
 T_AVX2 INLINE void madd4_split(__m256i i16[4][2], __m256i lo, __m256i hi, const int8_t *x0, const int8_t *x1,
                                const int8_t *x2, const int8_t *x3) {
     __m256i bx, p0, p1;
@@ -685,6 +652,13 @@ T_AVX2 INLINE void madd4_split(__m256i i16[4][2], __m256i lo, __m256i hi, const 
             : [lo] "x"(lo), [hi] "x"(hi),
               [x0] "m"(*(const int32_t *)x0), [x1] "m"(*(const int32_t *)x1),
               [x2] "m"(*(const int32_t *)x2), [x3] "m"(*(const int32_t *)x3));
+}
+
+/* The same from an unpacked tile (lo 32 bytes, then hi 32). */
+T_AVX2 INLINE void madd4_chunk(__m256i i16[4][2], const uint8_t *u, const int8_t *x0, const int8_t *x1,
+                               const int8_t *x2, const int8_t *x3) {
+    madd4_split(i16, _mm256_load_si256((const __m256i *)u), _mm256_load_si256((const __m256i *)(u + 32)),
+                x0, x1, x2, x3);
 }
 
 /* Tokens m..m+NT-1: their int8 activations, block scales and group sums. */
