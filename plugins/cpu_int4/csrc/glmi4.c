@@ -619,6 +619,18 @@ T_AVX2 INLINE int32_t ld32(const int8_t *p) {
  * chunk: one load, three ops to split the nibbles (from UNPACK_M_AVX2 tokens on done once per tile by
  * unpack_tile_avx2, into unp), then per token one broadcast and two vpmaddubsw. |q*x| <= 15*127, so eight pair sums stay below 32767 and the int16
  * accumulation over a 32-block is exact. */
+/* The step of madd4_split for one token (the 2-token loop calls it twice on the same halves). */
+T_AVX2 INLINE void madd1_split(__m256i i16[2], __m256i lo, __m256i hi, const int8_t *x) {
+    __m256i bx, p0, p1;
+    __asm__("vpbroadcastd %[x], %[bx]\n\t"
+            "vpmaddubsw %[bx], %[lo], %[p0]\n\t"
+            "vpmaddubsw %[bx], %[hi], %[p1]\n\t"
+            "vpaddw %[p0], %[a0], %[a0]\n\t"
+            "vpaddw %[p1], %[a1], %[a1]"
+            : [a0] "+x"(i16[0]), [a1] "+x"(i16[1]), [bx] "=&x"(bx), [p0] "=&x"(p0), [p1] "=&x"(p1)
+            : [lo] "x"(lo), [hi] "x"(hi), [x] "m"(*(const int32_t *)x));
+}
+
 /* i16[t][h] += vpmaddubsw(nibble-bytes half h of one 8-input chunk, 4 bytes of token t broadcast), for the
  * 4 tokens of a register block: the inner step of both 4-token AVX2 kernels (the halves split in registers, or
  * loaded from an unpacked tile). Written in asm so the eight accumulators stay in registers: from intrinsics,
@@ -746,30 +758,14 @@ T_AVX2 INLINE void q4_tile_avx2(const gemm_job *j, const uint8_t *p, const uint8
                               [x0] "m"(*(const int32_t *)(x0 + 4 * c)));
                 }
             } else if (NT == 2) {
-                /* a step's experts given two tokens (most of a 16-sequence MoE step's expert work): the same as
-                 * NT = 1 with the split nibbles shared, in asm for the reason the 4-token loop is (from C, the
-                 * compiler unrolled the chunks and stored every product to the stack) */
+                /* a step's experts given two tokens (most of a 16-sequence MoE step's expert work): the split
+                 * nibbles shared by both tokens */
                 const int8_t *x0 = xq[0] + b * QK, *x1 = xq[1] + b * QK;
                 for (int c = 0; c < 8; c++) {
-                    __m256i lo, hi, bx, p0, p1;
-                    __asm__("vmovdqu %[w], %[lo]\n\t"
-                            "vpsrlw $4, %[lo], %[hi]\n\t"
-                            "vpand %[m4], %[lo], %[lo]\n\t"
-                            "vpand %[m4], %[hi], %[hi]\n\t"
-                            "vpbroadcastd %[x0], %[bx]\n\t"
-                            "vpmaddubsw %[bx], %[lo], %[p0]\n\t"
-                            "vpmaddubsw %[bx], %[hi], %[p1]\n\t"
-                            "vpaddw %[p0], %[a0], %[a0]\n\t"
-                            "vpaddw %[p1], %[a1], %[a1]\n\t"
-                            "vpbroadcastd %[x1], %[bx]\n\t"
-                            "vpmaddubsw %[bx], %[lo], %[p0]\n\t"
-                            "vpmaddubsw %[bx], %[hi], %[p1]\n\t"
-                            "vpaddw %[p0], %[a2], %[a2]\n\t"
-                            "vpaddw %[p1], %[a3], %[a3]"
-                            : [a0] "+x"(i16[0][0]), [a1] "+x"(i16[0][1]), [a2] "+x"(i16[1][0]), [a3] "+x"(i16[1][1]),
-                              [lo] "=&x"(lo), [hi] "=&x"(hi), [bx] "=&x"(bx), [p0] "=&x"(p0), [p1] "=&x"(p1)
-                            : [w] "m"(*(const __m256i *)(q + 32 * c)), [m4] "x"(m4),
-                              [x0] "m"(*(const int32_t *)(x0 + 4 * c)), [x1] "m"(*(const int32_t *)(x1 + 4 * c)));
+                    const __m256i v = _mm256_loadu_si256((const __m256i *)(q + 32 * c));
+                    const __m256i lo = _mm256_and_si256(v, m4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+                    madd1_split(i16[0], lo, hi, x0 + 4 * c);
+                    madd1_split(i16[1], lo, hi, x1 + 4 * c);
                 }
             } else {        /* NT == 4, the tile not unpacked (4..UNPACK_M_AVX2 - 1 tokens) */
                 const int8_t *x0 = xq[0] + b * QK, *x1 = xq[1] + b * QK, *x2 = xq[2] + b * QK, *x3 = xq[3] + b * QK;
