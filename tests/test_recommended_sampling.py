@@ -4,6 +4,7 @@ vLLM (--generation-config auto) and llama-server do; what the caller sets still 
 from __future__ import annotations
 
 import json
+import re
 import shutil
 
 import pytest
@@ -83,6 +84,17 @@ def test_glmcore_run_flags_left_out_are_the_checkpoints(recommending, capsys):
 
 def test_a_gguf_recommends_through_general_sampling(recommending, make_tiny, tmp_path):
     from gguf_kit import write_gguf
+    from types import SimpleNamespace
+
+    from glmcore.gguf import GGUFMetadata
+    from glmcore.model import Checkpoint
+    # a key of the wrong type or out of range is one line, as every other metadata key's
+    for values, match in (({"general.sampling.temp": "hot"}, r"metadata general\.sampling\.temp is a str, not float"),
+                          ({"general.sampling.top_p": 1.5}, r"\(general\.sampling\.\*\): invalid top-p 1\.5")):
+        meta = GGUFMetadata({"general.architecture": "glm4", **values}, "x.gguf")
+        with pytest.raises(GlmcoreError, match=match) as e:
+            Checkpoint(tmp_path / "x.gguf", None, tmp_path, SimpleNamespace(meta=meta)).sampling()
+        assert "\n" not in str(e.value)
     m = load_model(write_gguf(recommending, tmp_path / "rec.gguf"), "torch", LoadOptions(threads=1))
     try:
         assert m.sampling == WANT
@@ -116,6 +128,14 @@ def test_a_generation_config_that_is_not_json_is_one_line(make_tiny, tmp_path):
     with pytest.raises(GlmcoreError, match=r"generation_config\.json is not valid JSON .*; fix it, or delete it to "
                                            r"sample with glmcore's defaults$"):
         load_model(d, "torch", LoadOptions(threads=1))
+    (d / "generation_config.json").write_text("[0.6]")
+    with pytest.raises(GlmcoreError, match=r"generation_config\.json is not a JSON object; fix it, or delete it"):
+        load_model(d, "torch", LoadOptions(threads=1))
+    (d / "generation_config.json").unlink()
+    (d / "generation_config.json").mkdir()
+    with pytest.raises(GlmcoreError, match=r"generation_config\.json '.*' is a directory; fix it, or delete it"):
+        load_model(d, "torch", LoadOptions(threads=1))
+    (d / "generation_config.json").rmdir()
     # top_k <= 0 is "off", as vLLM (-1) and llama.cpp (0) write it
     (d / "generation_config.json").write_text('{"top_k": -1}')
     m = load_model(d, "torch", LoadOptions(threads=1))
@@ -147,3 +167,33 @@ def test_any_json_value_is_taken_or_refused_in_one_line():
             assert isinstance(p, SamplingParams)
 
     check()
+
+
+def test_serve_says_what_it_samples_with(recommending):
+    """`glmcore serve` prints the defaults it took, and whose they are."""
+    import subprocess
+    import sys
+    import time
+    proc = subprocess.Popen([sys.executable, "-m", "glmcore.cli", "serve", "--model", str(recommending), "--backend",
+                             "torch", "--threads", "1", "--port", "0", "--grace", "0"], stderr=subprocess.PIPE,
+                            text=True, env={**__import__("os").environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        lines, deadline = [], time.monotonic() + 120
+        while not any("sample with" in x for x in lines) and time.monotonic() < deadline:
+            line = proc.stderr.readline()
+            assert line or proc.poll() is None, ("the server exited", lines)
+            lines.append(line)
+        assert ("glmcore serve: requests that leave them out sample with temperature 0, top_p 0.95, top_k 40, "
+                "repetition_penalty 1.05 (the checkpoint's recommendation)\n") in lines, lines
+        # stop it once it serves (a SIGTERM before uvicorn has taken the signals over is not seen)
+        import httpx
+        url = re.search(r"API (http://127\.0\.0\.1:\d+)/v1", "".join(lines)).group(1)
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(f"{url}/health", timeout=5).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.1)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
