@@ -586,6 +586,19 @@ def test_serve_command_startup_line_and_graceful_sigterm(make_tiny, tmp_path):
             proc.wait(timeout=30)
 
 
+
+def test_serve_stops_on_a_sigterm_before_uvicorn_listens_for_it(make_tiny):
+    """A SIGTERM between the startup line and uvicorn taking the signals over (deterministically: just before
+    uvicorn's run) stops the server cleanly instead of being dropped."""
+    code = ("import signal, sys, uvicorn; from glmcore import cli; run = uvicorn.Server.run\n"
+            "def early(self, *a, **k):\n    signal.raise_signal(signal.SIGTERM)\n    return run(self, *a, **k)\n"
+            "uvicorn.Server.run = early\nsys.exit(cli.main(sys.argv[1:]))")
+    proc = subprocess.run([sys.executable, "-c", code, "serve", "--model", str(make_tiny("chatglm3")), "--backend",
+                           "torch", "--threads", "1", "--port", "0", "--grace", "0"],
+                          capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "glmcore serve: chat page" in proc.stderr and "glmcore serve: stopped" in proc.stderr
+
 def test_serve_command_errors(monkeypatch, capsys):
     from glmcore import cli, server
     assert cli.main(["serve", "--port", "70000"]) == 2

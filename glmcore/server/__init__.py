@@ -148,6 +148,26 @@ def _bind(host: str, port: int) -> socket.socket:
     return sock
 
 
+def _startup_lines(model, so: ServeOptions, sock, name: str) -> None:
+    """Where it listens, what it runs, what requests sample with when they leave it out."""
+    bound_host, bound_port = sock.getsockname()[:2]
+    url_host = f"[{bound_host}]" if ":" in bound_host else bound_host
+    batch = model.scheduler.batch
+    base = f"http://{url_host}:{bound_port}"
+    print(f"glmcore serve: chat page {base}/ | API {base}/v1 | model {name} ({model.config.family}, {model.model_dir}) "
+          f"| backend {model.backend.name} ({'native batched steps' if model.scheduler.native else 'core adapter'}) | "
+          f"{batch.n_slots} slots, context {batch.capacity}, token budget {so.token_budget}"
+          + (f" | prompt cache {cache.budget >> 20} MiB" if (cache := model.scheduler.table.cache) else "")
+          + (" | API key required" if so.api_key else ""), file=sys.stderr, flush=True)
+    d = model.sampling
+    print(f"glmcore serve: requests that leave them out sample with temperature {d.temperature:g}, top_p {d.top_p:g}, "
+          f"top_k {d.top_k}, repetition_penalty {d.repetition_penalty:g}"
+          + (" (the checkpoint's recommendation)" if d != SamplingParams() else ""), file=sys.stderr, flush=True)
+    if not so.api_key and not ipaddress.ip_address(bound_host).is_loopback:
+        print(f"warning: listening on {bound_host} without --api-key: anyone who can reach it can use it",
+              file=sys.stderr, flush=True)
+
+
 def serve(model_dir, backend, options, so: ServeOptions) -> int:
     """Load the model with `so.slots` sequences, serve until SIGTERM/SIGINT: then stop accepting, let running
     requests finish for so.grace_s, cancel the rest and return 0."""
@@ -170,26 +190,12 @@ def serve(model_dir, backend, options, so: ServeOptions) -> int:
                             access_log=False)
     server = uvicorn.Server(config)
     model.scheduler.start()
-    bound_host, bound_port = sock.getsockname()[:2]
-    url_host = f"[{bound_host}]" if ":" in bound_host else bound_host
-    batch = model.scheduler.batch
-    base = f"http://{url_host}:{bound_port}"
-    print(f"glmcore serve: chat page {base}/ | API {base}/v1 | model {name} ({model.config.family}, {model.model_dir}) "
-          f"| backend {model.backend.name} ({'native batched steps' if model.scheduler.native else 'core adapter'}) | "
-          f"{batch.n_slots} slots, context {batch.capacity}, token budget {so.token_budget}"
-          + (f" | prompt cache {cache.budget >> 20} MiB" if (cache := model.scheduler.table.cache) else "")
-          + (" | API key required" if so.api_key else ""), file=sys.stderr, flush=True)
-    d = model.sampling
-    print(f"glmcore serve: requests that leave them out sample with temperature {d.temperature:g}, top_p {d.top_p:g}, "
-          f"top_k {d.top_k}, repetition_penalty {d.repetition_penalty:g}"
-          + (" (the checkpoint's recommendation)" if d != SamplingParams() else ""), file=sys.stderr, flush=True)
-    if not so.api_key and not ipaddress.ip_address(bound_host).is_loopback:
-        print(f"warning: listening on {bound_host} without --api-key: anyone who can reach it can use it",
-              file=sys.stderr, flush=True)
-    # uvicorn re-raises the signal that stopped it once it has shut down; after a graceful stop that
-    # is a clean exit, so the re-raised signal meets a no-op handler here
-    previous = {sig: signal.signal(sig, lambda *_: None) for sig in (signal.SIGTERM, signal.SIGINT)}
+    # a SIGTERM/SIGINT from here on stops the server: before uvicorn takes the signals over it asks for the
+    # exit that uvicorn checks once started; after uvicorn's graceful stop it meets the signal uvicorn re-raises
+    previous = {sig: signal.signal(sig, lambda *_: setattr(server, "should_exit", True))
+                for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
+        _startup_lines(model, so, sock, name)
         server.run(sockets=[sock])
     finally:
         for sig, handler in previous.items():
