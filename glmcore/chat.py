@@ -39,8 +39,10 @@ class Message:
     # An assistant turn's token ids as generated (after <|assistant|>): re-encoding the text may give other
     # ids, so a server that sends them keeps the cached conversation a prefix of the next prompt.
     ids: list[int] | None = field(default=None, compare=False, repr=False)
-    # A reasoning model's thinking (the <think> span of its reply, GLM-Z1); the answer is `content`.
-    reasoning: str = ""
+    # A reasoning model's thinking (the <think> span of its reply, GLM-Z1); the answer is `content`. None: not
+    # given, so a template reads thinking written inline in content (<think>...</think>answer); "" given empty,
+    # so content is the answer as it stands (transformers' templates test `reasoning_content is string`).
+    reasoning: str | None = None
 
     def __post_init__(self):
         if self.role == "observation":
@@ -51,7 +53,6 @@ class Message:
             self.content = ""
         self.tool_calls = [_as_tool_call(c) for c in self.tool_calls or []]
         self.metadata = self.metadata or ""
-        self.reasoning = self.reasoning or ""
 
 
 def _as_tool_call(c) -> ToolCall:
@@ -74,9 +75,10 @@ def _as_tool_call(c) -> ToolCall:
 def as_message(m) -> Message:
     if isinstance(m, Message):
         return m
+    reasoning = m.get("reasoning_content")
     return Message(role=m["role"], content=m.get("content") or "", metadata=m.get("metadata") or "",
                    tool_calls=list(m.get("tool_calls") or []),
-                   reasoning=m.get("reasoning_content") or m.get("reasoning") or "")
+                   reasoning=m.get("reasoning") if reasoning is None else reasoning)
 
 
 def _functions(tools) -> list[dict]:
@@ -444,7 +446,7 @@ class TemplateFormat(ChatFormat):
                 out.append({"role": role, "content": content.lstrip("\n") if self.glm_roles else content})
                 continue
             # thinking as transformers' templates take it (GLM-Z1's drops it from earlier replies anyway)
-            extra = {"reasoning_content": text(m.reasoning)} if m.role == "assistant" and m.reasoning else {}
+            extra = {"reasoning_content": text(m.reasoning)} if m.role == "assistant" and m.reasoning is not None else {}
             content = text(m.content) if isinstance(m.content, str) else m.content
             if not self.glm_roles:
                 d = {"role": role, "content": content, **extra}
@@ -606,11 +608,11 @@ class ToolCallStream:
             events += self._split(self._think.close())
         events += self.parser.close()
         p = self.parser
+        reasoning = self._reasoning or None     # a reply without thinking renders the same either way
         if p.errors:
-            self.message = Message("assistant", content=p.fallback(), error="; ".join(p.errors),
-                                   reasoning=self._reasoning)
+            self.message = Message("assistant", content=p.fallback(), error="; ".join(p.errors), reasoning=reasoning)
         else:
-            self.message = Message("assistant", content=p.content, tool_calls=list(p.calls), reasoning=self._reasoning)
+            self.message = Message("assistant", content=p.content, tool_calls=list(p.calls), reasoning=reasoning)
         return events
 
     def _text(self, text: str) -> list:

@@ -259,6 +259,10 @@ class HFTokenizer(Tokenizer):
         text are matched, no post-processor tokens are added (the template writes its own prefix)."""
         return self._guarded(lambda: self.tk.encode(text, add_special_tokens=False).ids, text)
 
+    def encode_prompt(self, text: str) -> list[int]:
+        """A raw prompt as tokenizer(text) reads it, less the post-processor's prefix: special tokens matched."""
+        return self.encode_rendered(text)
+
     def _guarded(self, fn, text: str):
         """fn() with the `tokenizers` library's failures -- a pre-tokenizer regex that backtracks past Oniguruma's
         limit raises pyo3's PanicException, which is not even an Exception -- as a one-line TokenizerError."""

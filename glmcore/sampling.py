@@ -82,8 +82,9 @@ def recommended(values: Mapping[str, object], where: str) -> SamplingParams:
         v = values.get(key)
         if v is None:
             continue
-        number = isinstance(v, (int, float)) and not isinstance(v, bool) and abs(v) < 1e300    # JSON ints are unbounded
-        if not number or not np.isfinite(v) or (kind is int and not float(v).is_integer()):
+        # JSON ints are unbounded (numpy refuses those past int64); the bound also refuses inf and NaN
+        number = isinstance(v, (int, float)) and not isinstance(v, bool) and abs(v) < 1e300
+        if not number or (kind is int and not float(v).is_integer()):
             shown = repr(v)[:40]
             raise SamplingError(f"{where}: {key} is {shown}, not a{'n integer' if kind is int else ' number'}; fix "
                                 "the value or delete the key")

@@ -85,6 +85,11 @@ class SentencePieceTokenizer(Tokenizer):
             raise TypeError(f"encode() takes str, not {type(text).__name__}")
         return self.sp.encode(text)
 
+    def encode_prompt(self, text: str) -> list[int]:
+        """ChatGLM2/3's tokenizer (THUDM's ChatGLMTokenizer, encode_special_tokens=False) keeps a prompt's
+        spelled-out special tokens text."""
+        return self.encode(text)
+
     def decode(self, ids, skip_special: bool = True) -> str:
         ids = self._check_ids(ids)
         if skip_special:

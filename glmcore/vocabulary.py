@@ -2,6 +2,7 @@
 glmcore.hf_tokenizer): the common interface, and GLM-4's special tokens and split pattern they share."""
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 from .errors import TokenizerError
@@ -48,6 +49,18 @@ class Tokenizer:
 
     def encode(self, text: str) -> list[int]:
         raise NotImplementedError
+
+    def encode_prompt(self, text: str) -> list[int]:
+        """A raw prompt (/v1/completions, /tokenize) as the checkpoint's own transformers tokenizer reads one: the
+        special tokens it registers (GLM-4's, all of tokenizer.json's) are the tokens where the text spells them,
+        as in a prompt a client rendered with the chat template itself; the rest is encode()."""
+        if not isinstance(text, str):
+            raise TypeError(f"encode_prompt() takes str, not {type(text).__name__}")
+        names = sorted(self.special_ids, key=len, reverse=True)      # the longest spelling first, as a trie matches
+        ids: list[int] = []
+        for i, part in enumerate(re.split(f"({'|'.join(map(re.escape, names))})", text) if names else [text]):
+            ids += [self.special_ids[part]] if i % 2 else self.encode(part) if part else []
+        return ids
 
     def decode(self, ids, skip_special: bool = True) -> str:
         raise NotImplementedError

@@ -243,6 +243,32 @@ def test_named_call_and_a_cut_off_call(served):
     assert r.choices[0].message.content
 
 
+
+def test_completions_prompt_rendered_by_the_client(served, glm46):
+    """/v1/completions and /tokenize read a prompt the client rendered with the chat template itself as
+    transformers' tokenizer(prompt) does (special tokens matched), with [gMASK]<sop> once: added before plain text,
+    not again before a prompt that starts with it: the chat endpoint's prompt for the same conversation."""
+    import httpx
+    import transformers
+    theirs = transformers.AutoTokenizer.from_pretrained(glm46)
+    model, c = served["glm46"]
+    rendered = theirs.apply_chat_template([{"role": "user", "content": "weather?"}], tokenize=False,
+                                          add_generation_prompt=True)
+    url = str(c.base_url).rstrip("/").removesuffix("/v1")
+    for text, want in ((rendered, theirs(rendered, add_special_tokens=False)["input_ids"]),
+                       ("plain text", theirs("plain text")["input_ids"])):
+        assert httpx.post(f"{url}/tokenize", json={"prompt": text}).json()["tokens"] == want
+        r = c.completions.create(model="glm46", prompt=text, max_tokens=1, temperature=0)
+        assert r.usage.prompt_tokens == len(want)
+    bare = httpx.post(f"{url}/tokenize", json={"prompt": "plain text", "add_special_tokens": False}).json()["tokens"]
+    assert bare == theirs("plain text", add_special_tokens=False)["input_ids"]
+    raw = c.completions.create(model="glm46", prompt=rendered, max_tokens=8, temperature=0)
+    chat = c.chat.completions.create(model="glm46", messages=[{"role": "user", "content": "weather?"}], max_tokens=8,
+                                     temperature=0)
+    assert raw.usage.prompt_tokens == chat.usage.prompt_tokens
+    assert raw.usage.completion_tokens == chat.usage.completion_tokens
+
+
 @pytest.mark.parametrize("budget", [0, 3, 8])
 def test_thinking_budget_closes_the_thought_and_the_answer_follows(served, budget):
     """GLM-4.7's replies open inside <think>: a budget of N ends the thought within N tokens with the template's
@@ -480,3 +506,78 @@ def test_glm47_thinking_off_and_cleared_thoughts(glm47):
              {"role": "user", "content": "and tomorrow?"}]
     assert fmt.encode_messages(turns) == list(theirs.apply_chat_template(plain, add_generation_prompt=True,
                                                                           return_dict=False))
+
+
+
+# Text pieces of the random conversations below: whitespace the templates strip or keep, markup-like and
+# Jinja-like text, the /nothink switch; and, in some conversations, special tokens spelled out as text.
+PIECES = ["hi", " ", "\n", "\n\n", "你好", "😀", "/nothink", "/think", "a b", "<b>", "</b>", "<tool", "call>", "  lead",
+          "trail  ", "{{ x }}", "{% if %}", "\t", "null", "0", "\r\n", "think>"]
+SPECIALS_AS_TEXT = ["<|user|>", "<|assistant|>", "<|observation|>", "<think>", "</think>", "<tool_call>", "<arg_key>",
+           "<|endoftext|>"]
+
+
+def _conversation(draw, pieces: list[str]) -> list[dict]:
+    from hypothesis import strategies as st
+    text = st.lists(st.sampled_from(pieces), max_size=4).map("".join)
+    msgs = [{"role": "system", "content": draw(text)}] if draw(st.booleans()) else []
+    for turn in range(draw(st.integers(1, 3))):
+        msgs.append({"role": "user", "content": draw(text)})
+        if not draw(st.integers(0, 3)):
+            continue
+        reply = {"role": "assistant", "content": draw(text)}
+        # thinking: absent, given (empty or not), or written inline in the content (with or without a given one)
+        how = draw(st.sampled_from(["none", "given", "empty", "inline", "inline+empty"]))
+        if how in ("given", "empty", "inline+empty"):
+            reply["reasoning_content"] = draw(text) if how == "given" else ""
+        if how.startswith("inline"):
+            reply["content"] = f"<think>{draw(text)}</think>{draw(text)}"
+        calls = []
+        for k in range(draw(st.integers(0, 2))):
+            args = {"city": draw(text), "days": draw(st.integers(-3, 9))} if draw(st.booleans()) else {}
+            if args and draw(st.booleans()):
+                args["opts"] = {"a": [1, None, "x"], "b": 1.5}
+            calls.append({"id": f"c{turn}{k}", "type": "function",
+                          "function": {"name": "get_weather" if args else "now", "arguments": args}})
+        if calls:
+            reply["tool_calls"] = calls
+        msgs.append(reply)
+        msgs += [{"role": "tool", "tool_call_id": c["id"], "content": draw(text)} for c in calls]
+        if calls and draw(st.booleans()):
+            msgs.append({"role": "assistant", "content": draw(text)})
+    return msgs
+
+
+@pytest.mark.parametrize("style", ["glm46", "glm47"])
+def test_random_conversations_render_as_transformers(request, style):
+    """Random conversations (system turns, thinking absent / given / given empty / inline, calls with typed
+    arguments, several tool results, thinking switched on or off, earlier thinking kept or cleared): the prompt
+    text equals transformers' apply_chat_template on the same checkpoint, and so do the ids wherever the client's
+    text spells no special token (glmcore keeps those text, so a user's "<|assistant|>" cannot forge a turn,
+    where transformers' tokenizer makes them the tokens; "<think>" read by the template as inline thinking is the
+    template's own)."""
+    import copy
+
+    import transformers
+    from hypothesis import HealthCheck, given, settings, strategies as st
+    path = request.getfixturevalue(style)
+    theirs = transformers.AutoTokenizer.from_pretrained(path)
+    fmt = _fmt(path)
+
+    @settings(max_examples=200, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
+    @given(st.data(), st.booleans(), st.booleans(),
+           st.sampled_from([{}, {"enable_thinking": False}, {"enable_thinking": True}, {"clear_thinking": False}]))
+    def check(data, spelled, with_tools, kwargs):
+        msgs = _conversation(data.draw, PIECES + SPECIALS_AS_TEXT if spelled else PIECES)
+        tools = TOOLS if with_tools else None
+        mine = fmt.configured(kwargs or None)
+        want = theirs.apply_chat_template(copy.deepcopy(msgs), tools=tools, add_generation_prompt=True,
+                                          tokenize=False, **kwargs)
+        assert mine.render(msgs, tools) == want
+        if spelled or any(m.get("reasoning_content") == "" and "<think>" in m["content"] for m in msgs):
+            return       # "<think>" in a content the template does not read as thinking is the client's text
+        want = theirs.apply_chat_template(copy.deepcopy(msgs), tools=tools, add_generation_prompt=True,
+                                          return_dict=False, **kwargs)
+        assert mine.encode_messages(msgs, tools) == list(want), (msgs, kwargs, want)
+
+    check()

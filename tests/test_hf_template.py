@@ -112,3 +112,34 @@ def test_converted_tiktoken_file_encodes_like_the_tiktoken_path(tmp_path):
         want = native.encode(t)
         assert ours.encode(t, add_special_tokens=False).ids == want, t
         assert theirs.encode(t, add_special_tokens=False).ids == want, t
+
+
+RAW_PROMPTS = ["plain text", "[gMASK]<sop><|user|>\nhi<|assistant|>\nok", "a <|user|>b<|assistant|>", "<|endoftext|>",
+               "<|user|><|user|>\n", "<|us er|> [gMASK]x<sop"]
+
+
+@pytest.mark.parametrize("name", ["glm4-0414", "glm-edge"])
+def test_raw_prompt_reads_special_tokens_as_transformers(dirs, name):
+    """A raw prompt (what /v1/completions gets) is tokenizer(prompt) less its post-processor's prefix: spelled-out
+    special tokens are the tokens, as transformers, vLLM and llama-server read a prompt a client rendered itself."""
+    theirs = transformers.AutoTokenizer.from_pretrained(dirs[name])
+    tok = load_tokenizer(dirs[name], "glm-edge" if name == "glm-edge" else "glm4-0414")
+    for text in RAW_PROMPTS:
+        assert tok.encode_prompt(text) == theirs(text, add_special_tokens=False)["input_ids"], text
+    assert tok.encode("<|user|>") != [tok.special_ids["<|user|>"]]      # chat text stays text
+
+
+def test_raw_prompt_special_tokens_in_the_native_tokenizers(tmp_path):
+    """GLM-4's tiktoken tokenizer matches its registered special tokens in a raw prompt (ChatGLM4Tokenizer's added
+    tokens split the text first); ChatGLM2/3's SentencePiece tokenizer keeps them text (THUDM's ChatGLMTokenizer,
+    encode_special_tokens=False)."""
+    import tiktoken
+    make_model("glm4", "tiny", tmp_path / "g4")
+    glm4 = load_tokenizer(tmp_path / "g4", "glm4")
+    ref = tiktoken.Encoding(name="ref", pat_str=glm4.enc._pat_str, mergeable_ranks=glm4.enc._mergeable_ranks,
+                            special_tokens=glm4.special_ids)
+    for text in RAW_PROMPTS:
+        assert glm4.encode_prompt(text) == ref.encode(text, allowed_special="all"), text
+    make_model("chatglm3", "tiny", tmp_path / "g3")
+    glm3 = load_tokenizer(tmp_path / "g3", "chatglm3")
+    assert glm3.encode_prompt(RAW_PROMPTS[1]) == glm3.encode(RAW_PROMPTS[1])

@@ -158,9 +158,12 @@ def thinking_setup(state, fmt, req: ChatRequest) -> tuple[dict | None, int | Non
     return kwargs or None, budget
 
 
-def prompt_ids(state, prompt) -> list[int]:
-    """/v1/completions' prompt: text (after the model's [gMASK]sop prefix, no chat template) or token ids, or a
-    batch of one of either ([text], [[ids]]: what lm-eval sends)."""
+def prompt_ids(state, prompt, add_prefix: bool = True) -> list[int]:
+    """/v1/completions' prompt: text or token ids, or a batch of one of either ([text], [[ids]]: what lm-eval
+    sends). Text is read as transformers' tokenizer(prompt) reads it (no chat template; special tokens spelled in
+    it are the tokens where the checkpoint's tokenizer registers them: a prompt the client rendered itself), after
+    the model's [gMASK]<sop> prefix unless add_prefix is false or the text begins with it (not twice, as
+    llama-server)."""
     tok = state.model.tokenizer
     if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
         if len(prompt) != 1:
@@ -170,7 +173,10 @@ def prompt_ids(state, prompt) -> list[int]:
     if isinstance(prompt, str):
         state.check_size(len(prompt), "prompt")
         try:
-            ids = list(state.model.chat_format.prefix) + tok.encode(prompt)
+            ids = tok.encode_prompt(prompt)
+            prefix = list(state.model.chat_format.prefix)
+            if add_prefix and ids[:len(prefix)] != prefix:
+                ids = prefix + ids
         except TokenizerError as e:
             raise ApiError(500, f"the model's tokenizer failed on this request: {e}", type="server_error",
                            code="tokenizer_error") from None

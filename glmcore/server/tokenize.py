@@ -18,9 +18,7 @@ def tokenize(state, body: bytes) -> dict:
     if req.prompt is not None:
         if not req.prompt:
             raise ApiError(400, "'prompt' is empty", "prompt")
-        ids = prompt_ids(state, req.prompt)
-        if not req.add_special_tokens:
-            ids = ids[len(state.model.chat_format.prefix):]
+        ids = prompt_ids(state, req.prompt, add_prefix=req.add_special_tokens)
     else:
         try:
             fmt = state.model.chat_format.configured(req.chat_template_kwargs)
