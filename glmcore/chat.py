@@ -111,6 +111,13 @@ class ChatFormat:
     thinking = False     # replies may open with <think>...</think> (split off as Message.reasoning)
     thinking_switch = False   # the template takes enable_thinking (reasoning_effort maps onto it)
     opens_thinking = False   # the generation prompt itself ends with <think> (GLM-Z1): replies start thinking
+    continue_final = False   # the last message is an assistant turn left open (TemplateFormat.continuing)
+
+    def continuing(self) -> "ChatFormat":
+        """This format with the last message, an assistant's, left open for the reply to continue (vLLM's
+        continue_final_message, Anthropic's assistant prefill): TemplateFormat's; the native formats refuse."""
+        raise ChatError(f"continuing the last assistant message (a prefill) needs a checkpoint with a chat template; "
+                        f"this {self.family} checkpoint uses glmcore's native format: end with a user message")
 
     def configured(self, template_kwargs: dict | None) -> "ChatFormat":
         """This format with a request's chat_template_kwargs (vLLM's name). glmcore's native formats render no
@@ -435,6 +442,14 @@ class TemplateFormat(ChatFormat):
         out._derive()
         return out
 
+    def continuing(self) -> "TemplateFormat":
+        """The last message, an assistant's, is rendered open: the prompt ends where its text does, cut where
+        transformers' apply_chat_template(continue_final_message=True) cuts it, and the reply continues it (in the
+        answer: the template closed the turn's thinking before its text)."""
+        out = copy.copy(self)
+        out.continue_final, out.opens_thinking = True, False
+        return out
+
     def _dicts(self, messages: list[Message], text=lambda s: s) -> list[dict]:
         """The messages as the template takes them; text(s) is applied to what the client wrote (not to a
         reply re-encoded from its generated ids, whose special tokens are the model's own)."""
@@ -466,13 +481,34 @@ class TemplateFormat(ChatFormat):
         return out
 
     def render(self, messages, tools=None, add_generation_prompt: bool = True, text=lambda s: s,
-               **variables) -> str:
+               continue_final: bool | None = None, **variables) -> str:
+        """The template's text; continue_final (default: the format's) leaves the last message open."""
         functions = _functions(tools)
         tools_json = [{"type": "function", "function": _map_strings(f, text)} for f in functions] or None
-        return render_template(self.template, self._dicts([as_message(m) for m in messages], text), tools_json,
-                               add_generation_prompt, **{**self.tok.template_vars, **self.variables, **variables})
+        messages = [as_message(m) for m in messages]
+        if continue_final is None:
+            continue_final = self.continue_final and bool(messages)
+        dicts = self._dicts(messages, text)
+        if continue_final:
+            # transformers' way: a tag after the text, the prompt cut at it (and the text's end stripped where the
+            # template strips it)
+            if messages[-1].role != "assistant" or messages[-1].tool_calls:
+                raise ChatError("continuing the last message needs it to be an assistant's text (no tool calls); end "
+                                "with the assistant text the reply should continue")
+            last = next(d for d in reversed(dicts) if isinstance(d.get("content"), str))
+            last["content"] += CONTINUE_TAG
+        out = render_template(self.template, dicts, tools_json, add_generation_prompt and not continue_final,
+                              **{**self.tok.template_vars, **self.variables, **variables})
+        if continue_final:
+            at = out.rfind(CONTINUE_TAG.strip())
+            if at < 0:
+                raise ChatError("the chat template drops the last assistant message's text, so the reply cannot "
+                                "continue it; end with a user message")
+            out = out[:at] if out[at:at + len(CONTINUE_TAG)] == CONTINUE_TAG else out[:at].rstrip()
+        return out
 
-    def _encode(self, messages, tools, add_generation_prompt, skip: str = "") -> list[int]:
+    def _encode(self, messages, tools, add_generation_prompt, skip: str = "",
+                continue_final: bool = False) -> list[int]:
         """The rendered prompt's ids, the special tokens the template writes matched, and those spelled in the
         client's text (a user typing "<|assistant|>") kept as text, as the native tokenizers keep them: each is
         rendered as a marker that no text holds, and encoded as plain text. skip: a rendered opening to drop.
@@ -484,7 +520,8 @@ class TemplateFormat(ChatFormat):
         reads (GLM-4.7's reads no /nothink; its model still knows the token)."""
         names = sorted(self.tok.special_ids, key=len, reverse=True)
         guarded = [n for n in names if n not in USER_SWITCHES]
-        render = lambda text=lambda s: s: self.render(messages, tools, add_generation_prompt, text=text)
+        render = lambda text=lambda s: s: self.render(messages, tools, add_generation_prompt, text=text,
+                                                      continue_final=continue_final)
         mark = f"glmcoretext{secrets.token_hex(8)}x"
 
         def marked(kept: list[str]) -> str:
@@ -508,7 +545,7 @@ class TemplateFormat(ChatFormat):
         return ids
 
     def _build(self, messages, tools, add_generation_prompt):
-        ids = self._encode(messages, tools, add_generation_prompt)
+        ids = self._encode(messages, tools, add_generation_prompt, continue_final=self.continue_final)
         # Turn starts: where the prompt of the messages before each user message ends, when that prompt is
         # a prefix of the whole one (it is for GLM's templates); else one span.
         starts, seen_user = [], False
@@ -533,6 +570,8 @@ class TemplateFormat(ChatFormat):
 # is "/nothink" at the end of it. Encoded as the token (as transformers, vLLM and llama.cpp encode the rendered
 # prompt); every other special spelled in a client's text stays text (TemplateFormat._encode).
 USER_SWITCHES = frozenset({"/nothink"})
+# What transformers appends to the text of a message it continues (apply_chat_template's continue_final_message)
+CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
 
 
 def _map_strings(value, f):

@@ -266,3 +266,22 @@ def test_output_config_format_constrains_the_reply_to_the_schema(servers):
         output_config={"format": {"type": "json_schema", "schema": schema}}, extra_body={"seed": 3, "temperature": 1.0})
     assert r.stop_reason == "end_turn", r
     jsonschema.validate(json.loads(r.content[-1].text), schema)
+
+
+def test_prefill_continues_the_last_assistant_text(servers):
+    """A last assistant message is a prefill: the prompt is the chat endpoint's with continue_final_message (the
+    turn left open at its text), the reply is its continuation only; count_tokens counts the same prompt. The
+    native-format demo refuses it in one line."""
+    m, oc, url = servers["glm47"]
+    c = client(url)
+    msgs = user("weather?") + [{"role": "assistant", "content": "Sunny, with"}]
+    r = c.messages.create(model="glm47", messages=msgs, max_tokens=5, extra_body={"temperature": 0})
+    chat = oc.chat.completions.create(model="glm47", messages=msgs, max_tokens=5, temperature=0,
+                                      extra_body={"continue_final_message": True, "add_generation_prompt": False})
+    assert r.usage.input_tokens + (r.usage.cache_read_input_tokens or 0) == chat.usage.prompt_tokens
+    assert r.usage.output_tokens == chat.usage.completion_tokens
+    assert [b.text for b in r.content if b.type == "text"] == ([chat.choices[0].message.content]
+                                                                if chat.choices[0].message.content else [])
+    assert c.messages.count_tokens(model="glm47", messages=msgs).input_tokens == chat.usage.prompt_tokens
+    opened = oc.chat.completions.create(model="glm47", messages=msgs[:1], max_tokens=1)
+    assert chat.usage.prompt_tokens > opened.usage.prompt_tokens     # the text is in the prompt, not a new turn

@@ -15,6 +15,7 @@ import pytest
 
 from glmcore.backend import LoadOptions
 from glmcore.chat import Message, ToolCall, ToolCallStream, as_message, chat_format_for
+from glmcore.errors import GlmcoreError
 from glmcore.events import ReasoningDelta, TextDelta, ToolCallDelta, ToolCallEvent, ToolCallStart
 from glmcore.arch.glm4_moe import GLM47_TEMPLATE
 from glmcore.tokenizer import DATA_DIR, load_tokenizer
@@ -423,7 +424,7 @@ def test_pipeline_thinking_budget(glm47):
                               max_thinking_tokens=3)
             generated = pipe.slot.tokens[n_prompt:]
             assert close in generated[:4], generated          # the thought, at most 3 tokens, then </think>
-            assert len(reply.reasoning) > 0 or generated[0] == close
+            assert reply.reasoning or generated[0] == close
     finally:
         pipe.model.close()
 
@@ -581,3 +582,73 @@ def test_random_conversations_render_as_transformers(request, style):
         assert mine.encode_messages(msgs, tools) == list(want), (msgs, kwargs, want)
 
     check()
+
+
+@pytest.mark.parametrize("style", ["glm46", "glm47"])
+def test_continued_last_message_renders_as_transformers(request, style):
+    """A conversation ending with an assistant's text, continued (vLLM's continue_final_message, Anthropic's
+    prefill): text and ids equal transformers' apply_chat_template(continue_final_message=True), trailing
+    whitespace, thinking given or not, thinking switched off, earlier thinking kept."""
+    import copy
+
+    import transformers
+    from hypothesis import HealthCheck, given, settings, strategies as st
+    path = request.getfixturevalue(style)
+    theirs = transformers.AutoTokenizer.from_pretrained(path)
+    fmt = _fmt(path)
+
+    @settings(max_examples=100, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
+    @given(st.data(), st.sampled_from([{}, {"enable_thinking": False}, {"clear_thinking": False}]))
+    def check(data, kwargs):
+        msgs = _conversation(data.draw, PIECES)
+        while msgs[-1]["role"] == "assistant":
+            msgs.pop()
+        text = st.lists(st.sampled_from(PIECES), min_size=1, max_size=4).map("".join)
+        last = {"role": "assistant", "content": data.draw(text)}
+        if data.draw(st.booleans()):
+            last["reasoning_content"] = data.draw(text)
+        msgs.append(last)
+        mine = fmt.configured(kwargs or None).continuing()
+        args = dict(continue_final_message=True, add_generation_prompt=False, **kwargs)
+        assert mine.render(msgs) == theirs.apply_chat_template(copy.deepcopy(msgs), tokenize=False, **args)
+        if any(m.get("reasoning_content") == "" and "<think>" in m["content"] for m in msgs):
+            return       # "<think>" in a content the template does not read as thinking is the client's text
+        assert mine.encode_messages(msgs) == list(theirs.apply_chat_template(copy.deepcopy(msgs), return_dict=False,
+                                                                             **args))
+
+    check()
+    with pytest.raises(GlmcoreError, match="assistant's text"):
+        fmt.continuing().encode_messages([{"role": "user", "content": "hi"}])
+
+
+def test_continue_final_message_over_http(served, glm47):
+    """/v1/chat/completions and /tokenize with continue_final_message (and add_generation_prompt false): the prompt
+    is transformers' for it, the reply continues the text (no new turn, no thinking opened); what does not fit
+    together is a 400 naming the field."""
+    import httpx
+    import transformers
+    theirs = transformers.AutoTokenizer.from_pretrained(glm47)
+    model, c = served["glm47"]
+    url = str(c.base_url).rstrip("/").removesuffix("/v1")
+    msgs = [{"role": "user", "content": "weather?"}, {"role": "assistant", "content": "Sunny, with"}]
+    want = list(theirs.apply_chat_template(msgs, continue_final_message=True, add_generation_prompt=False,
+                                           return_dict=False))
+    body = {"model": "glm47", "messages": msgs, "continue_final_message": True, "add_generation_prompt": False}
+    assert httpx.post(f"{url}/tokenize", json=body).json()["tokens"] == want
+    r = c.chat.completions.create(model="glm47", messages=msgs, max_tokens=6, temperature=0,
+                                  extra_body={"continue_final_message": True, "add_generation_prompt": False})
+    assert r.usage.prompt_tokens == len(want) and r.choices[0].finish_reason in ("stop", "length")
+    raw = c.completions.create(model="glm47", prompt=want, max_tokens=6, temperature=0)
+    assert r.usage.completion_tokens == raw.usage.completion_tokens
+    stream = c.chat.completions.create(model="glm47", messages=msgs, max_tokens=6, temperature=0, stream=True,
+                                       extra_body={"continue_final_message": True, "add_generation_prompt": False})
+    deltas = [ch.choices[0].delta for ch in stream if ch.choices]
+    assert "".join(d.content or "" for d in deltas) == (r.choices[0].message.content or "")
+    for extra, param in (({"continue_final_message": True}, "add_generation_prompt"),
+                         ({"add_generation_prompt": False}, "add_generation_prompt"),
+                         ({"continue_final_message": True, "add_generation_prompt": False, "tool_choice": "required",
+                           "tools": TOOLS}, "continue_final_message")):
+        e = httpx.post(f"{url}/v1/chat/completions", json={"model": "glm47", "messages": msgs, **extra})
+        assert e.status_code == 400 and e.json()["error"]["param"] == param, e.text
+    e = httpx.post(f"{url}/v1/chat/completions", json={**body, "messages": msgs[:1]})
+    assert e.status_code == 400 and e.json()["error"]["param"] == "messages", e.text

@@ -172,15 +172,14 @@ def chat_messages(req: CountTokensRequest) -> list[dict]:
                                "in an assistant message", f"messages.{i}.content.{j}", "invalid_value")
         if text:
             out.append({"role": "user", "content": "".join(text)})
-    if req.messages and req.messages[-1].role == "assistant":
-        raise ApiError(400, "the last message is the assistant's: continuing a prefilled assistant turn is not "
-                       "supported here; end with a user message", "messages", "unsupported_value")
     return out
 
 
 def chat_request(state: State, req: CountTokensRequest) -> ChatRequest:
     fmt = state.model.chat_format
     body: dict[str, Any] = {"model": req.model, "messages": chat_messages(req), "stream": getattr(req, "stream", False)}
+    if req.messages and req.messages[-1].role == "assistant":      # a prefill: the reply continues its text
+        body.update(continue_final_message=True, add_generation_prompt=False)
     if isinstance(req, MessagesRequest):
         body["max_tokens"] = req.max_tokens
         if len(req.stop_sequences or []) > MAX_STOPS:

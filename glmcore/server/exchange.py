@@ -28,9 +28,9 @@ from ..sampling import TokenLogprob
 from ..scheduler import QueueFull, Request as SchedRequest
 from ..structured import GrammarError
 from ..tokenizer import StreamDecoder
-from .outputs import constrain_chat, constrain_completion, load_test_fields
-from .inputs import (check_model, max_new, n_choices, prompt_chars, prompt_ids, sampling, thinking_setup,
-                     to_messages, tool_setup)
+from .outputs import constrain_chat, constrain_completion, load_test_fields, request_grammar
+from .inputs import (check_model, continuing, max_new, n_choices, prompt_chars, prompt_ids, sampling,
+                     thinking_setup, to_messages, tool_setup)
 from .protocol import ApiError, ChatRequest, CompletionRequest, parse
 
 log = logging.getLogger("glmcore.server")
@@ -529,11 +529,23 @@ class ChatCompletion(Exchange):
         check_model(state, req.model)
         kwargs, budget = thinking_setup(state, state.model.chat_format, req)
         try:
-            fmt = self.fmt = state.model.chat_format.configured(kwargs)
+            fmt = state.model.chat_format.configured(kwargs)
         except GlmcoreError as e:
             raise ApiError(400, str(e), "chat_template_kwargs", "invalid_value") from None
+        if not req.add_generation_prompt and not req.continue_final_message:
+            raise ApiError(400, "'add_generation_prompt' false is supported with \"continue_final_message\": true "
+                           "(the reply continues the last assistant message); drop it", "add_generation_prompt",
+                           "unsupported_value")
+        fmt = self.fmt = continuing(fmt, req)
         messages = to_messages(state, req)
         tools, calls, must_call = tool_setup(fmt, req)
+        if fmt.continue_final:
+            budget = None           # the template closed the turn's thinking before the text it continues
+            if must_call or request_grammar(req)[0] is not None:
+                raise ApiError(400, "a reply that continues the last message is free text: it cannot also be forced "
+                               "into a tool call or a response format; drop one", "continue_final_message",
+                               "invalid_value")
+            messages[-1].ids = None     # its text is continued as written, not a stored reply's ids
         params, stops = sampling(req, state.model), req.stops()
         state.check_size(prompt_chars(messages, tools), "messages")
         if len(messages) > state.scheduler.capacity:   # every message is at least its role token
@@ -622,7 +634,9 @@ class ChatCompletion(Exchange):
     def finished(self, choice):
         # only a reply sent back whole: one cut by a stop string has generated ids past its text
         reply, h = choice.reply, choice.gen.handle
-        if not reply.cut and not reply.parser.errors and h.finish_reason in (FinishReason.STOP, FinishReason.LENGTH):
+        # (a continued message's reply is its end only: the conversation's turn is the client's text and it)
+        if (not reply.cut and not reply.parser.errors and h.finish_reason in (FinishReason.STOP, FinishReason.LENGTH)
+                and not self.fmt.continue_final):
             self.state.reply_ids.put(as_message(self.message(reply)), self.opening + list(h.tokens))
 
 

@@ -129,6 +129,23 @@ def tool_setup(fmt, req: ChatRequest) -> tuple[list | None, bool, list[str]]:
     return tools, True, [name]
 
 
+def continuing(fmt, req):
+    """The configured format, continuing the last message where the request asks (vLLM's continue_final_message,
+    which needs add_generation_prompt false: the turn is left open, not a new one begun)."""
+    if not req.continue_final_message:
+        return fmt
+    if req.add_generation_prompt:
+        raise ApiError(400, "'continue_final_message' continues the last message, so no new turn is begun: send "
+                       "\"add_generation_prompt\": false with it", "add_generation_prompt", "invalid_value")
+    if not req.messages or req.messages[-1].role != "assistant" or req.messages[-1].tool_calls:
+        raise ApiError(400, "'continue_final_message' continues the last message, which must be an assistant's text "
+                       "(no tool calls); end with it, or drop continue_final_message", "messages", "invalid_value")
+    try:
+        return fmt.continuing()
+    except GlmcoreError as e:
+        raise ApiError(400, str(e), "continue_final_message", "unsupported_value") from None
+
+
 def check_model(state, name: str) -> None:
     if name != state.name:
         raise ApiError(404, f"the model {name!r} does not exist here; this server serves {state.name!r} "

@@ -214,6 +214,9 @@ class ChatRequest(_Sampling):
     thinking_budget_tokens: int | None = Field(None, ge=-1, le=2**31 - 1)
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    # vLLM's: the reply continues the last message, an assistant's text (with add_generation_prompt false)
+    continue_final_message: bool = False
+    add_generation_prompt: bool = True
 
 
 class CompletionRequest(_Sampling):
@@ -234,6 +237,7 @@ class TokenizeRequest(Strict):
     # chat template's own special tokens, always
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
     tools: list[ToolDef] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     return_token_strs: bool = False

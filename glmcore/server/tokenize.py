@@ -4,7 +4,7 @@ reads). A prompt tokenized here and sent as ids is the prompt the text would hav
 from __future__ import annotations
 
 from ..errors import GlmcoreError
-from .inputs import check_model, prompt_ids, to_messages, tool_setup
+from .inputs import check_model, continuing, prompt_ids, to_messages, tool_setup
 from .protocol import ApiError, DetokenizeRequest, TokenizeRequest, parse
 
 
@@ -24,10 +24,12 @@ def tokenize(state, body: bytes) -> dict:
             fmt = state.model.chat_format.configured(req.chat_template_kwargs)
         except GlmcoreError as e:
             raise ApiError(400, str(e), "chat_template_kwargs", "invalid_value") from None
+        fmt = continuing(fmt, req)
         messages = to_messages(state, req)
         tools, _, _ = tool_setup(fmt, req)
         try:
-            ids = fmt.encode_messages(messages, tools=tools, add_generation_prompt=req.add_generation_prompt)
+            ids = fmt.encode_messages(messages, tools=tools,
+                                      add_generation_prompt=req.add_generation_prompt and not fmt.continue_final)
         except GlmcoreError as e:
             raise ApiError(400, str(e), "messages") from None
     out = {"count": len(ids), "max_model_len": state.scheduler.capacity, "tokens": ids}
