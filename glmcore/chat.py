@@ -461,7 +461,8 @@ class TemplateFormat(ChatFormat):
                 out.append({"role": role, "content": content.lstrip("\n") if self.glm_roles else content})
                 continue
             # thinking as transformers' templates take it (GLM-Z1's drops it from earlier replies anyway)
-            extra = {"reasoning_content": text(m.reasoning)} if m.role == "assistant" and m.reasoning is not None else {}
+            given = m.role == "assistant" and m.reasoning is not None
+            extra = {"reasoning_content": text(m.reasoning)} if given else {}
             content = text(m.content) if isinstance(m.content, str) else m.content
             if not self.glm_roles:
                 d = {"role": role, "content": content, **extra}
@@ -492,11 +493,10 @@ class TemplateFormat(ChatFormat):
         if continue_final:
             # transformers' way: a tag after the text, the prompt cut at it (and the text's end stripped where the
             # template strips it)
-            if messages[-1].role != "assistant" or messages[-1].tool_calls:
+            if messages[-1].role != "assistant" or messages[-1].tool_calls or not isinstance(dicts[-1]["content"], str):
                 raise ChatError("continuing the last message needs it to be an assistant's text (no tool calls); end "
                                 "with the assistant text the reply should continue")
-            last = next(d for d in reversed(dicts) if isinstance(d.get("content"), str))
-            last["content"] += CONTINUE_TAG
+            dicts[-1]["content"] += CONTINUE_TAG
         out = render_template(self.template, dicts, tools_json, add_generation_prompt and not continue_final,
                               **{**self.tok.template_vars, **self.variables, **variables})
         if continue_final:
