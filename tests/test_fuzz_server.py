@@ -56,7 +56,7 @@ CONTENT = TEXT | st.none() | st.lists(st.fixed_dictionaries({"type": st.sampled_
 MESSAGE = st.fixed_dictionaries(
     {"role": st.sampled_from(["system", "developer", "user", "assistant", "tool"])},
     optional={"content": CONTENT, "tool_calls": st.lists(CALL, max_size=2), "tool_call_id": st.text(max_size=8),
-              "name": st.text(max_size=8)})
+              "name": st.text(max_size=8), "reasoning_content": TEXT | st.none()})
 # grammars of the shapes that crashed or stalled llguidance (issue 41 items 1, 2, 9): flat rule and $ref chains
 # (SIGSEGV past ~2500 links), linked objects, long choice lists and enums (20 s at 100k), long repetitions
 CHAIN = st.sampled_from([3, 300, 3000])
@@ -106,7 +106,8 @@ CHAT = st.fixed_dictionaries(
               "tool_choice": st.sampled_from(["auto", "none", "required"]) | st.fixed_dictionaries(
                   {"type": st.just("function"), "function": st.fixed_dictionaries({"name": NAMES})}),
               "parallel_tool_calls": st.booleans(), "max_completion_tokens": st.integers(1, 3),
-              "logprobs": st.booleans(), "top_logprobs": st.integers(0, 20)})
+              "logprobs": st.booleans(), "top_logprobs": st.integers(0, 20),
+              "continue_final_message": st.booleans(), "add_generation_prompt": st.booleans()})
 COMPLETION = st.fixed_dictionaries(
     {"model": st.just("tiny"), "prompt": TEXT | st.lists(st.integers(-5, 5000), max_size=6) | st.lists(TEXT, max_size=2),
      "max_tokens": st.integers(0, 3)},
