@@ -617,8 +617,18 @@ def test_continued_last_message_renders_as_transformers(request, style):
                                                                              **args))
 
     check()
-    with pytest.raises(GlmcoreError, match="assistant's text"):
-        fmt.continuing().encode_messages([{"role": "user", "content": "hi"}])
+    user = {"role": "user", "content": "hi"}
+    for last in (user, {"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "now",
+                                                                                          "arguments": {}}}]},
+                 {"role": "assistant", "content": [{"type": "text", "text": "x"}]}):
+        with pytest.raises(GlmcoreError, match="assistant's text"):
+            fmt.continuing().encode_messages([user, last])
+    # a template that does not write an assistant's text cannot be continued
+    dropping = fmt.continuing()
+    dropping.template = ("{% for m in messages %}{% if m.role == 'user' %}<|user|>{{ m.content }}{% endif %}"
+                         "{% endfor %}")
+    with pytest.raises(GlmcoreError, match="drops the last assistant message's text"):
+        dropping.encode_messages([user, {"role": "assistant", "content": "Sure"}])
 
 
 def test_continue_final_message_over_http(served, glm47):
@@ -647,8 +657,11 @@ def test_continue_final_message_over_http(served, glm47):
     for extra, param in (({"continue_final_message": True}, "add_generation_prompt"),
                          ({"add_generation_prompt": False}, "add_generation_prompt"),
                          ({"continue_final_message": True, "add_generation_prompt": False, "tool_choice": "required",
-                           "tools": TOOLS}, "continue_final_message")):
+                           "tools": TOOLS}, "continue_final_message"),
+                         ({"continue_final_message": True, "add_generation_prompt": False,
+                           "response_format": {"type": "json_object"}}, "continue_final_message")):
         e = httpx.post(f"{url}/v1/chat/completions", json={"model": "glm47", "messages": msgs, **extra})
         assert e.status_code == 400 and e.json()["error"]["param"] == param, e.text
-    e = httpx.post(f"{url}/v1/chat/completions", json={**body, "messages": msgs[:1]})
-    assert e.status_code == 400 and e.json()["error"]["param"] == "messages", e.text
+    for path in ("/v1/chat/completions", "/tokenize"):         # the last message is the user's
+        e = httpx.post(f"{url}{path}", json={**body, "messages": msgs[:1]})
+        assert e.status_code == 400 and e.json()["error"]["param"] == "messages", e.text

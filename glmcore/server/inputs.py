@@ -137,10 +137,7 @@ def continuing(fmt, req):
     if req.add_generation_prompt:
         raise ApiError(400, "'continue_final_message' continues the last message, so no new turn is begun: send "
                        "\"add_generation_prompt\": false with it", "add_generation_prompt", "invalid_value")
-    if not req.messages or req.messages[-1].role != "assistant" or req.messages[-1].tool_calls:
-        raise ApiError(400, "'continue_final_message' continues the last message, which must be an assistant's text "
-                       "(no tool calls); end with it, or drop continue_final_message", "messages", "invalid_value")
-    try:
+    try:        # (a last message that is not an assistant's text is refused where the prompt is rendered)
         return fmt.continuing()
     except GlmcoreError as e:
         raise ApiError(400, str(e), "continue_final_message", "unsupported_value") from None
