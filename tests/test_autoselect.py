@@ -55,6 +55,18 @@ TIMES = {"ranked": (20.0, 100.0, "int8"), "quick": (40.0, 250.0, "int4")}
 MOE_TIMES = {"ranked": (60.0, 300.0, "int8"), "quick": (30.0, 200.0, "int4")}
 
 
+def busy(monkeypatch, share: float) -> None:
+    """Measurements from now on see other programs take `share` of the CPUs: /proc/stat's busy time runs ahead
+    of this process's own CPU time (fake clocks, one second per block)."""
+    clock = {"n": 0}
+
+    def sample():
+        clock["n"] += 1
+        t = float(clock["n"])
+        return t * share * (autoselect.os.cpu_count() or 1), 0.0, t
+    monkeypatch.setattr(autoselect.Contention, "_sample", staticmethod(sample))
+
+
 @pytest.fixture
 def env(monkeypatch, tmp_path):
     monkeypatch.setenv("GLMCORE_CACHE", str(tmp_path))
@@ -67,6 +79,7 @@ def env(monkeypatch, tmp_path):
         d, p, w = TIMES[name] if arch == "glm" else MOE_TIMES[name]
         return Measured(name, w, d, p)
     monkeypatch.setattr(autoselect, "measure_backend", measure)
+    busy(monkeypatch, 0.0)          # what else runs on this machine meanwhile must not make a timing provisional
     reg = registry(Fake("ranked", rank=20), Fake("quick", rank=5), Fake("reference", rank=0, weights="f32"))
     return types.SimpleNamespace(reg=reg, calls=calls, cache=tmp_path / "autoselect.json")
 
@@ -162,6 +175,54 @@ def test_glmcore_backends_prints_the_numbers_and_why(env, monkeypatch, capsys):
     assert "default: ranked (by speed_rank" in capsys.readouterr().out
 
 
+def test_contention_counts_other_programs_not_this_one():
+    import subprocess
+    import sys
+    import time
+    n = min(autoselect.os.cpu_count() or 1, 4)
+    spinners = [subprocess.Popen([sys.executable, "-c", "import time\nt=time.time()\nwhile time.time()-t<1.5: pass"])
+                for _ in range(n)]
+    try:
+        time.sleep(0.3)
+        with autoselect.Contention() as c:
+            time.sleep(0.8)
+    finally:
+        for p in spinners:
+            p.wait(timeout=30)
+    assert c.share is not None and c.share > 0.6 * n / (autoselect.os.cpu_count() or 1)
+    with autoselect.Contention() as mine:            # this process's own work is not contention
+        t = time.process_time()
+        while time.process_time() - t < 0.5:
+            pass
+    assert mine.share is not None and mine.share < c.share
+
+
+def test_a_measurement_under_contention_is_provisional(env, monkeypatch, capsys):
+    from glmcore import cli
+    busy(monkeypatch, 0.6)
+    assert env.reg.default() == "quick" and sorted(env.calls) == ["quick", "ranked"]
+    saved = json.loads(env.cache.read_text())
+    assert saved["contention"] == pytest.approx(0.6) and saved["tries"] == 1
+    monkeypatch.setattr(cli, "registry", lambda: env.reg)
+    assert cli.main(["backends"]) == 0                 # measured again: provisional
+    out = capsys.readouterr().out
+    assert "[other programs used 60% of the CPUs meanwhile: provisional, measured again at the next start]" in out
+    assert json.loads(env.cache.read_text())["tries"] == 2
+    env.calls.clear()
+    env.reg.default()                                   # the third try under contention is kept
+    assert json.loads(env.cache.read_text())["tries"] == autoselect.BUSY_TRIES and env.calls
+    env.calls.clear()
+    assert env.reg.default() == "quick" and env.calls == []
+    assert cli.main(["backends"]) == 0
+    assert "kept: the last 3 measurements all ran beside other work" in capsys.readouterr().out
+    busy(monkeypatch, 0.1)                              # a quiet measurement is final at once
+    env.cache.unlink()
+    env.reg.default()
+    env.calls.clear()
+    assert env.reg.default() == "quick" and env.calls == []
+    assert json.loads(env.cache.read_text())["tries"] == 1
+
+
 class RunsAll(Fake):
     def supports(self, config):
         return None
@@ -234,6 +295,7 @@ def tiers(monkeypatch, tmp_path):
     monkeypatch.setattr(native, "supported", lambda name: True)
     monkeypatch.setattr(native, "self_test", lambda isa: failing.get(native.ISAS[isa], ""))
     monkeypatch.setattr(native, "time_kernel", time_kernel)
+    busy(monkeypatch, 0.0)
     return types.SimpleNamespace(native=native, table=table, failing=failing, timed=timed,
                                  cache=tmp_path / native.TIER_CACHE)
 
@@ -281,6 +343,19 @@ def test_the_tier_is_measured_once_and_cached(tiers):
         n.choose_isa()
         assert tiers.timed, field_                          # stale: measured again
         tiers.timed.clear()
+
+
+def test_a_tier_timed_under_contention_is_timed_again(tiers, monkeypatch):
+    n = tiers.native
+    busy(monkeypatch, 0.9)
+    n.choose_isa()
+    assert json.loads(tiers.cache.read_text())["contention"] == pytest.approx(0.9)
+    assert "other programs used 90% of the CPUs meanwhile: provisional" in n.describe_tier(
+        n.isa_index("avx2"), n._tier.why)["isa timings"]
+    tiers.timed.clear()
+    n._tier = None                                          # a new process: the cached timing is provisional
+    n.choose_isa()
+    assert tiers.timed and json.loads(tiers.cache.read_text())["tries"] == 2
 
 
 def test_a_pinned_tier_wins_and_the_off_switch_takes_the_widest(tiers, monkeypatch):

@@ -168,9 +168,9 @@ def test_kernel_matches_exact_emulation(isa, bits, group, sym, scale_dtype):
         q, d = quant.quantize8(w, group, scale_dtype)
         buf, deq = quant.tile8(q, d, group), quant.dequantize(q, d, None, group, 8, k)
     mat = native.make_mat(buf, n, k, bits, group, bits == 4 and not sym, scale_dtype)
-    # the fast kernels block tokens by 16 (group 32: int4 below 32 tokens, int8 always), 8, 4 and 1; int4
-    # unpacks tiles from 32 tokens on
-    for M in (1, 3, 9, 16, 21, 40):
+    # the fast kernels block tokens by 16 (group 32: int4 below 32 tokens, int8 always), 8, 4, then the 1-3 left
+    # (AVX2: 2 and 1); int4 unpacks tiles from 32 tokens on
+    for M in (1, 2, 3, 6, 9, 16, 23, 40):
         x = (rng.standard_normal((M, k)) * rng.uniform(0.1, 10, (M, 1))).astype(np.float32)
         ref = emulate(x, deq, group)
         alone = np.concatenate([native.matmul(mat, x[t:t + 1], i, 1) for t in range(M)])

@@ -354,7 +354,8 @@ def test_glmcore_run_answers_with_the_checkpoints_own_template(make_tiny, family
     assert main(["run", "--model", str(path), "--prompt", "你好", "--max-new-tokens", "4", "--temperature", "0"]) == 0
     err = capsys.readouterr().err
     # a fresh cache quantizes first (its progress lines come before the report)
-    assert "generated 4 tok" in err and re.search(r"^\[(cpu_int4|torch)\] ", err, re.M), err    # cpu_int4 where ready
+    # the tests' rule (GLMCORE_AUTOSELECT=0): openvino_amx where OpenVINO has integer kernels, else cpu_int4 where ready
+    assert "generated 4 tok" in err and re.search(r"^\[(openvino_amx|cpu_int4|torch)\] ", err, re.M), err
     from glmcore.model import load_model
     m = load_model(path)
     try:
@@ -420,7 +421,8 @@ def test_eval_perplexity_runs_on_the_moe_models(make_tiny, tmp_path, capsys, fam
 
 @pytest.mark.parametrize("family", MOE_FAMILIES)
 def test_serve_answers_through_the_openai_client(make_tiny, family):
-    """glmcore serve on an MoE checkpoint (its default backend: cpu_int4 here, torch without a C compiler): the
+    """glmcore serve on an MoE checkpoint (its default backend, by the speed_rank rule in the tests: openvino_amx
+    where OpenVINO has integer kernels (AVX-512 VNNI, AMX), else cpu_int4, torch without a C compiler): the
     reply the Pipeline gives (thought and answer), streamed and not; the template's enable_thinking switch reaches
     the prompt (GLM-4.6's renders /nothink, GLM-4.7-Flash's closes the thought with </think> at once)."""
     pytest.importorskip("openai", reason="the server tests need the dev extra (openai, httpx)")
@@ -433,13 +435,14 @@ def test_serve_answers_through_the_openai_client(make_tiny, family):
     from glmcore.sampling import SamplingParams
     d = make_tiny(family)
     messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "你好"}]
-    reply = Pipeline(d, options=LoadOptions(threads=1)).chat(messages, params=SamplingParams(temperature=0),
-                                                            max_new_tokens=6)
+    # f32: random weights give near-flat logits, where bf16's rounding (openvino_amx's default on AVX-512 BF16)
+    # in the batched server graph and the one-sequence graph picks different greedy tokens
+    opts = LoadOptions(threads=1, precision="f32")
+    reply = Pipeline(d, options=opts).chat(messages, params=SamplingParams(temperature=0), max_new_tokens=6)
     want = (reply.reasoning or "", reply.content)
     assert "".join(want)
-    m = load_model(d, options=LoadOptions(threads=1), slots=2)
+    m = load_model(d, options=opts, slots=2)
     try:
-        assert m.backend.name in ("cpu_int4", "torch", "ascend_npu")
         plain = m.chat_format.encode_messages([as_message(x) for x in messages])
         nothink = m.chat_format.configured({"enable_thinking": False}).encode_messages(
             [as_message(x) for x in messages])

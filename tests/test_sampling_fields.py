@@ -111,7 +111,9 @@ def test_penalties_bias_and_logprobs_equal_the_reference_on_each_backend(make_ti
     why = registry().get(backend).supports(ModelConfig.from_dir(d))
     if why is not None:
         pytest.skip(f"{backend} does not run this checkpoint: {why}")
-    m = load_model(d, backend, LoadOptions(threads=1, capacity=96), slots=2)
+    # f32: in bf16 (openvino_amx's default on AVX-512 BF16) the scheduler's steps and these hand-made ones round
+    # the logits differently (up to 0.1 in a logprob, the same tokens); the conformance suite bounds bf16 itself
+    m = load_model(d, backend, LoadOptions(threads=1, capacity=96, precision="f32"), slots=2)
     try:
         V, batch = m.tokenizer.n_vocab, m.scheduler.batch
         prompt = np.random.default_rng(3).integers(5, V, 12).tolist()

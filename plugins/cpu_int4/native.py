@@ -318,6 +318,8 @@ class TierChoice:
     timings: list[TierTiming] = field(default_factory=list)
     kernels: str = ""           # the library's source hash: other kernels, other speeds
     measured_at: str = ""
+    contention: float | None = None   # other programs' share of the CPUs meanwhile (glmcore.autoselect.Contention)
+    tries: int = 1
 
 
 def decide_tier(timings: list[TierTiming]) -> tuple[str, str]:
@@ -344,7 +346,7 @@ def tier_choice(rerun: bool = False) -> TierChoice:
     """The measured tier, cached in the glmcore cache by version, CPU identity and kernel build (`glmcore backends`
     shows it); measured once per process at most otherwise."""
     global _tier
-    from glmcore.autoselect import read_cached, write_cached
+    from glmcore.autoselect import Contention, read_cached, write_cached
     kernels = lib().glmi4_source_sha().decode()
     if not rerun:
         if _tier is not None:
@@ -352,20 +354,21 @@ def tier_choice(rerun: bool = False) -> TierChoice:
         raw = read_cached(TIER_CACHE, kernels=kernels)
         try:
             found = TierChoice(raw["isa"], raw["why"], [TierTiming(**t) for t in raw["timings"]], kernels,
-                               raw["measured_at"]) if raw else None
+                               raw["measured_at"], raw.get("contention"), raw.get("tries", 1)) if raw else None
         except (TypeError, KeyError):
             found = None
         if found is not None and found.isa in ISAS and supported(found.isa) and not self_test(isa_index(found.isa)):
             _tier = found
             return found
-    timings = measure_tiers()
+    with Contention() as busy:
+        timings = measure_tiers()
     isa, why = decide_tier(timings)
-    _tier = TierChoice(isa, why, timings, kernels, time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()))
-    write_cached(TIER_CACHE, asdict(_tier), "cpu_int4's kernel tier measurement")
+    _tier = TierChoice(isa, why, timings, kernels, time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), busy.share)
+    _tier.tries = write_cached(TIER_CACHE, asdict(_tier), "cpu_int4's kernel tier measurement")
     return _tier
 
 
-def measure_tiers(rounds: int = 3) -> list[TierTiming]:
+def measure_tiers(rounds: int = 5) -> list[TierTiming]:
     """Every vector tier this CPU runs, timed in alternation (the best of `rounds`) after its self-test; one that
     fails it is listed with why, never timed. The plain C reference is the fallback, not a contender: it is
     15-30x slower than AVX2 (measured on a Zen 3 EPYC) and would take seconds to time."""
@@ -384,7 +387,7 @@ def measure_tiers(rounds: int = 3) -> list[TierTiming]:
     best = {i: [float("inf"), float("inf")] for i in tiers}
     for _ in range(rounds):
         for i in tiers:
-            for j, (m, iters) in enumerate(((1, 20), (TIER_PREFILL, 2))):
+            for j, (m, iters) in enumerate(((1, 20), (TIER_PREFILL, 4))):
                 best[i][j] = min(best[i][j], time_kernel(i, mat, m, iters) * 1e6)
     return [TierTiming(ISAS[i], *best[i]) for i in tiers] + timings
 
@@ -409,6 +412,7 @@ def time_kernel(isa: int, mat: Mat, m: int, iters: int) -> float:
 
 def describe_tier(i: int, why: str) -> dict[str, str]:
     """cpu_int4's probe details about its kernel tier (`glmcore backends`)."""
+    from glmcore.autoselect import contention_note
     out = {"isa": ISAS[i], "isa choice": why}
     if _tier is not None and why == _tier.why:
         n, k = TIER_SHAPE
@@ -416,7 +420,8 @@ def describe_tier(i: int, why: str) -> dict[str, str]:
                               + "; ".join(f"{t.isa} failed its self-test: {t.error}" if t.error else
                                           f"{t.isa} decode {t.decode_us:.0f} prefill {t.prefill_us:.0f}"
                                           for t in _tier.timings)
-                              + f" (pin: --opt isa=NAME or {ENV_ISA}=NAME)")
+                              + f" (pin: --opt isa=NAME or {ENV_ISA}=NAME)"
+                              + contention_note(_tier.contention, _tier.tries))
     return out
 
 
