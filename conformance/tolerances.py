@@ -70,9 +70,12 @@ TOLERANCES: dict[str, Tolerance] = {
     # bf16 on a Mixture-of-Experts model (glm4_moe, glm4_moe_lite): rounding moves some tokens' router scores
     # across the top-k boundary, and such a token then runs other experts: its logits differ wholesale while
     # the others stay at bf16's error. Measured (ascend_npu bf16, eager and graph, both tiny MoE families,
-    # 2026-11-27): max|d| 19.1, rel L2 0.94, cosine 0.56, top-1 0.938, KL 8.8. Per-position figures can only
-    # reject garbage here; top-1 is the figure that discriminates (a rotary off by one: 0.38).
-    "bf16+experts": Tolerance(max_abs=40.0, rel_l2=1.25, cosine=0.35, top1=0.8, kl=25.0),
+    # 2026-11-27): max|d| 19.1, rel L2 0.94, cosine 0.56, top-1 0.938, KL 8.8. With bf16 arithmetic on the CPU
+    # (openvino_amx bf16 on an AVX-512 BF16 Xeon, both tiny MoE families, every weight format's bf16+experts case
+    # of the suite, 2026-11-28; on CPUs without it bf16 ran as f32): max|d| 18.9, rel L2 0.95, cosine 0.545,
+    # KL 11.3, top-1 0.792 (reset_reuse, 24 positions: 5 differ after an early flip), next 0.833. Per-position
+    # figures can only reject garbage here; top-1 is the figure that discriminates (a rotary off by one: 0.38).
+    "bf16+experts": Tolerance(max_abs=40.0, rel_l2=1.25, cosine=0.35, top1=0.75, kl=25.0),
     # int8 activations (cpu_int4 against the reference on its own dequantized weights) on an MoE model: as
     # bf16+experts, a token whose router scores cross the top-k boundary runs other experts. Measured (cpu_int4,
     # its 7 variants, both tiny MoE families, prefill + decode + a 300-token prompt, 2026-11-27): max|d| 22.7,
