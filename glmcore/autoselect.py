@@ -8,8 +8,9 @@ routes every token: a backend's lead on dense layers need not hold there), the f
 loaded. The result is cached in the glmcore cache (autoselect.json for the dense GLMs, autoselect-ARCH.json for
 the others) with the package version, the CPU's identity and the set of backends measured, so it is measured
 again only when one of those changes; `--backend auto` measures again; timings taken while other programs kept
-the CPUs busy are provisional: measured again at the next start, up to BUSY_TRIES times; GLMCORE_BACKEND=NAME pins the default; GLMCORE_AUTOSELECT=0 turns the measurement off (the
-speed_rank rule, as before: the test suite does this, so no test depends on timings). The same switch and the
+the CPUs busy are provisional: measured again at the next start, up to BUSY_TRIES times (Contention).
+GLMCORE_BACKEND=NAME pins the default; GLMCORE_AUTOSELECT=0 turns the measurement off (the speed_rank rule, as
+before: the test suite does this, so no test depends on timings). The same switch and the
 same cache helpers (read_cached, write_cached) serve a backend's own choices by timing: cpu_int4's kernel tier.
 
 Which backends: the ready ones on this CPU (probe device "cpu") with a positive speed_rank (the reference
