@@ -99,7 +99,10 @@ def _interrupt_a_reply(model, seed: int) -> tuple[int, bytes]:
     proc = subprocess.Popen([sys.executable, "-m", "glmcore.cli", "chat", "--backend", "torch", "--model",
                              str(model), "--max-new-tokens", "100000", "--overflow", "window", "--ctx", "64",
                              "--threads", "1", "--seed", str(seed)],
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            # an ignored SIGINT is inherited (and Python then keeps it ignored): whatever earlier
+                            # in this test process left it so, the chat must get Ctrl-C as a terminal gives it
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         proc.stdin.write(b"hello\n")
         proc.stdin.flush()
@@ -126,7 +129,7 @@ def test_ctrl_c_ends_the_reply_not_the_session(make_tiny):
         if b"(reply interrupted)" in err:
             return
         assert re.search(rb"generated \d+ tok", err), err.decode()      # it ended on its own: try again
-    pytest.fail("every reply ended before the interrupt reached it")
+    pytest.fail(f"every reply ended before the interrupt reached it (SIGINT here: {signal.getsignal(signal.SIGINT)})")
 
 
 class _FakePipe:
