@@ -154,15 +154,20 @@ class Contention:
         self.share = max(0.0, others) / ((end[2] - self._start[2]) * (os.cpu_count() or 1))
 
 
+def _busy(share) -> bool:
+    """A Contention share above BUSY (None, or anything else an edited cache file holds: not busy)."""
+    return isinstance(share, (int, float)) and share > BUSY
+
+
 def provisional(raw: dict) -> bool:
-    """Timings taken under contention (above BUSY), to be taken again while fewer than BUSY_TRIES were."""
-    share, tries = raw.get("contention"), raw.get("tries", 1)
-    return isinstance(share, (int, float)) and share > BUSY and isinstance(tries, int) and tries < BUSY_TRIES
+    """Timings taken under contention, to be taken again while fewer than BUSY_TRIES were."""
+    tries = raw.get("tries", 1)
+    return _busy(raw.get("contention")) and isinstance(tries, int) and tries < BUSY_TRIES
 
 
 def contention_note(share: float | None, tries: int) -> str:
     """What `glmcore backends` adds to a measurement taken under contention ('' otherwise)."""
-    if share is None or share <= BUSY:
+    if not _busy(share):
         return ""
     then = ("provisional, measured again at the next start" if tries < BUSY_TRIES
             else f"kept: the last {tries} measurements all ran beside other work")
@@ -194,9 +199,7 @@ def write_cached(name: str, data: dict, what: str) -> int:
     tries: a measurement under contention (data's "contention") right after a provisional one is a further try."""
     from .cache import cache_root
     path = cache_root() / name
-    share = data.get("contention")
-    busy = isinstance(share, (int, float)) and share > BUSY
-    before = _read_stamped(name, {}) if busy else None
+    before = _read_stamped(name, {}) if _busy(data.get("contention")) else None
     tries = before.get("tries", 1) + 1 if before is not None and provisional(before) else 1
     try:
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -94,11 +93,10 @@ def test_chatglm2_refuses_tools_and_goes_on(make_tiny, tmp_path):
     assert p.stdout.count("assistant> ") == 1
 
 
-def _interrupt_a_reply(model, seed: int) -> tuple[int, bytes]:
-    """Ask, send SIGINT once 20 bytes of the reply are out, then /quit: (exit code, stderr)."""
+def test_ctrl_c_ends_the_reply_not_the_session(make_tiny):
     proc = subprocess.Popen([sys.executable, "-m", "glmcore.cli", "chat", "--backend", "torch", "--model",
-                             str(model), "--max-new-tokens", "100000", "--overflow", "window", "--ctx", "64",
-                             "--threads", "1", "--seed", str(seed)],
+                             str(make_tiny("chatglm3")), "--max-new-tokens", "100000", "--overflow", "window",
+                             "--ctx", "64", "--threads", "1"],
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             # an ignored SIGINT is inherited (and Python then keeps it ignored): whatever earlier
                             # in this test process left it so, the chat must get Ctrl-C as a terminal gives it
@@ -116,20 +114,8 @@ def _interrupt_a_reply(model, seed: int) -> tuple[int, bytes]:
     finally:
         if proc.poll() is None:
             proc.kill()
-    return proc.returncode, err
-
-
-def test_ctrl_c_ends_the_reply_not_the_session(make_tiny):
-    # The tiny random model samples its end token after some hundred tokens, which a fast CPU decodes in a
-    # fraction of a second (900 tok/s on a Xeon): a reply that ended before the signal came proves nothing, so
-    # such a run is tried again with another seed.
-    for seed in range(4):
-        code, err = _interrupt_a_reply(make_tiny("chatglm3"), seed)
-        assert code == 0 and b"Traceback" not in err, err.decode()
-        if b"(reply interrupted)" in err:
-            return
-        assert re.search(rb"generated \d+ tok", err), err.decode()      # it ended on its own: try again
-    pytest.fail(f"every reply ended before the interrupt reached it (SIGINT here: {signal.getsignal(signal.SIGINT)})")
+    assert proc.returncode == 0, err.decode()
+    assert b"(reply interrupted)" in err and b"Traceback" not in err, err.decode()
 
 
 class _FakePipe:
