@@ -1793,8 +1793,9 @@ T_VNNI INLINE void att_scores16(const float *q2, const float *const *kr, int hd,
     }
 }
 
-/* NH heads x NZ*16 outputs in registers, streaming a block's V rows (each loaded once for the NH heads) */
-T_VNNI INLINE void att_pv_tile(float *o, int hd, const float *p, int HV, const float *const *vr, int e0, int nb,
+/* NH heads x NZ*16 outputs in registers, streaming a block's V rows (each loaded once for the NH heads);
+ * head h's probabilities: ph[h][r * HV] */
+T_VNNI INLINE void att_pv_tile(float *o, int hd, const float *const *ph, int HV, const float *const *vr, int e0, int nb,
                                const int NH, const int NZ) {
     __m512 acc[4][4];
     for (int h = 0; h < NH; h++)
@@ -1803,7 +1804,7 @@ T_VNNI INLINE void att_pv_tile(float *o, int hd, const float *p, int HV, const f
         __m512 v[4];
         for (int z = 0; z < NZ; z++) v[z] = _mm512_loadu_ps(vr[r] + e0 + 16 * z);
         for (int h = 0; h < NH; h++) {
-            const __m512 pr = _mm512_set1_ps(p[(size_t)r * HV + h]);
+            const __m512 pr = _mm512_set1_ps(ph[h][(size_t)r * HV]);
             for (int z = 0; z < NZ; z++) acc[h][z] = _mm512_fmadd_ps(pr, v[z], acc[h][z]);
         }
     }
@@ -1811,13 +1812,13 @@ T_VNNI INLINE void att_pv_tile(float *o, int hd, const float *p, int HV, const f
         for (int z = 0; z < NZ; z++) _mm512_storeu_ps(o + h * hd + e0 + 16 * z, acc[h][z]);
 }
 
-T_VNNI static void att_pv(float *o, int hd, const float *p, int HV, const float *const *vr, int nb, int nh) {
+T_VNNI static void att_pv(float *o, int hd, const float *const *ph, int HV, const float *const *vr, int nb, int nh) {
 #define PV_TILE(NZ)                                                           \
     switch (nh) {                                                             \
-    case 1: att_pv_tile(o, hd, p, HV, vr, e0, nb, 1, NZ); break;              \
-    case 2: att_pv_tile(o, hd, p, HV, vr, e0, nb, 2, NZ); break;              \
-    case 3: att_pv_tile(o, hd, p, HV, vr, e0, nb, 3, NZ); break;              \
-    default: att_pv_tile(o, hd, p, HV, vr, e0, nb, 4, NZ); break;             \
+    case 1: att_pv_tile(o, hd, ph, HV, vr, e0, nb, 1, NZ); break;              \
+    case 2: att_pv_tile(o, hd, ph, HV, vr, e0, nb, 2, NZ); break;              \
+    case 3: att_pv_tile(o, hd, ph, HV, vr, e0, nb, 3, NZ); break;              \
+    default: att_pv_tile(o, hd, ph, HV, vr, e0, nb, 4, NZ); break;             \
     }
     int e0 = 0;
     for (; e0 + 64 <= hd; e0 += 64) PV_TILE(4)
@@ -1922,9 +1923,10 @@ T_VNNI static void attn_item_avx512(model *m, attn_job *a, int item, int tid) {
         const int nb = imin(ATT_BLK, n - i0);
         kv_rows512(m, m->vc, slot, a->layer, kvh, i0, nb, blk, rp);
         for (int g = 0; g < ng; g++)
-            for (int hq = g * HV; hq < imin(per, g * HV + HV); hq += 4)
-                att_pv(out + (size_t)hq * hd, hd, sc + (size_t)g * HV * n + (size_t)i0 * HV + (hq - g * HV), HV, rp, nb,
-                       imin(4, imin(per, g * HV + HV) - hq));
+            for (int hq = g * HV; hq < imin(per, g * HV + HV); hq += 4) {
+                const float *p = sc + (size_t)g * HV * n + (size_t)i0 * HV + (hq - g * HV), *ph[4] = {p, p + 1, p + 2, p + 3};
+                att_pv(out + (size_t)hq * hd, hd, ph, HV, rp, nb, imin(4, imin(per, g * HV + HV) - hq));
+            }
     }
 }
 #endif
@@ -2263,6 +2265,7 @@ T_AVX2 static void mla_values_avx2(float *o, const float *p, const float *blk, i
  * no lanes at an even head count). Measured (GLM-4.7-Flash shape, 12 layers, 2 threads, Xeon): decode at
  * 4000 positions 70.6 -> see the issue 36 note. */
 #define MLA_HV 2
+#define MLA_BLK 16     /* latent rows converted at a time: 37 KB, in L1 with a head pair's query */
 T_VNNI static void mla_item_avx512(model *m, attn_job *a, int item, int tid) {
     const glmi4_spec *s = &m->s;
     const int NH = s->n_heads, R = s->kv_lora, rp = s->rot_dim, lw = R + rp, qw = s->nope + rp;
@@ -2290,8 +2293,8 @@ T_VNNI static void mla_item_avx512(model *m, attn_job *a, int item, int tid) {
                                        : _mm512_mask_i32gather_ps(_mm512_setzero_ps(), mk, ir, qr + (size_t)g * HV * qw + j - R, 4));
         }
     }
-    for (int i0 = 0; i0 < n; i0 += ATT_BLK) {
-        const int nb = imin(ATT_BLK, n - i0);
+    for (int i0 = 0; i0 < n; i0 += MLA_BLK) {
+        const int nb = imin(MLA_BLK, n - i0);
         kv_rows512(m, m->kc, slot, a->layer, 0, i0, nb, blk, rows);
         for (int g = 0; g < ng; g++)
             for (int r = 0; r < nb; r += 16)
@@ -2300,13 +2303,15 @@ T_VNNI static void mla_item_avx512(model *m, attn_job *a, int item, int tid) {
     }
     for (int g = 0; g < ng; g++) softmax16(sc + (size_t)g * HV * n, n, HV);
     memset(o, 0, sizeof(float) * (size_t)nh * R);
-    for (int i0 = 0; i0 < n; i0 += ATT_BLK) {
-        const int nb = imin(ATT_BLK, n - i0);
+    for (int i0 = 0; i0 < n; i0 += MLA_BLK) {
+        const int nb = imin(MLA_BLK, n - i0);
         kv_rows512(m, m->kc, slot, a->layer, 0, i0, nb, blk, rows);
-        for (int g = 0; g < ng; g++)
-            for (int hq = g * HV; hq < imin(nh, g * HV + HV); hq += 4)
-                att_pv(o + (size_t)hq * R, R, sc + (size_t)g * HV * n + (size_t)i0 * HV + (hq - g * HV), HV, rows, nb,
-                       imin(4, imin(nh, g * HV + HV) - hq));
+        for (int h = 0; h < nh; h += 4) {     /* 4 heads (two pairs) at a time */
+            const float *ph[4];
+            for (int k = 0; k < 4; k++)
+                ph[k] = sc + (size_t)((h + k) / HV) * HV * n + (size_t)i0 * HV + (h + k) % HV;
+            att_pv(o + (size_t)h * R, R, ph, HV, rows, nb, imin(4, nh - h));
+        }
     }
 }
 #endif
