@@ -1557,6 +1557,10 @@ struct model {
     float *hdx, *hxs;
     int hkp;                   /* the per-head rows' stride: the larger of nope and kv_lora, padded */
     glmi4_mat *uk, *uv;        /* [layers][heads]: each head's rows of kv_uk and kv_uv */
+    float *mla_scratch;        /* AVX-512 latent attention (NULL: the AVX2 or plain one): per thread, see
+                                  mla_thread_floats */
+    float *mla_parts, *mla_ml; /* its chunks' partial results (split mode); per token, the running max and sum */
+    int *mla_blk;              /* its token blocks */
 };
 
 /* element offset of position p (physical) of a cache row in a slot's region */
@@ -1826,9 +1830,10 @@ T_VNNI static void att_pv(float *o, int hd, const float *const *ph, int HV, cons
 #undef PV_TILE
 }
 
-/* Softmax over n positions of the HV heads interleaved in r ([position][head], HV a power of two <= 16):
- * max and sum are vertical, then the lanes of a head are folded (a head's sum order is fixed by HV alone). */
-T_VNNI static void softmax16(float *r, int n, int HV) {
+/* r[i] = exp(r[i] - max) over n positions of the HV heads interleaved in r ([position][head], HV a power of two
+ * <= 16); max and sum are vertical, then the lanes of a head are folded (a head's sum order is fixed by HV
+ * alone). Lane x of *vmax / *vsum: head x % HV's max and sum. */
+T_VNNI static void softmax16_exp(float *r, int n, int HV, __m512 *vmax, __m512 *vsum) {
     const __m512i iota = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
     const int nf = n * HV;
     __m512 vm = _mm512_set1_ps(-INFINITY), vs = _mm512_setzero_ps();
@@ -1846,6 +1851,15 @@ T_VNNI static void softmax16(float *r, int n, int HV) {
     }
     for (int d = 8; d >= HV; d /= 2)
         vs = _mm512_add_ps(vs, _mm512_permutexvar_ps(_mm512_xor_si512(iota, _mm512_set1_epi32(d)), vs));
+    *vmax = vm;
+    *vsum = vs;
+}
+
+/* Softmax over n positions of the HV heads interleaved in r (softmax16_exp, then each divided by its sum) */
+T_VNNI static void softmax16(float *r, int n, int HV) {
+    __m512 vm, vs;
+    softmax16_exp(r, n, HV, &vm, &vs);
+    const int nf = n * HV;
     const __m512 inv = _mm512_div_ps(_mm512_set1_ps(1.f), vs);
     for (int i = 0; i < nf; i += 16) {
         const __mmask16 mk = nf - i >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (nf - i)) - 1);
@@ -2258,61 +2272,215 @@ T_AVX2 static void mla_values_avx2(float *o, const float *p, const float *blk, i
 #endif
 
 #if GLMI4_X86
-/* One (token, part of the heads) item of latent attention with AVX-512: attn_item_avx512's kernels over the
- * latent rows (kv_lora + rot_dim wide; values are their first kv_lora). A head's query is its absorbed latent
- * query and its rotated rope part, one row of the same width. Heads go in pairs (MLA_HV: the score kernel's
- * head group, a model constant, so a head's arithmetic does not depend on the split or the batch; pairs waste
- * no lanes at an even head count). Measured (GLM-4.7-Flash shape, 12 layers, 2 threads, Xeon): decode at
- * 4000 positions 70.6 -> see the issue 36 note. */
+/* Latent attention with AVX-512, in chunks of MLA_CHUNK positions: per chunk, each head's scores against the
+ * chunk's rows (converted to f32 once), their max m, exp(score - m) and its sum l, and o = the sum of those
+ * times the rows' latents; the chunks' (m, l, o) are then merged in chunk order (flash-decoding's split
+ * softmax). The chunking is a function of the position alone, so a token's arithmetic is the same whatever
+ * the batch or the threads: a few tokens (decode) spread their chunks over the threads, and each cached row is
+ * read and converted once per step rather than once per thread and pass; more tokens (a prompt) go in blocks of
+ * MLA_QB tokens of one slot, which share each converted chunk. Scores and P.V are attn_item_avx512's kernels,
+ * heads in pairs (MLA_HV: a model constant; pairs waste no lanes at an even head count). */
 #define MLA_HV 2
-#define MLA_BLK 16     /* latent rows converted at a time: 37 KB, in L1 with a head pair's query */
-T_VNNI static void mla_item_avx512(model *m, attn_job *a, int item, int tid) {
+#define MLA_CHUNK 256   /* positions per partial softmax (576 f32 rows of GLM-4.7-Flash: 590 KB, in L2) */
+#define MLA_QB 4        /* tokens of one slot sharing a converted chunk */
+#define MLA_SPLIT 4     /* up to this many tokens (and fewer than the threads) split their chunks over threads */
+
+/* per thread: packed queries [MLA_QB][SC_HEADS(NH)][lw], chunk rows [MLA_CHUNK][lw], scores
+ * [SC_HEADS(NH)][MLA_CHUNK], one chunk's partial result [NH][kv_lora + 2] */
+static size_t mla_thread_floats(const glmi4_spec *s) {
+    const size_t lw = (size_t)s->kv_lora + s->rot_dim, sh = SC_HEADS(s->n_heads);
+    return MLA_QB * sh * lw + MLA_CHUNK * lw + sh * MLA_CHUNK + (size_t)s->n_heads * (s->kv_lora + 2);
+}
+
+static int mla_chunks(int n) { return (n + MLA_CHUNK - 1) / MLA_CHUNK; }
+
+typedef struct {
+    model *m;
+    int layer, T, hsplit, nitems;
+    int split;              /* items are (token, chunk, head part); else blocks of tokens */
+    int *blk;               /* block mode: first token of each block, then T */
+    int cum[MLA_SPLIT + 1]; /* split mode: chunks before token t */
+    _Atomic int next;
+} mla_job;
+
+/* token t's queries for heads h0..h0+nh-1, packed for att_scores16: group g, dims j..j+L-1: lane s*L+l =
+ * q_{g*HV+s}[j+l] (0 for a padding head); R % L == 0, so a chunk of dims is all latent or all rope */
+T_VNNI static void mla_pack_q(const model *m, int t, int h0, int nh, float *q2) {
     const glmi4_spec *s = &m->s;
-    const int NH = s->n_heads, R = s->kv_lora, rp = s->rot_dim, lw = R + rp, qw = s->nope + rp;
-    const int t = item / a->hsplit, part = item % a->hsplit, per = (NH + a->hsplit - 1) / a->hsplit;
-    const int h0 = part * per, nh = imin(NH, h0 + per) - h0, slot = m->tslot[t], n = m->tpos[t] + 1;
+    const int NH = s->n_heads, R = s->kv_lora, lw = R + s->rot_dim, qw = s->nope + s->rot_dim;
     const int HV = MLA_HV, L = 16 / HV, ng = (nh + HV - 1) / HV;
-    const float scale = 1.f / sqrtf((float)s->head_dim);
-    float *sc = m->scores + (size_t)tid * SC_HEADS(NH) * s->capacity;
-    float *q2 = m->rowbuf + (size_t)tid * (SC_HEADS(NH) + ATT_BLK) * lw, *blk = q2 + (size_t)SC_HEADS(NH) * lw;
     const float *ql = m->qlat + ((size_t)t * NH + h0) * R, *qr = m->qf + ((size_t)t * NH + h0) * qw + s->nope;
-    float *o = m->olat + ((size_t)t * NH + h0) * R;
-    const float *rows[ATT_BLK];
-    if (nh <= 0) return;
-    {   /* group g, dims j..j+L-1: lane s*L+l = q_{g*HV+s}[j+l] (0 for a padding head); R % L == 0, so a chunk of
-           dims is all latent or all rope */
-        const __m512i iota = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
-        const __m512i hs = _mm512_srli_epi32(iota, __builtin_ctz(L)), dim = _mm512_and_si512(iota, _mm512_set1_epi32(L - 1));
-        const __m512i il = _mm512_add_epi32(_mm512_mullo_epi32(hs, _mm512_set1_epi32(R)), dim);
-        const __m512i ir = _mm512_add_epi32(_mm512_mullo_epi32(hs, _mm512_set1_epi32(qw)), dim);
-        for (int g = 0; g < ng; g++) {
-            const __mmask16 mk = _mm512_cmplt_epi32_mask(hs, _mm512_set1_epi32(nh - g * HV));
-            for (int j = 0; j < lw; j += L)
-                _mm512_storeu_ps(q2 + (size_t)g * HV * lw + (size_t)j * HV,
-                                 j < R ? _mm512_mask_i32gather_ps(_mm512_setzero_ps(), mk, il, ql + (size_t)g * HV * R + j, 4)
-                                       : _mm512_mask_i32gather_ps(_mm512_setzero_ps(), mk, ir, qr + (size_t)g * HV * qw + j - R, 4));
+    const __m512i iota = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+    const __m512i hs = _mm512_srli_epi32(iota, __builtin_ctz(L)), dim = _mm512_and_si512(iota, _mm512_set1_epi32(L - 1));
+    const __m512i il = _mm512_add_epi32(_mm512_mullo_epi32(hs, _mm512_set1_epi32(R)), dim);
+    const __m512i ir = _mm512_add_epi32(_mm512_mullo_epi32(hs, _mm512_set1_epi32(qw)), dim);
+    for (int g = 0; g < ng; g++) {
+        const __mmask16 mk = _mm512_cmplt_epi32_mask(hs, _mm512_set1_epi32(nh - g * HV));
+        for (int j = 0; j < lw; j += L)
+            _mm512_storeu_ps(q2 + (size_t)g * HV * lw + (size_t)j * HV,
+                             j < R ? _mm512_mask_i32gather_ps(_mm512_setzero_ps(), mk, il, ql + (size_t)g * HV * R + j, 4)
+                                   : _mm512_mask_i32gather_ps(_mm512_setzero_ps(), mk, ir, qr + (size_t)g * HV * qw + j - R, 4));
+    }
+}
+
+/* Rows c*MLA_CHUNK .. +nb of a slot's latent cache as f32 row pointers (into the cache when it is f32, else
+ * converted into buf); pointers past nb repeat row 0, to a multiple of 16 (the score kernel reads 16 rows). */
+T_VNNI static void mla_rows(const model *m, int slot, int layer, int c, int nb, float *buf, const float **rows) {
+    const int lw = m->kvw;
+    for (int r = 0; r < nb; r++) {
+        const size_t off = kv_off(m, slot, layer, 0, phys(m, slot, c * MLA_CHUNK + r));
+        if (!m->s.kv_f16) { rows[r] = (const float *)m->kc + off; continue; }
+        const uint16_t *h = (const uint16_t *)m->kc + off;
+        float *d = buf + (size_t)r * lw;
+        for (int e = 0; e < lw; e += 16) {     /* a latent row's width may end in 8 */
+            const __mmask16 mk = lw - e >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (lw - e)) - 1);
+            _mm512_mask_storeu_ps(d + e, mk, _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mk, h + e)));
+        }
+        rows[r] = d;
+    }
+    for (int r = nb; r % 16; r++) rows[r] = rows[0];
+}
+
+/* One chunk of nb rows for nh heads (queries packed in q2): head h's o at o + h*R, its max and sum at mx[h], l[h] */
+T_VNNI static void mla_chunk(const model *m, const float *q2, int nh, const float *const *rows, int nb, float *sc,
+                             float *o, float *mx_out, float *l_out) {
+    const glmi4_spec *s = &m->s;
+    const int R = s->kv_lora, lw = R + s->rot_dim, HV = MLA_HV, ng = (nh + HV - 1) / HV;
+    const float scale = 1.f / sqrtf((float)s->head_dim);
+    for (int r = 0; r < nb; r += 16)
+        for (int g = 0; g < ng; g++)
+            att_scores16(q2 + (size_t)g * HV * lw, rows + r, lw, 16 / MLA_HV, scale,
+                         sc + (size_t)g * HV * MLA_CHUNK + (size_t)r * HV, nb - r);
+    for (int g = 0; g < ng; g++) {
+        __m512 vm, vs;
+        float mx[16], sum[16];
+        softmax16_exp(sc + (size_t)g * HV * MLA_CHUNK, nb, HV, &vm, &vs);
+        _mm512_storeu_ps(mx, vm);
+        _mm512_storeu_ps(sum, vs);
+        for (int k = 0; k < HV && g * HV + k < nh; k++) {
+            mx_out[g * HV + k] = mx[k];
+            l_out[g * HV + k] = sum[k];
         }
     }
-    for (int i0 = 0; i0 < n; i0 += MLA_BLK) {
-        const int nb = imin(MLA_BLK, n - i0);
-        kv_rows512(m, m->kc, slot, a->layer, 0, i0, nb, blk, rows);
-        for (int g = 0; g < ng; g++)
-            for (int r = 0; r < nb; r += 16)
-                att_scores16(q2 + (size_t)g * HV * lw, rows + r, lw, 16 / MLA_HV, scale,
-                             sc + (size_t)g * HV * n + (size_t)(i0 + r) * HV, nb - r);
-    }
-    for (int g = 0; g < ng; g++) softmax16(sc + (size_t)g * HV * n, n, HV);
     memset(o, 0, sizeof(float) * (size_t)nh * R);
-    for (int i0 = 0; i0 < n; i0 += MLA_BLK) {
-        const int nb = imin(MLA_BLK, n - i0);
-        kv_rows512(m, m->kc, slot, a->layer, 0, i0, nb, blk, rows);
-        for (int h = 0; h < nh; h += 4) {     /* 4 heads (two pairs) at a time */
+    for (int r0 = 0; r0 < nb; r0 += 32) {       /* 32 rows at a time stay in L1 over the head quads */
+        for (int h = 0; h < nh; h += 4) {
             const float *ph[4];
             for (int k = 0; k < 4; k++)
-                ph[k] = sc + (size_t)((h + k) / HV) * HV * n + (size_t)i0 * HV + (h + k) % HV;
-            att_pv(o + (size_t)h * R, R, ph, HV, rows, nb, imin(4, nh - h));
+                ph[k] = sc + (size_t)((h + k) / HV) * HV * MLA_CHUNK + (size_t)r0 * HV + (h + k) % HV;
+            att_pv(o + (size_t)h * R, R, ph, HV, rows + r0, imin(32, nb - r0), imin(4, nh - h));
         }
     }
+}
+
+/* Merge chunk c's partial (o, m, l) of one head into the running one (acc: o, then m and l): in chunk order,
+ * the same operations whichever thread computed the chunk. */
+T_VNNI static void mla_merge(float *acc, float *acc_m, float *acc_l, const float *o, float m, float l, int R, int c) {
+    if (c == 0) {
+        memcpy(acc, o, sizeof(float) * (size_t)R);
+        *acc_m = m;
+        *acc_l = l;
+        return;
+    }
+    const float mx = fmaxf(*acc_m, m), a = expf(*acc_m - mx), b = expf(m - mx);
+    const __m512 va = _mm512_set1_ps(a), vb = _mm512_set1_ps(b);
+    for (int i = 0; i < R; i += 16)
+        _mm512_storeu_ps(acc + i, _mm512_fmadd_ps(_mm512_loadu_ps(o + i), vb, _mm512_mul_ps(_mm512_loadu_ps(acc + i), va)));
+    *acc_m = mx;
+    *acc_l = *acc_l * a + l * b;
+}
+
+T_VNNI static void mla_finish(float *acc, float l, int R) {
+    const __m512 inv = _mm512_set1_ps(1.f / l);
+    for (int i = 0; i < R; i += 16) _mm512_storeu_ps(acc + i, _mm512_mul_ps(_mm512_loadu_ps(acc + i), inv));
+}
+
+T_VNNI static void mla_item512(mla_job *a, int item, int tid) {
+    model *m = a->m;
+    const glmi4_spec *s = &m->s;
+    const int NH = s->n_heads, R = s->kv_lora, lw = R + s->rot_dim, sh = SC_HEADS(NH);
+    float *q2 = m->mla_scratch + (size_t)tid * mla_thread_floats(s), *buf = q2 + (size_t)MLA_QB * sh * lw;
+    float *sc = buf + (size_t)MLA_CHUNK * lw, *part = sc + (size_t)sh * MLA_CHUNK;
+    const float *rows[MLA_CHUNK];
+    if (a->split) {         /* (token, chunk, head part): the partial goes to the shared buffer */
+        const int part_i = item % a->hsplit, per = (NH + a->hsplit - 1) / a->hsplit, h0 = part_i * per;
+        const int nh = imin(NH, h0 + per) - h0, k = item / a->hsplit;
+        int t = 0;
+        while (k >= a->cum[t + 1]) t++;
+        const int c = k - a->cum[t], n = m->tpos[t] + 1, nb = imin(MLA_CHUNK, n - c * MLA_CHUNK);
+        if (nh <= 0) return;
+        float *dst = m->mla_parts + (size_t)k * NH * (R + 2);
+        mla_pack_q(m, t, h0, nh, q2);
+        mla_rows(m, m->tslot[t], a->layer, c, nb, buf, rows);
+        mla_chunk(m, q2, nh, rows, nb, sc, dst + (size_t)h0 * R, dst + (size_t)NH * R + h0, dst + (size_t)NH * (R + 1) + h0);
+        return;
+    }
+    /* a block of tokens t0..t1-1 of one slot at consecutive positions: each chunk converted once for all of them */
+    const int t0 = a->blk[item], t1 = a->blk[item + 1], slot = m->tslot[t0], nc = mla_chunks(m->tpos[t1 - 1] + 1);
+    for (int t = t0; t < t1; t++) mla_pack_q(m, t, 0, NH, q2 + (size_t)(t - t0) * sh * lw);
+    for (int c = 0; c < nc; c++) {
+        mla_rows(m, slot, a->layer, c, imin(MLA_CHUNK, m->tpos[t1 - 1] + 1 - c * MLA_CHUNK), buf, rows);
+        for (int t = t0; t < t1; t++) {
+            const int nb = imin(MLA_CHUNK, m->tpos[t] + 1 - c * MLA_CHUNK);
+            if (nb <= 0) continue;
+            float *o = m->olat + (size_t)t * NH * R, *ml = m->mla_ml + (size_t)t * 2 * NH;
+            mla_chunk(m, q2 + (size_t)(t - t0) * sh * lw, NH, rows, nb, sc, part, part + (size_t)NH * R,
+                      part + (size_t)NH * (R + 1));
+            for (int h = 0; h < NH; h++)
+                mla_merge(o + (size_t)h * R, ml + h, ml + NH + h, part + (size_t)h * R, part[(size_t)NH * R + h],
+                          part[(size_t)NH * (R + 1) + h], R, c);
+        }
+    }
+    for (int t = t0; t < t1; t++)
+        for (int h = 0; h < NH; h++)
+            mla_finish(m->olat + ((size_t)t * NH + h) * R, m->mla_ml[(size_t)t * 2 * NH + NH + h], R);
+}
+
+static void mla_task512(void *arg, int tid, int nth) {
+    (void)nth;
+    mla_job *a = arg;
+    for (int it; (it = atomic_fetch_add(&a->next, 1)) < a->nitems;) mla_item512(a, it, tid);
+}
+
+/* The split mode's merge: token t's chunks, in order, per head */
+T_VNNI static void mla_merge_split(model *m, const mla_job *a, int t) {
+    const glmi4_spec *s = &m->s;
+    const int NH = s->n_heads, R = s->kv_lora;
+    for (int h = 0; h < NH; h++) {
+        float *o = m->olat + ((size_t)t * NH + h) * R, mx = 0.f, l = 0.f;
+        for (int c = 0; c < a->cum[t + 1] - a->cum[t]; c++) {
+            const float *pc = m->mla_parts + (size_t)(a->cum[t] + c) * NH * (R + 2);
+            mla_merge(o, &mx, &l, pc + (size_t)h * R, pc[(size_t)NH * R + h], pc[(size_t)NH * (R + 1) + h], R, c);
+        }
+        mla_finish(o, l, R);
+    }
+}
+
+/* Latent attention of the T tokens over their slots' caches (the rows and rotated queries are in place) */
+static void mla_attend512(model *m, int layer, int T, size_t work) {
+    const glmi4_spec *s = &m->s;
+    const int nth = m->pool ? m->pool->nth : 1;
+    mla_job a = {.m = m, .layer = layer, .T = T, .blk = m->mla_blk};
+    atomic_store(&a.next, 0);
+    if (T < nth && T <= MLA_SPLIT) {
+        a.split = 1;
+        for (int t = 0; t < T; t++) a.cum[t + 1] = a.cum[t] + mla_chunks(m->tpos[t] + 1);
+        a.hsplit = 1;
+        while (a.hsplit < s->n_heads && a.cum[T] * a.hsplit < nth) a.hsplit++;
+        a.nitems = a.cum[T] * a.hsplit;
+    } else {
+        int nb = 0;
+        for (int t = 0; t < T; t++)
+            if (t == 0 || t - m->mla_blk[nb - 1] == MLA_QB || m->tslot[t] != m->tslot[t - 1] ||
+                m->tpos[t] != m->tpos[t - 1] + 1)
+                m->mla_blk[nb++] = t;
+        m->mla_blk[nb] = T;
+        a.nitems = nb;
+    }
+    if (a.nitems == 1 || work < SMALL_WORK) mla_task512(&a, 0, 1);
+    else pool_run(m->pool, mla_task512, &a);
+    if (a.split)
+        for (int t = 0; t < T; t++) mla_merge_split(m, &a, t);
 }
 #endif
 
@@ -2371,16 +2539,7 @@ static void mla_item(model *m, attn_job *a, int item, int tid) {
 static void mla_task(void *arg, int tid, int nth) {
     (void)nth;
     attn_job *a = arg;
-    const glmi4_spec *s = &a->m->s;
-    for (int it; (it = atomic_fetch_add(&a->next, 1)) < a->nitems;) {
-#if GLMI4_X86
-        if (a->m->isa == ISA_VNNI && s->kv_lora % 16 == 0 && s->rot_dim % (16 / MLA_HV) == 0) {
-            mla_item_avx512(a->m, a, it, tid);
-            continue;
-        }
-#endif
-        mla_item(a->m, a, it, tid);
-    }
+    for (int it; (it = atomic_fetch_add(&a->next, 1)) < a->nitems;) mla_item(a->m, a, it, tid);
 }
 
 /* The heads of one layer's per-head products (absorbed keys or values), x: per (token, head) rows of hkp. */
@@ -2429,6 +2588,10 @@ static void attn_mla(model *m, const glmi4_layer *L, int l, int T) {
     run_rows(m, &(rows_job){.kind = ROW_COPY, .T = T * NH, .src = m->qf, .lds = qw, .q = m->hq, .dx = m->hdx,
                             .xs = m->hxs, .ldo = m->hkp}, &uk[0]);
     per_head_gemms(m, uk, T, m->qlat, R);
+#if GLMI4_X86
+    if (m->mla_scratch) mla_attend512(m, l, T, work);
+    else
+#endif
     {
         const int nth = m->pool ? m->pool->nth : 1;
         int hsplit = 1;
@@ -2754,8 +2917,20 @@ void *glmi4_create(const glmi4_spec *spec, char *err, int errlen) {
     int fail = !m->kc || !m->x || !m->h || !m->ff || !m->aq || !m->adx || !m->axs || !m->tmp;
     if (s->mla) {
         const size_t lw = (size_t)m->kvw, per_head = (size_t)NH * T;
-        m->scores = xalloc(nth * SC_HEADS(NH) * s->capacity * 4);
-        m->rowbuf = xalloc(nth * (SC_HEADS(NH) + ATT_BLK) * lw * 4);   /* packed queries, a block of rows */
+#if GLMI4_X86
+        if (m->isa == ISA_VNNI && s->kv_lora % 16 == 0 && s->rot_dim % (16 / MLA_HV) == 0) {
+            m->mla_scratch = xalloc(nth * mla_thread_floats(s) * 4);
+            m->mla_parts = xalloc((size_t)MLA_SPLIT * mla_chunks(s->capacity) * NH * (s->kv_lora + 2) * 4);
+            m->mla_ml = xalloc(T * 2 * NH * 4);
+            m->mla_blk = calloc(T + 1, sizeof(int));
+            fail = fail || !m->mla_scratch || !m->mla_parts || !m->mla_ml || !m->mla_blk;
+        } else
+#endif
+        {
+            m->scores = xalloc(nth * SC_HEADS(NH) * s->capacity * 4);
+            m->rowbuf = xalloc(nth * (SC_HEADS(NH) + ATT_BLK) * lw * 4);   /* packed queries, a block of rows */
+            fail = fail || !m->scores || !m->rowbuf;
+        }
         m->qa = xalloc(T * (s->q_lora ? s->q_lora : 1) * 4);
         m->kva = xalloc(T * lw * 4);
         m->qf = xalloc(T * NH * qw * 4);
@@ -2767,7 +2942,7 @@ void *glmi4_create(const glmi4_spec *spec, char *err, int errlen) {
         m->hxs = xalloc(per_head * (hkp / QK) * 4);
         m->uk = calloc((size_t)m->kv_layers * NH, sizeof(glmi4_mat));
         m->uv = calloc((size_t)m->kv_layers * NH, sizeof(glmi4_mat));
-        fail = fail || !m->scores || !m->rowbuf || !m->qa || !m->kva || !m->qf || !m->qlat || !m->olat || !m->vout ||
+        fail = fail || !m->qa || !m->kva || !m->qf || !m->qlat || !m->olat || !m->vout ||
                !m->hq || !m->hdx || !m->hxs || !m->uk || !m->uv;
         for (int l = 0; !fail && l < m->kv_layers; l++)
             for (int h = 0; h < NH; h++) {     /* each head's rows of the stacked per-head matrices */
@@ -2828,6 +3003,7 @@ void glmi4_destroy(void *handle) {
     free(m->edx); free(m->exs); free(m->eup); free(m->eout); free(m->sup); free(m->sout); free(m->jobs);
     free(m->qa); free(m->kva); free(m->qf); free(m->qlat); free(m->olat); free(m->vout); free(m->hq);
     free(m->hdx); free(m->hxs); free(m->uk); free(m->uv);
+    free(m->mla_scratch); free(m->mla_parts); free(m->mla_ml); free(m->mla_blk);
     free(m);
 }
 
