@@ -202,7 +202,8 @@ def llamacpp_row(args) -> dict | None:
         return None
     try:
         gguf = lc.gguf(Path(args.model), "int4", progress=lambda m: print(f"  {m}", flush=True))
-        runs = [lc.bench(gguf, args.prefill, args.decode, args.threads) for _ in range(args.repeat)]
+        # its decode after the prompt's tokens of context, as cpu_int4's decode steps follow its prefill
+        runs = [lc.bench(gguf, args.prefill, args.decode, args.threads, depth=args.prefill) for _ in range(args.repeat)]
     except GlmcoreError as e:
         print(f"  llama.cpp: skipped ({e})")
         return None

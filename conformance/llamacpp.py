@@ -94,10 +94,23 @@ class LlamaCpp:
         progress(f"llama.cpp: llama-quantize to {qtype} (once)")
         _run([str(self.tool("llama-quantize")), str(f16), str(out), qtype], "llama-quantize")
 
-    def bench(self, gguf: Path, prompt_len: int, gen: int, threads: int | None) -> dict:
-        """One llama-bench repetition: prefill and decode tok/s, and the process's peak RSS."""
-        cmd = [str(self.tool("llama-bench")), "-m", str(gguf), "-p", str(prompt_len), "-n", str(gen), "-r", "1",
-               "-t", str(threads or os.cpu_count() or 1), "-o", "json"]
+    def bench(self, gguf: Path, prompt_len: int, gen: int, threads: int | None, depth: int = 0) -> dict:
+        """One llama-bench repetition: prefill tok/s of prompt_len tokens, decode tok/s of gen tokens after `depth`
+        tokens of context (llama-bench -d, a second run: its depth applies to both tests; 0: after none), and
+        the peak RSS of the process(es)."""
+        common = ["-m", str(gguf), "-r", "1", "-t", str(threads or os.cpu_count() or 1), "-o", "json"]
+        if depth:
+            rows, peak = self._bench([*common, "-p", str(prompt_len), "-n", "0"])
+            decode, peak_d = self._bench([*common, "-p", "0", "-n", str(gen), "-d", str(depth)])
+            rows, peak = [r for r in rows if r["n_prompt"]] + [r for r in decode if not r["n_prompt"]], max(peak, peak_d)
+        else:
+            rows, peak = self._bench([*common, "-p", str(prompt_len), "-n", str(gen)])
+        tps = {("prefill" if r["n_prompt"] else "decode"): r["avg_ts"] for r in rows}
+        return {"prefill_tps": tps["prefill"], "decode_tps": tps["decode"], "peak_rss_mib": peak}
+
+    def _bench(self, args: list[str]) -> tuple[list[dict], float]:
+        """llama-bench's JSON rows and its peak RSS in MiB (nan where unknown)."""
+        cmd = [str(self.tool("llama-bench")), *args]
         with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
             # Started through a small launcher: a child forked straight from this (large) process would
             # report this process's resident size as its own peak (Linux carries the high-water mark of
@@ -114,10 +127,7 @@ class LlamaCpp:
                 raise GlmcoreError(f"llama-bench failed (exit {code}): {errors.strip()[-300:]}")
             out = out.read()
         peak_kb = [int(line.split("=", 1)[1]) for line in errors.splitlines() if line.startswith(_PEAK)]
-        rows = json.loads(out)
-        tps = {("prefill" if r["n_prompt"] else "decode"): r["avg_ts"] for r in rows}
-        return {"prefill_tps": tps["prefill"], "decode_tps": tps["decode"],
-                "peak_rss_mib": peak_kb[-1] / 1024 if peak_kb else float("nan")}
+        return json.loads(out), (peak_kb[-1] / 1024 if peak_kb else float("nan"))
 
     def kl_base(self, gguf: Path, text: Path, ctx: int, out: Path, chunks: int | None = None,
                 threads: int | None = None) -> None:

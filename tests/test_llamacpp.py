@@ -23,8 +23,10 @@ args = dict(zip(sys.argv[1::2], sys.argv[2::2]))
 hold = bytearray(64 << 20)          # 64 MiB touched: the peak RSS the caller must see
 for i in range(0, len(hold), 4096):
     hold[i] = 1
-rows = [{{"n_prompt": int(args["-p"]), "n_gen": 0, "avg_ts": 100.0 + int(args["-t"])}},
-        {{"n_prompt": 0, "n_gen": int(args["-n"]), "avg_ts": 20.0}}]
+depth = int(args.get("-d", 0))     # llama-bench skips a test of 0 tokens; -d slows both
+rows = [{{"n_prompt": int(args["-p"]), "n_gen": 0, "n_depth": depth, "avg_ts": 100.0 + int(args["-t"]) - depth}},
+        {{"n_prompt": 0, "n_gen": int(args["-n"]), "n_depth": depth, "avg_ts": 20.0 - depth}}]
+rows = [r for r in rows if r["n_prompt"] or r["n_gen"]]
 print(json.dumps(rows))
 """
 
@@ -54,6 +56,10 @@ def test_llama_bench_figures_and_peak_rss(tmp_path):
     lc = llamacpp.LlamaCpp(_fake_tree(tmp_path))
     r = lc.bench(tmp_path / "m.gguf", 128, 64, threads=2)
     assert r["prefill_tps"] == 102.0 and r["decode_tps"] == 20.0
+    assert 64 <= r["peak_rss_mib"] < 1024
+    # decode after 5 tokens of context: a second llama-bench run with -d; the prefill still from an empty context
+    r = lc.bench(tmp_path / "m.gguf", 128, 64, threads=2, depth=5)
+    assert r["prefill_tps"] == 102.0 and r["decode_tps"] == 15.0
     assert 64 <= r["peak_rss_mib"] < 1024
 
 
