@@ -60,6 +60,7 @@ class LlamaCpp:
         """The checkpoint as a GGUF of the type matching `weights`, converted once into the cache."""
         from glmcore.cache import build_once, cache_root, intact
         from glmcore.config import ModelConfig
+        from glmcore.generated import GeneratedWeights
         from glmcore.weights import load_weights
         qtype = GGUF_TYPES.get(weights)
         if qtype is None:
@@ -67,7 +68,11 @@ class LlamaCpp:
         cfg = ModelConfig.from_dir(model_dir)
         if cfg.family not in LAYOUTS:
             raise GlmcoreError(f"llama.cpp comparison: only {', '.join(LAYOUTS)}, not {cfg.family}")
-        key = load_weights(model_dir, cfg).fingerprint()
+        weights_read = load_weights(model_dir, cfg)
+        if isinstance(weights_read, GeneratedWeights):     # its converter reads weight files: it would write none
+            raise GlmcoreError(f"llama.cpp comparison: {model_dir} has no weight files (make-model "
+                               "--generated-weights); make it without --generated-weights for llama.cpp's converter")
+        key = weights_read.fingerprint()
         root = cache_root() / "converted" / "llamacpp" / f"{Path(model_dir).name}-{key}"
         done = lambda p: (p / "model.gguf").is_file()
         if qtype == "F16":

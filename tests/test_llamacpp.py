@@ -226,3 +226,13 @@ def test_quantized_gguf_is_made_through_a_scratch_f16(tmp_path, monkeypatch):
         lc.gguf(model, "int3")
     with pytest.raises(GlmcoreError, match="llama.cpp comparison: only .*glm4-moe.*, not glm4-0414"):
         lc.gguf(synthetic_dir("glm4-0414", "tiny", purpose="test", seed=0), "int4")
+
+
+def test_a_checkpoint_without_weight_files_is_refused(tmp_path):
+    """make-model --generated-weights writes no weight files: llama.cpp's converter would write a GGUF without
+    tensors (and the cache would keep it); refused in one line instead."""
+    from glmcore.synth import make_model
+    make_model("glm4-moe-lite", "tiny", tmp_path / "gen", generated=True)
+    lc = llamacpp.LlamaCpp(_fake_tree(tmp_path / "lc"))
+    with pytest.raises(GlmcoreError, match="has no weight files .*make it without --generated-weights"):
+        lc.gguf(tmp_path / "gen", "int4")

@@ -1547,7 +1547,7 @@ struct model {
     float *tmp;                /* per thread: [ldq] floats, a row on its way to quantization */
     /* MoE (sized for max_batch tokens x top_k assignments) */
     int *eid, *apos, *cnt, *start;    /* per token: chosen experts [T][k], their assignment rows; per expert */
-    float *ew, *rscore;        /* per token: the chosen experts' weights [T][k]; per thread: scores [2][experts] */
+    float *ew, *rscore;        /* per token: the chosen experts' weights [T][k]; per thread: scores [3][experts] */
     int8_t *eq;                /* assignment rows' quantized activations [A][ldq] */
     float *edx, *exs, *eup, *eout, *sup, *sout;
     gemm_job *jobs;            /* one per expert (+ the shared one) or per head */
@@ -2608,20 +2608,25 @@ static void attn_mla(model *m, const glmi4_layer *L, int l, int T) {
     run_gemm(m->pool, m->isa, &L->attn_out, T, m->aq, m->adx, m->axs, m->ldq, m->x, H, L->attn_out_bias, 1);
 }
 
-/* The router of one token, as transformers' route() (fp32): sigmoid scores; the correction bias added only to
- * choose, among the experts of the topk_groups best groups (a group scored by its best two); the chosen
- * experts' unbiased scores renormalised (norm_topk) and scaled. sc: 3 x n_experts floats of scratch. */
-static void route_token(model *m, const glmi4_layer *L, int t, float *sc) {
-    const glmi4_spec *s = &m->s;
-    const int E = s->n_experts, K = s->top_k, H = s->hidden, G = s->n_groups;
+/* The router's sigmoid scores of token t for experts e0..e1-1 into sc[e] */
+static void router_scores(model *m, const glmi4_layer *L, int t, int e0, int e1, float *sc) {
+    const int H = m->s.hidden;
     const float *x = m->h + (size_t)t * m->ldq;
+    for (int e = e0; e < e1; e++) sc[e] = 1.f / (1.f + expf(-dotf(m, x, L->router + (size_t)e * H, H)));
+}
+
+/* The router of one token, as transformers' route() (fp32): sigmoid scores (in sc[0..E), made here unless
+ * `scored`); the correction bias added only to choose, among the experts of the topk_groups best groups (a group
+ * scored by its best two); the chosen experts' unbiased scores renormalised (norm_topk) and scaled.
+ * sc: 3 x n_experts floats. */
+static void route_token(model *m, const glmi4_layer *L, int t, float *sc, int scored) {
+    const glmi4_spec *s = &m->s;
+    const int E = s->n_experts, K = s->top_k, G = s->n_groups;
     float *choice = sc + E, *gscore = sc + 2 * E;
     int *eid = m->eid + (size_t)t * K;
     float *w = m->ew + (size_t)t * K;
-    for (int e = 0; e < E; e++) {
-        sc[e] = 1.f / (1.f + expf(-dotf(m, x, L->router + (size_t)e * H, H)));
-        choice[e] = sc[e] + L->router_bias[e];
-    }
+    if (!scored) router_scores(m, L, t, 0, E, sc);
+    for (int e = 0; e < E; e++) choice[e] = sc[e] + L->router_bias[e];
     if (G > 1) {
         const int per = E / G;
         for (int g = 0; g < G; g++) {
@@ -2667,7 +2672,19 @@ static void route_task(void *arg, int tid, int nth) {
     (void)nth;
     route_job *r = arg;
     float *sc = r->m->rscore + (size_t)tid * 3 * r->m->s.n_experts;
-    for (int t; (t = atomic_fetch_add(&r->next, 1)) < r->T;) route_token(r->m, r->L, t, sc);
+    for (int t; (t = atomic_fetch_add(&r->next, 1)) < r->T;) route_token(r->m, r->L, t, sc, 0);
+}
+
+#define ROUTE_SPLIT 16   /* experts per item when a few tokens share out their router's rows */
+
+static void router_scores_task(void *arg, int tid, int nth) {
+    (void)tid; (void)nth;
+    route_job *r = arg;
+    const int E = r->m->s.n_experts, per = (E + ROUTE_SPLIT - 1) / ROUTE_SPLIT;
+    for (int it; (it = atomic_fetch_add(&r->next, 1)) < r->T * per;) {
+        const int t = it / per, e0 = (it % per) * ROUTE_SPLIT;
+        router_scores(r->m, r->L, t, e0, imin(E, e0 + ROUTE_SPLIT), r->m->rscore + (size_t)t * 3 * E);
+    }
 }
 
 /* The MoE block of T tokens (their normed rows in m->h, quantized in m->aq): route each token, group the
@@ -2679,8 +2696,13 @@ static void moe_block(model *m, const glmi4_layer *L, int T) {
     const int nbx = m->ldq / QK, A = T * K, Hkp = L->exp_up[0].k_pad;
     route_job rj = {.m = m, .L = L, .T = T};
     atomic_store(&rj.next, 0);
-    if (T < 4) route_task(&rj, 0, 1);
-    else pool_run(m->pool, route_task, &rj);
+    const int nth = m->pool ? m->pool->nth : 1;
+    if (T >= nth) {
+        pool_run(m->pool, route_task, &rj);
+    } else {    /* fewer tokens than threads: the router's rows (fp32, read whole) shared out, then each token's choice */
+        pool_run(m->pool, router_scores_task, &rj);
+        for (int t = 0; t < T; t++) route_token(m, L, t, m->rscore + (size_t)t * 3 * E, 1);
+    }
     int *cnt = m->cnt, *fill = m->start + E, *start = m->start;
     memset(cnt, 0, sizeof(int) * (size_t)E);
     for (int a = 0; a < A; a++) cnt[m->eid[a]]++;
@@ -2970,7 +2992,7 @@ void *glmi4_create(const glmi4_spec *spec, char *err, int errlen) {
         m->ew = calloc(A, sizeof(float));
         m->cnt = calloc(E, sizeof(int));
         m->start = calloc(2 * E, sizeof(int));
-        m->rscore = xalloc(nth * 3 * E * 4);
+        m->rscore = xalloc(nth * 3 * E * 4);    /* per thread (or per token of a step of fewer tokens) */
         m->eq = xalloc(A * kmax);
         m->edx = xalloc(A * (kmax / QK) * 4);
         m->exs = xalloc(A * (kmax / QK) * 4);
