@@ -1871,16 +1871,13 @@ T_VNNI static void softmax16(float *r, int n, int HV) {
  * Unused pointers (past nb) repeat row 0 so the score kernel can always read 16 rows. */
 T_VNNI static void kv_rows512(const model *m, const void *c, int slot, int layer, int kvh, int i0, int nb, float *blk,
                               const float **rp) {
-    const int hd = m->kvw;      /* a head's K or V row, or a latent row */
+    const int hd = m->s.head_dim;
     for (int r = 0; r < nb; r++) {
         const size_t off = kv_off(m, slot, layer, kvh, phys(m, slot, i0 + r));
         if (!m->s.kv_f16) { rp[r] = (const float *)c + off; continue; }
         const uint16_t *h = (const uint16_t *)c + off;
         float *d = blk + (size_t)r * hd;
-        for (int e = 0; e < hd; e += 16) {     /* a latent row's width may end in 8 */
-            const __mmask16 mk = hd - e >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (hd - e)) - 1);
-            _mm512_mask_storeu_ps(d + e, mk, _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mk, h + e)));
-        }
+        for (int e = 0; e < hd; e += 16) _mm512_storeu_ps(d + e, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(h + e))));
         rp[r] = d;
     }
     for (int r = nb; r < ATT_BLK; r++) rp[r] = rp[0];
