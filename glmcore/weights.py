@@ -81,6 +81,9 @@ class Weights(Mapping):
             if t.ndim and t.shape[0]:
                 rows = np.unique(np.linspace(0, t.shape[0] - 1, 16).astype(np.int64))
                 h.update(np.ascontiguousarray(t[rows]).view(np.uint8).tobytes())
+                # the pages read (and those the kernel maps around them: GBs over an MoE checkpoint's thousands
+                # of expert tensors) would count in this process's RSS for as long as it runs
+                release(t)
         return h.hexdigest()[:16]
 
 

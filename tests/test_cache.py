@@ -1,4 +1,5 @@
 import os
+from pathlib import Path
 
 import pytest
 
@@ -113,6 +114,27 @@ def test_fingerprint_is_content_not_path(make_tiny, tmp_path):
     assert load_weights(a, cfg).fingerprint() == load_weights(b, cfg).fingerprint()
     make_model("chatglm3", "tiny", tmp_path / "other", seed=1)      # same config, other weights
     assert load_weights(tmp_path / "other", cfg).fingerprint() != load_weights(a, cfg).fingerprint()
+
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").is_file(), reason="reads RssFile from /proc (Linux)")
+def test_fingerprint_leaves_no_mapped_pages_behind(tmp_path):
+    """The fingerprint reads 16 rows of every tensor of a memory-mapped checkpoint; the pages it touches (and
+    those the kernel maps around them) must not stay in the process's RSS: over the thousands of expert tensors
+    of an MoE checkpoint that was GBs for as long as a server ran."""
+    import numpy as np
+    from glmcore.weights import Weights, read_safetensors, write_safetensors
+    rng = np.random.default_rng(0)
+    write_safetensors(tmp_path / "w.safetensors",
+                      {f"t{i}": rng.standard_normal((256, 1024)).astype(np.float32) for i in range(64)})   # 64 MiB
+
+    def mapped_kib() -> int:
+        return next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("RssFile:"))
+
+    w = Weights(read_safetensors(tmp_path / "w.safetensors"), [tmp_path / "w.safetensors"])
+    before = mapped_kib()
+    w.fingerprint()
+    assert mapped_kib() - before < 4 << 10, mapped_kib() - before     # under 4 MiB of the 64
 
 
 # ------------------------------------------------------------------ glmcore cache
