@@ -1557,8 +1557,8 @@ struct model {
     float *hdx, *hxs;
     int hkp;                   /* the per-head rows' stride: the larger of nope and kv_lora, padded */
     glmi4_mat *uk, *uv;        /* [layers][heads]: each head's rows of kv_uk and kv_uv */
-    float *mla_scratch;        /* AVX-512 latent attention (NULL: the AVX2 or plain one): per thread, see
-                                  mla_thread_floats */
+    float *mla_scratch;        /* the fast tiers' chunked latent attention (NULL: the plain one): per thread,
+                                  see mla_thread_floats */
     float *mla_parts, *mla_ml; /* its chunks' partial results (split mode); per token, the running max and sum */
     int *mla_blk;              /* its token blocks */
 };
@@ -2269,14 +2269,15 @@ T_AVX2 static void mla_values_avx2(float *o, const float *p, const float *blk, i
 #endif
 
 #if GLMI4_X86
-/* Latent attention with AVX-512, in chunks of MLA_CHUNK positions: per chunk, each head's scores against the
+/* Latent attention on the fast tiers, in chunks of MLA_CHUNK positions: per chunk, each head's scores against the
  * chunk's rows (converted to f32 once), their max m, exp(score - m) and its sum l, and o = the sum of those
  * times the rows' latents; the chunks' (m, l, o) are then merged in chunk order (flash-decoding's split
  * softmax). The chunking is a function of the position alone, so a token's arithmetic is the same whatever
  * the batch or the threads: a few tokens (decode) spread their chunks over the threads, and each cached row is
  * read and converted once per step rather than once per thread and pass; more tokens (a prompt) go in blocks of
- * MLA_QB tokens of one slot, which share each converted chunk. Scores and P.V are attn_item_avx512's kernels,
- * heads in pairs (MLA_HV: a model constant; pairs waste no lanes at an even head count). */
+ * MLA_QB tokens of one slot, which share each converted chunk. On AVX-512, scores and P.V are attn_item_avx512's
+ * kernels, heads in pairs (MLA_HV: a model constant; pairs waste no lanes at an even head count); on the AVX2 and
+ * AVX-VNNI tiers, mla_scores_avx2 (4 rows a head) and mla_values_avx2. */
 #define MLA_HV 2
 #define MLA_CHUNK 256   /* positions per partial softmax (576 f32 rows of GLM-4.7-Flash: 590 KB, in L2) */
 #define MLA_QB 4        /* tokens of one slot sharing a converted chunk */
@@ -2392,13 +2393,77 @@ T_VNNI static void mla_finish(float *acc, float l, int R) {
     for (int i = 0; i < R; i += 16) _mm512_storeu_ps(acc + i, _mm512_mul_ps(_mm512_loadu_ps(acc + i), inv));
 }
 
-T_VNNI static void mla_item512(mla_job *a, int item, int tid) {
+/* The AVX2 / AVX-VNNI tiers' chunk: rows c*MLA_CHUNK .. +nb converted into buf (contiguous, as their score kernel
+ * reads them); per head, scores 4 rows at a time, the chunk's max, exp and sum, and o over the rows */
+T_AVX2 static void mla_rows_avx2(const model *m, int slot, int layer, int c, int nb, float *buf) {
+    const int lw = m->kvw;
+    for (int r = 0; r < nb; r++)
+        cache_get(m, m->kc, kv_off(m, slot, layer, 0, phys(m, slot, c * MLA_CHUNK + r)), buf + (size_t)r * lw, lw);
+}
+
+T_AVX2 static void mla_chunk_avx2(const model *m, int t, int h0, int nh, const float *buf, int nb, float *sc, float *o,
+                                  float *mx_out, float *l_out) {
+    const glmi4_spec *s = &m->s;
+    const int NH = s->n_heads, R = s->kv_lora, rp = s->rot_dim, lw = R + rp, qw = s->nope + rp;
+    const float scale = 1.f / sqrtf((float)s->head_dim);
+    const float *ql = m->qlat + ((size_t)t * NH + h0) * R, *qr = m->qf + ((size_t)t * NH + h0) * qw + s->nope;
+    for (int h = 0; h < nh; h++) {
+        float *p = sc + (size_t)h * MLA_CHUNK, mx = -INFINITY;
+        mla_scores_avx2(ql + (size_t)h * R, qr + (size_t)h * qw, buf, nb, lw, R, rp, scale, p);
+        for (int i = 0; i < nb; i++) mx = p[i] > mx ? p[i] : mx;
+        __m256 vs = _mm256_setzero_ps();
+        int i = 0;
+        for (; i + 8 <= nb; i += 8) {
+            const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(p + i), _mm256_set1_ps(mx)));
+            _mm256_storeu_ps(p + i, e);
+            vs = _mm256_add_ps(vs, e);
+        }
+        float sum = hsum8(vs);
+        for (; i < nb; i++) { p[i] = expf(p[i] - mx); sum += p[i]; }
+        mx_out[h] = mx;
+        l_out[h] = sum;
+        memset(o + (size_t)h * R, 0, sizeof(float) * (size_t)R);
+        mla_values_avx2(o + (size_t)h * R, p, buf, nb, lw, R);
+    }
+}
+
+T_AVX2 static void mla_merge_avx2(float *acc, float *acc_m, float *acc_l, const float *o, float m, float l, int R, int c) {
+    if (c == 0) {
+        memcpy(acc, o, sizeof(float) * (size_t)R);
+        *acc_m = m;
+        *acc_l = l;
+        return;
+    }
+    const float mx = fmaxf(*acc_m, m), a = expf(*acc_m - mx), b = expf(m - mx);
+    const __m256 va = _mm256_set1_ps(a), vb = _mm256_set1_ps(b);
+    for (int i = 0; i < R; i += 8)
+        _mm256_storeu_ps(acc + i, _mm256_fmadd_ps(_mm256_loadu_ps(o + i), vb, _mm256_mul_ps(_mm256_loadu_ps(acc + i), va)));
+    *acc_m = mx;
+    *acc_l = *acc_l * a + l * b;
+}
+
+T_AVX2 static void mla_finish_avx2(float *acc, float l, int R) {
+    const __m256 inv = _mm256_set1_ps(1.f / l);
+    for (int i = 0; i < R; i += 8) _mm256_storeu_ps(acc + i, _mm256_mul_ps(_mm256_loadu_ps(acc + i), inv));
+}
+
+static void mla_merge_any(const model *m, float *acc, float *acc_m, float *acc_l, const float *o, float mx, float l, int c) {
+    if (m->isa == ISA_VNNI) mla_merge(acc, acc_m, acc_l, o, mx, l, m->s.kv_lora, c);
+    else mla_merge_avx2(acc, acc_m, acc_l, o, mx, l, m->s.kv_lora, c);
+}
+
+static void mla_finish_any(const model *m, float *acc, float l) {
+    if (m->isa == ISA_VNNI) mla_finish(acc, l, m->s.kv_lora);
+    else mla_finish_avx2(acc, l, m->s.kv_lora);
+}
+
+static void mla_item_chunked(mla_job *a, int item, int tid) {
     model *m = a->m;
     const glmi4_spec *s = &m->s;
-    const int NH = s->n_heads, R = s->kv_lora, lw = R + s->rot_dim, sh = SC_HEADS(NH);
+    const int NH = s->n_heads, R = s->kv_lora, lw = R + s->rot_dim, sh = SC_HEADS(NH), vnni = m->isa == ISA_VNNI;
     float *q2 = m->mla_scratch + (size_t)tid * mla_thread_floats(s), *buf = q2 + (size_t)MLA_QB * sh * lw;
     float *sc = buf + (size_t)MLA_CHUNK * lw, *part = sc + (size_t)sh * MLA_CHUNK;
-    const float *rows[MLA_CHUNK];
+    const float *rows[MLA_CHUNK + 16];      /* AVX-512: the chunk's rows (converted into buf, or in the cache) */
     if (a->split) {         /* (token, chunk, head part): the partial goes to the shared buffer */
         const int part_i = item % a->hsplit, per = (NH + a->hsplit - 1) / a->hsplit, h0 = part_i * per;
         const int nh = imin(NH, h0 + per) - h0, k = item / a->hsplit;
@@ -2406,55 +2471,63 @@ T_VNNI static void mla_item512(mla_job *a, int item, int tid) {
         while (k >= a->cum[t + 1]) t++;
         const int c = k - a->cum[t], n = m->tpos[t] + 1, nb = imin(MLA_CHUNK, n - c * MLA_CHUNK);
         if (nh <= 0) return;
-        float *dst = m->mla_parts + (size_t)k * NH * (R + 2);
-        mla_pack_q(m, t, h0, nh, q2);
-        mla_rows(m, m->tslot[t], a->layer, c, nb, buf, rows);
-        mla_chunk(m, q2, nh, rows, nb, sc, dst + (size_t)h0 * R, dst + (size_t)NH * R + h0, dst + (size_t)NH * (R + 1) + h0);
+        float *o = m->mla_parts + (size_t)k * NH * (R + 2) + (size_t)h0 * R;
+        float *mx = m->mla_parts + (size_t)k * NH * (R + 2) + (size_t)NH * R + h0, *l = mx + NH;
+        if (vnni) {
+            mla_pack_q(m, t, h0, nh, q2);
+            mla_rows(m, m->tslot[t], a->layer, c, nb, buf, rows);
+            mla_chunk(m, q2, nh, rows, nb, sc, o, mx, l);
+        } else {
+            mla_rows_avx2(m, m->tslot[t], a->layer, c, nb, buf);
+            mla_chunk_avx2(m, t, h0, nh, buf, nb, sc, o, mx, l);
+        }
         return;
     }
     /* a block of tokens t0..t1-1 of one slot at consecutive positions: each chunk converted once for all of them */
-    const int t0 = a->blk[item], t1 = a->blk[item + 1], slot = m->tslot[t0], nc = mla_chunks(m->tpos[t1 - 1] + 1);
-    for (int t = t0; t < t1; t++) mla_pack_q(m, t, 0, NH, q2 + (size_t)(t - t0) * sh * lw);
-    for (int c = 0; c < nc; c++) {
-        mla_rows(m, slot, a->layer, c, imin(MLA_CHUNK, m->tpos[t1 - 1] + 1 - c * MLA_CHUNK), buf, rows);
+    const int t0 = a->blk[item], t1 = a->blk[item + 1], slot = m->tslot[t0], n1 = m->tpos[t1 - 1] + 1;
+    if (vnni)
+        for (int t = t0; t < t1; t++) mla_pack_q(m, t, 0, NH, q2 + (size_t)(t - t0) * sh * lw);
+    for (int c = 0; c < mla_chunks(n1); c++) {
+        if (vnni) mla_rows(m, slot, a->layer, c, imin(MLA_CHUNK, n1 - c * MLA_CHUNK), buf, rows);
+        else mla_rows_avx2(m, slot, a->layer, c, imin(MLA_CHUNK, n1 - c * MLA_CHUNK), buf);
         for (int t = t0; t < t1; t++) {
             const int nb = imin(MLA_CHUNK, m->tpos[t] + 1 - c * MLA_CHUNK);
             if (nb <= 0) continue;
             float *o = m->olat + (size_t)t * NH * R, *ml = m->mla_ml + (size_t)t * 2 * NH;
-            mla_chunk(m, q2 + (size_t)(t - t0) * sh * lw, NH, rows, nb, sc, part, part + (size_t)NH * R,
-                      part + (size_t)NH * (R + 1));
+            float *mx = part + (size_t)NH * R, *l = mx + NH;
+            if (vnni) mla_chunk(m, q2 + (size_t)(t - t0) * sh * lw, NH, rows, nb, sc, part, mx, l);
+            else mla_chunk_avx2(m, t, 0, NH, buf, nb, sc, part, mx, l);
             for (int h = 0; h < NH; h++)
-                mla_merge(o + (size_t)h * R, ml + h, ml + NH + h, part + (size_t)h * R, part[(size_t)NH * R + h],
-                          part[(size_t)NH * (R + 1) + h], R, c);
+                mla_merge_any(m, o + (size_t)h * R, ml + h, ml + NH + h, part + (size_t)h * R, mx[h], l[h], c);
         }
     }
     for (int t = t0; t < t1; t++)
         for (int h = 0; h < NH; h++)
-            mla_finish(m->olat + ((size_t)t * NH + h) * R, m->mla_ml[(size_t)t * 2 * NH + NH + h], R);
+            mla_finish_any(m, m->olat + ((size_t)t * NH + h) * R, m->mla_ml[(size_t)t * 2 * NH + NH + h]);
 }
 
-static void mla_task512(void *arg, int tid, int nth) {
+static void mla_task_chunked(void *arg, int tid, int nth) {
     (void)nth;
     mla_job *a = arg;
-    for (int it; (it = atomic_fetch_add(&a->next, 1)) < a->nitems;) mla_item512(a, it, tid);
+    for (int it; (it = atomic_fetch_add(&a->next, 1)) < a->nitems;) mla_item_chunked(a, it, tid);
 }
 
 /* The split mode's merge: token t's chunks, in order, per head */
-T_VNNI static void mla_merge_split(model *m, const mla_job *a, int t) {
+static void mla_merge_split(model *m, const mla_job *a, int t) {
     const glmi4_spec *s = &m->s;
     const int NH = s->n_heads, R = s->kv_lora;
     for (int h = 0; h < NH; h++) {
         float *o = m->olat + ((size_t)t * NH + h) * R, mx = 0.f, l = 0.f;
         for (int c = 0; c < a->cum[t + 1] - a->cum[t]; c++) {
             const float *pc = m->mla_parts + (size_t)(a->cum[t] + c) * NH * (R + 2);
-            mla_merge(o, &mx, &l, pc + (size_t)h * R, pc[(size_t)NH * R + h], pc[(size_t)NH * (R + 1) + h], R, c);
+            mla_merge_any(m, o, &mx, &l, pc + (size_t)h * R, pc[(size_t)NH * R + h], pc[(size_t)NH * (R + 1) + h], c);
         }
-        mla_finish(o, l, R);
+        mla_finish_any(m, o, l);
     }
 }
 
 /* Latent attention of the T tokens over their slots' caches (the rows and rotated queries are in place) */
-static void mla_attend512(model *m, int layer, int T, size_t work) {
+static void mla_attend_chunked(model *m, int layer, int T, size_t work) {
     const glmi4_spec *s = &m->s;
     const int nth = m->pool ? m->pool->nth : 1;
     mla_job a = {.m = m, .layer = layer, .T = T, .blk = m->mla_blk};
@@ -2474,16 +2547,16 @@ static void mla_attend512(model *m, int layer, int T, size_t work) {
         m->mla_blk[nb] = T;
         a.nitems = nb;
     }
-    if (a.nitems == 1 || work < SMALL_WORK) mla_task512(&a, 0, 1);
-    else pool_run(m->pool, mla_task512, &a);
+    if (a.nitems == 1 || work < SMALL_WORK) mla_task_chunked(&a, 0, 1);
+    else pool_run(m->pool, mla_task_chunked, &a);
     if (a.split)
         for (int t = 0; t < T; t++) mla_merge_split(m, &a, t);
 }
 #endif
 
-/* One (token, part of the heads) item of latent attention: scores against the cached latents (the absorbed
- * query against the compressed KV, plus the rope parts), softmax, and the weighted sum of the compressed KV
- * (the value projection follows, per head, outside). */
+/* One (token, part of the heads) item of latent attention in plain C (the fast tiers' shapes go chunked, above):
+ * scores against the cached latents (the absorbed query against the compressed KV, plus the rope parts), softmax,
+ * and the weighted sum of the compressed KV (the value projection follows, per head, outside). */
 static void mla_item(model *m, attn_job *a, int item, int tid) {
     const glmi4_spec *s = &m->s;
     const int NH = s->n_heads, R = s->kv_lora, rp = s->rot_dim, lw = R + rp, qw = s->nope + rp;
@@ -2494,18 +2567,10 @@ static void mla_item(model *m, attn_job *a, int item, int tid) {
     float *blk = m->rowbuf + (size_t)tid * (SC_HEADS(NH) + ATT_BLK) * lw + (size_t)SC_HEADS(NH) * lw;
     const float *ql = m->qlat + (size_t)t * NH * R, *qr = m->qf + (size_t)t * NH * qw + s->nope;
     float *o = m->olat + (size_t)t * NH * R;
-    const int fast = m->isa != ISA_REF && R % 32 == 0 && rp % 8 == 0;   /* the AVX2 passes above */
-    (void)fast;
     for (int i0 = 0; i0 < n; i0 += ATT_BLK) {
         const int nb = imin(ATT_BLK, n - i0);
         for (int r = 0; r < nb; r++) cache_get(m, m->kc, kv_off(m, slot, a->layer, 0, phys(m, slot, i0 + r)), blk + r * lw, lw);
         for (int h = h0; h < h1; h++) {
-#if GLMI4_X86
-            if (fast) {
-                mla_scores_avx2(ql + (size_t)h * R, qr + (size_t)h * qw, blk, nb, lw, R, rp, scale, sc + (size_t)(h - h0) * n + i0);
-                continue;
-            }
-#endif
             for (int r = 0; r < nb; r++)
                 sc[(size_t)(h - h0) * n + i0 + r] =
                     (dotf(m, ql + (size_t)h * R, blk + r * lw, R) + dotf(m, qr + (size_t)h * qw, blk + r * lw + R, rp)) * scale;
@@ -2522,12 +2587,6 @@ static void mla_item(model *m, attn_job *a, int item, int tid) {
         const int nb = imin(ATT_BLK, n - i0);
         for (int r = 0; r < nb; r++) cache_get(m, m->kc, kv_off(m, slot, a->layer, 0, phys(m, slot, i0 + r)), blk + r * lw, lw);
         for (int h = h0; h < h1; h++) {
-#if GLMI4_X86
-            if (fast) {
-                mla_values_avx2(o + (size_t)h * R, sc + (size_t)(h - h0) * n + i0, blk, nb, lw, R);
-                continue;
-            }
-#endif
             for (int r = 0; r < nb; r++) axpyf(m, o + (size_t)h * R, sc[(size_t)(h - h0) * n + i0 + r], blk + r * lw, R);
         }
     }
@@ -2586,7 +2645,7 @@ static void attn_mla(model *m, const glmi4_layer *L, int l, int T) {
                             .xs = m->hxs, .ldo = m->hkp}, &uk[0]);
     per_head_gemms(m, uk, T, m->qlat, R);
 #if GLMI4_X86
-    if (m->mla_scratch) mla_attend512(m, l, T, work);
+    if (m->mla_scratch) mla_attend_chunked(m, l, T, work);
     else
 #endif
     {
@@ -2937,7 +2996,8 @@ void *glmi4_create(const glmi4_spec *spec, char *err, int errlen) {
     if (s->mla) {
         const size_t lw = (size_t)m->kvw, per_head = (size_t)NH * T;
 #if GLMI4_X86
-        if (m->isa == ISA_VNNI && s->kv_lora % 16 == 0 && s->rot_dim % (16 / MLA_HV) == 0) {
+        if ((m->isa == ISA_VNNI && s->kv_lora % 16 == 0 && s->rot_dim % (16 / MLA_HV) == 0) ||
+            (m->isa != ISA_REF && m->isa != ISA_VNNI && s->kv_lora % 32 == 0 && s->rot_dim % 8 == 0)) {
             m->mla_scratch = xalloc(nth * mla_thread_floats(s) * 4);
             m->mla_parts = xalloc((size_t)MLA_SPLIT * mla_chunks(s->capacity) * NH * (s->kv_lora + 2) * 4);
             m->mla_ml = xalloc(T * 2 * NH * 4);
