@@ -2371,28 +2371,6 @@ T_VNNI static void mla_chunk(const model *m, const float *q2, int nh, const floa
     }
 }
 
-/* Merge chunk c's partial (o, m, l) of one head into the running one (acc: o, then m and l): in chunk order,
- * the same operations whichever thread computed the chunk. */
-T_VNNI static void mla_merge(float *acc, float *acc_m, float *acc_l, const float *o, float m, float l, int R, int c) {
-    if (c == 0) {
-        memcpy(acc, o, sizeof(float) * (size_t)R);
-        *acc_m = m;
-        *acc_l = l;
-        return;
-    }
-    const float mx = fmaxf(*acc_m, m), a = expf(*acc_m - mx), b = expf(m - mx);
-    const __m512 va = _mm512_set1_ps(a), vb = _mm512_set1_ps(b);
-    for (int i = 0; i < R; i += 16)
-        _mm512_storeu_ps(acc + i, _mm512_fmadd_ps(_mm512_loadu_ps(o + i), vb, _mm512_mul_ps(_mm512_loadu_ps(acc + i), va)));
-    *acc_m = mx;
-    *acc_l = *acc_l * a + l * b;
-}
-
-T_VNNI static void mla_finish(float *acc, float l, int R) {
-    const __m512 inv = _mm512_set1_ps(1.f / l);
-    for (int i = 0; i < R; i += 16) _mm512_storeu_ps(acc + i, _mm512_mul_ps(_mm512_loadu_ps(acc + i), inv));
-}
-
 /* The AVX2 / AVX-VNNI tiers' chunk: rows c*MLA_CHUNK .. +nb converted into buf (contiguous, as their score kernel
  * reads them); per head, scores 4 rows at a time, the chunk's max, exp and sum, and o over the rows */
 T_AVX2 static void mla_rows_avx2(const model *m, int slot, int layer, int c, int nb, float *buf) {
@@ -2427,7 +2405,10 @@ T_AVX2 static void mla_chunk_avx2(const model *m, int t, int h0, int nh, const f
     }
 }
 
-T_AVX2 static void mla_merge_avx2(float *acc, float *acc_m, float *acc_l, const float *o, float m, float l, int R, int c) {
+/* Merge chunk c's partial (o, m, l) of one head into the running one (acc: o, then m and l): in chunk order,
+ * the same operations whichever thread computed the chunk. Element-wise, so 8 lanes give the bits 16 would:
+ * every fast tier uses it. */
+T_AVX2 static void mla_merge(float *acc, float *acc_m, float *acc_l, const float *o, float m, float l, int R, int c) {
     if (c == 0) {
         memcpy(acc, o, sizeof(float) * (size_t)R);
         *acc_m = m;
@@ -2442,19 +2423,9 @@ T_AVX2 static void mla_merge_avx2(float *acc, float *acc_m, float *acc_l, const 
     *acc_l = *acc_l * a + l * b;
 }
 
-T_AVX2 static void mla_finish_avx2(float *acc, float l, int R) {
+T_AVX2 static void mla_finish(float *acc, float l, int R) {
     const __m256 inv = _mm256_set1_ps(1.f / l);
     for (int i = 0; i < R; i += 8) _mm256_storeu_ps(acc + i, _mm256_mul_ps(_mm256_loadu_ps(acc + i), inv));
-}
-
-static void mla_merge_any(const model *m, float *acc, float *acc_m, float *acc_l, const float *o, float mx, float l, int c) {
-    if (m->isa == ISA_VNNI) mla_merge(acc, acc_m, acc_l, o, mx, l, m->s.kv_lora, c);
-    else mla_merge_avx2(acc, acc_m, acc_l, o, mx, l, m->s.kv_lora, c);
-}
-
-static void mla_finish_any(const model *m, float *acc, float l) {
-    if (m->isa == ISA_VNNI) mla_finish(acc, l, m->s.kv_lora);
-    else mla_finish_avx2(acc, l, m->s.kv_lora);
 }
 
 static void mla_item_chunked(mla_job *a, int item, int tid) {
@@ -2498,12 +2469,12 @@ static void mla_item_chunked(mla_job *a, int item, int tid) {
             if (vnni) mla_chunk(m, q2 + (size_t)(t - t0) * sh * lw, NH, rows, nb, sc, part, mx, l);
             else mla_chunk_avx2(m, t, 0, NH, buf, nb, sc, part, mx, l);
             for (int h = 0; h < NH; h++)
-                mla_merge_any(m, o + (size_t)h * R, ml + h, ml + NH + h, part + (size_t)h * R, mx[h], l[h], c);
+                mla_merge(o + (size_t)h * R, ml + h, ml + NH + h, part + (size_t)h * R, mx[h], l[h], R, c);
         }
     }
     for (int t = t0; t < t1; t++)
         for (int h = 0; h < NH; h++)
-            mla_finish_any(m, m->olat + ((size_t)t * NH + h) * R, m->mla_ml[(size_t)t * 2 * NH + NH + h]);
+            mla_finish(m->olat + ((size_t)t * NH + h) * R, m->mla_ml[(size_t)t * 2 * NH + NH + h], R);
 }
 
 static void mla_task_chunked(void *arg, int tid, int nth) {
@@ -2520,9 +2491,9 @@ static void mla_merge_split(model *m, const mla_job *a, int t) {
         float *o = m->olat + ((size_t)t * NH + h) * R, mx = 0.f, l = 0.f;
         for (int c = 0; c < a->cum[t + 1] - a->cum[t]; c++) {
             const float *pc = m->mla_parts + (size_t)(a->cum[t] + c) * NH * (R + 2);
-            mla_merge_any(m, o, &mx, &l, pc + (size_t)h * R, pc[(size_t)NH * R + h], pc[(size_t)NH * (R + 1) + h], c);
+            mla_merge(o, &mx, &l, pc + (size_t)h * R, pc[(size_t)NH * R + h], pc[(size_t)NH * (R + 1) + h], R, c);
         }
-        mla_finish_any(m, o, l);
+        mla_finish(o, l, R);
     }
 }
 
