@@ -332,7 +332,8 @@ def bench(backends: list[tuple[str, LoadOptions]], model_dir: Path, prompt_len: 
                     results[i].append(out)
             for weights, path in ggufs.items() if r >= warmup else ():
                 progress(f"bench: llama.cpp {path.parent.name} {label}")
-                lc_runs[weights].append(llamacpp.bench(path, prompt_len, gen, threads))
+                # decode after the prompt's context, as the backends' decode follows their prefill
+                lc_runs[weights].append(llamacpp.bench(path, prompt_len, gen, threads, depth=prompt_len))
                 time.sleep(SETTLE_S)
         if probe is not None:
             probes.append(probe.measure())            # after the last round

@@ -14,8 +14,9 @@ and GLM-4-9B-chat) to an f16 GGUF, with the vocabulary given from tokenizer.mode
 instead), then llama-quantize makes the type that matches a weight format:
 int8 -> Q8_0, int4 -> Q4_0 (llama.cpp's defaults: Q4_0 keeps the output layer in Q6_K). The files are cached
 under $GLMCORE_CACHE/converted/llamacpp. Timing is llama-bench's: prompt processing of the prompt length, then
-generation of the new tokens (from an empty context; at these context lengths the KV cache is <1% of a
-token's reads), one repetition per call so a caller can alternate it with its own runs. Peak RSS is the
+generation of the new tokens after `depth` tokens of context (the benchmarks pass the prompt length, as their
+own decode follows the prompt: a second llama-bench run with -d), one repetition per call so a caller can
+alternate it with its own runs. Peak RSS is the
 llama-bench process's (mapped model pages it touched included). `LlamaServer` runs llama-server (built on demand
 by `build_targets(root, ["llama-server"])`) on the loopback for its chat template rendering.
 """

@@ -72,7 +72,8 @@ class StubLlamaCpp:
             raise GlmcoreError(f"no counterpart of {weights}")
         return self.root / llamacpp.GGUF_TYPES[weights] / "model.gguf"
 
-    def bench(self, path, prompt_len, gen, threads):
+    def bench(self, path, prompt_len, gen, threads, depth=0):
+        assert depth == prompt_len          # llama.cpp decodes after the prompt's context, as the backends do
         self.calls.append((path.parent.name, prompt_len, gen, threads))
         return {"prefill_tps": 50.0, "decode_tps": 10.0 + len(self.calls), "peak_rss_mib": 99.0}
 
