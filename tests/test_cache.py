@@ -171,3 +171,26 @@ def test_cache_list_remove_prune(tmp_path, monkeypatch, capsys):
     assert (tmp_path / "converted/openvino_amx/x-int8-bbb").exists()       # recently used: kept
     rc, out, _ = _cli(capsys, "cache", "prune", "--older-than", "0")
     assert not (tmp_path / "converted/openvino_amx/x-int8-bbb").exists()
+
+
+def test_fingerprint_is_remembered_until_a_file_changes(tmp_path, monkeypatch):
+    """The rows a fingerprint reads are random reads (seconds over an MoE checkpoint on a cold page cache): the
+    result is kept in the cache against the files' paths, sizes, times and inodes, and read again once a file
+    changes."""
+    import numpy as np
+    from glmcore.weights import Weights, read_safetensors, write_safetensors
+    monkeypatch.setenv("GLMCORE_CACHE", str(tmp_path / "cache"))
+    f = tmp_path / "w.safetensors"
+    write_safetensors(f, {"t": np.arange(64, dtype=np.float32).reshape(16, 4)})
+    first = Weights(read_safetensors(f), [f]).fingerprint()
+    assert (tmp_path / "cache" / "fingerprints.json").is_file()
+    stat = f.stat()
+    data = bytearray(f.read_bytes())
+    data[-1] ^= 1                                   # the last row's bytes, same size, same times: remembered
+    f.write_bytes(bytes(data))
+    os.utime(f, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    assert Weights(read_safetensors(f), [f]).fingerprint() == first
+    os.utime(f, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))      # touched: read again, and it differs
+    assert Weights(read_safetensors(f), [f]).fingerprint() != first
+    (tmp_path / "cache" / "fingerprints.json").write_text("{not json")   # a garbled memo is recomputed
+    assert len(Weights(read_safetensors(f), [f]).fingerprint()) == 16
