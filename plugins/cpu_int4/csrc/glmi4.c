@@ -2197,73 +2197,73 @@ static void attn_gqa(model *m, const glmi4_layer *L, int l, int T) {
 }
 
 #if GLMI4_X86
-/* Latent attention's two passes over a block of nb cached rows (width lw: the latent, then the rope key), for
- * one head, each row's result computed exactly as dot_avx2 / axpy_avx2 compute it (so the same bits as a row
- * at a time), several rows at a time: independent FMA chains where one row at a time waits on the FMA
- * latency, and (values) the head's output held in registers across the block instead of loaded and stored
- * per row. Needs R and rp multiples of 16. */
-T_AVX2 INLINE void dot2_acc(__m256 *s0, __m256 *s1, const float *a, const float *b, int n) {
-    int i = 0;
-    for (; i + 16 <= n; i += 16) {
-        *s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), *s0);
-        *s1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), *s1);
+/* The AVX2 tiers' latent attention kernels over a chunk's rows (width lw: the latent, then the rope key), two
+ * heads at a time so each row's load feeds both (6 loads per 8 multiply-adds, where one head took 10). */
+
+/* Scores of NHB (1-2) heads against rows r..r+NR-1 (NR 1-4): one accumulator per (head, row), 8 dims a step over
+ * the latent part, then the rope part, reduced by hsum8, so a (head, row)'s sum order depends on neither NHB nor
+ * NR (nor on the chunk: rows are whole). R and rp multiples of 8. */
+T_AVX2 INLINE void mla_scores_tile(const float *const *ql, const float *const *qr, const float *blk, int lw, int R,
+                                   int rp, float scale, float *const *out, int r, const int NHB, const int NR) {
+    __m256 acc[2][4];
+    for (int h = 0; h < NHB; h++)
+        for (int k = 0; k < NR; k++) acc[h][k] = _mm256_setzero_ps();
+    for (int part = 0; part < 2; part++) {
+        const int off = part ? R : 0, n = part ? rp : R;
+        for (int i = 0; i < n; i += 8) {
+            __m256 x[4];
+            for (int k = 0; k < NR; k++) x[k] = _mm256_loadu_ps(blk + (size_t)(r + k) * lw + off + i);
+            for (int h = 0; h < NHB; h++) {
+                const __m256 q = _mm256_loadu_ps((part ? qr[h] : ql[h]) + i);
+                for (int k = 0; k < NR; k++) acc[h][k] = _mm256_fmadd_ps(q, x[k], acc[h][k]);
+            }
+        }
     }
-    if (i < n) *s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), *s0);    /* n % 16 == 8 */
+    for (int h = 0; h < NHB; h++)
+        for (int k = 0; k < NR; k++) out[h][r + k] = hsum8(acc[h][k]) * scale;
 }
 
-/* out[r] = (ql . row_r[0:R] + qr . row_r[R:R+rp]) * scale, 4 rows at a time */
-T_AVX2 static void mla_scores_avx2(const float *ql, const float *qr, const float *blk, int nb, int lw, int R, int rp,
-                                   float scale, float *out) {
+/* out[h][r] = (ql[h] . row_r[0:R] + qr[h] . row_r[R:R+rp]) * scale for nhb (1-2) heads, 4 rows at a time */
+T_AVX2 static void mla_scores_avx2(const float *const *ql, const float *const *qr, int nhb, const float *blk, int nb,
+                                   int lw, int R, int rp, float scale, float *const *out) {
     int r = 0;
-    for (; r + 4 <= nb; r += 4) {
-        __m256 a[4][2], b[4][2];
-        for (int k = 0; k < 4; k++) a[k][0] = a[k][1] = b[k][0] = b[k][1] = _mm256_setzero_ps();
-        for (int i = 0; i < R; i += 16) {
-            const __m256 q0 = _mm256_loadu_ps(ql + i), q1 = _mm256_loadu_ps(ql + i + 8);
-            for (int k = 0; k < 4; k++) {
-                a[k][0] = _mm256_fmadd_ps(q0, _mm256_loadu_ps(blk + (size_t)(r + k) * lw + i), a[k][0]);
-                a[k][1] = _mm256_fmadd_ps(q1, _mm256_loadu_ps(blk + (size_t)(r + k) * lw + i + 8), a[k][1]);
-            }
-        }
-        int i = 0;
-        for (; i + 16 <= rp; i += 16) {
-            const __m256 q0 = _mm256_loadu_ps(qr + i), q1 = _mm256_loadu_ps(qr + i + 8);
-            for (int k = 0; k < 4; k++) {
-                b[k][0] = _mm256_fmadd_ps(q0, _mm256_loadu_ps(blk + (size_t)(r + k) * lw + R + i), b[k][0]);
-                b[k][1] = _mm256_fmadd_ps(q1, _mm256_loadu_ps(blk + (size_t)(r + k) * lw + R + i + 8), b[k][1]);
-            }
-        }
-        if (i < rp)     /* rp % 16 == 8: as dot2_acc's end */
-            for (int k = 0; k < 4; k++)
-                b[k][0] = _mm256_fmadd_ps(_mm256_loadu_ps(qr + i), _mm256_loadu_ps(blk + (size_t)(r + k) * lw + R + i), b[k][0]);
-        for (int k = 0; k < 4; k++)
-            out[r + k] = (hsum8(_mm256_add_ps(a[k][0], a[k][1])) + hsum8(_mm256_add_ps(b[k][0], b[k][1]))) * scale;
-    }
-    for (; r < nb; r++) {
-        __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), b0 = _mm256_setzero_ps(), b1 = _mm256_setzero_ps();
-        dot2_acc(&a0, &a1, ql, blk + (size_t)r * lw, R);
-        dot2_acc(&b0, &b1, qr, blk + (size_t)r * lw + R, rp);
-        out[r] = (hsum8(_mm256_add_ps(a0, a1)) + hsum8(_mm256_add_ps(b0, b1))) * scale;
+    if (nhb == 2) {
+        for (; r + 4 <= nb; r += 4) mla_scores_tile(ql, qr, blk, lw, R, rp, scale, out, r, 2, 4);
+        for (; r < nb; r++) mla_scores_tile(ql, qr, blk, lw, R, rp, scale, out, r, 2, 1);
+    } else {
+        for (; r + 4 <= nb; r += 4) mla_scores_tile(ql, qr, blk, lw, R, rp, scale, out, r, 1, 4);
+        for (; r < nb; r++) mla_scores_tile(ql, qr, blk, lw, R, rp, scale, out, r, 1, 1);
     }
 }
 
-/* o[0:R] += p[r] * row_r[0:R] for the block's rows in order, 32 outputs at a time */
-T_AVX2 static void mla_values_avx2(float *o, const float *p, const float *blk, int nb, int lw, int R) {
-    for (int c = 0; c < R; c += 32) {
-        __m256 a0 = _mm256_loadu_ps(o + c), a1 = _mm256_loadu_ps(o + c + 8), a2 = _mm256_loadu_ps(o + c + 16),
-               a3 = _mm256_loadu_ps(o + c + 24);
-        for (int r = 0; r < nb; r++) {
-            const __m256 w = _mm256_set1_ps(p[r]);
-            const float *x = blk + (size_t)r * lw + c;
-            a0 = _mm256_fmadd_ps(w, _mm256_loadu_ps(x), a0);
-            a1 = _mm256_fmadd_ps(w, _mm256_loadu_ps(x + 8), a1);
-            a2 = _mm256_fmadd_ps(w, _mm256_loadu_ps(x + 16), a2);
-            a3 = _mm256_fmadd_ps(w, _mm256_loadu_ps(x + 24), a3);
+/* o[h][0:R] += p[h][r] * row_r[0:R] for nhb (1-2) heads over the rows in order, 32 outputs a head at a time (each
+ * output a chain of FMAs in row order: its bits do not depend on nhb) */
+T_AVX2 INLINE void mla_values_tile(float *const *o, const float *const *p, const float *blk, int nb, int lw, int c,
+                                   const int NHB) {
+    __m256 acc[2][4];
+    for (int h = 0; h < NHB; h++)
+        for (int j = 0; j < 4; j++) acc[h][j] = _mm256_loadu_ps(o[h] + c + 8 * j);
+    for (int r = 0; r < nb; r++) {
+        const float *x = blk + (size_t)r * lw + c;
+        const __m256 x0 = _mm256_loadu_ps(x), x1 = _mm256_loadu_ps(x + 8), x2 = _mm256_loadu_ps(x + 16),
+                     x3 = _mm256_loadu_ps(x + 24);
+        for (int h = 0; h < NHB; h++) {
+            const __m256 w = _mm256_set1_ps(p[h][r]);
+            acc[h][0] = _mm256_fmadd_ps(w, x0, acc[h][0]);
+            acc[h][1] = _mm256_fmadd_ps(w, x1, acc[h][1]);
+            acc[h][2] = _mm256_fmadd_ps(w, x2, acc[h][2]);
+            acc[h][3] = _mm256_fmadd_ps(w, x3, acc[h][3]);
         }
-        _mm256_storeu_ps(o + c, a0);
-        _mm256_storeu_ps(o + c + 8, a1);
-        _mm256_storeu_ps(o + c + 16, a2);
-        _mm256_storeu_ps(o + c + 24, a3);
+    }
+    for (int h = 0; h < NHB; h++)
+        for (int j = 0; j < 4; j++) _mm256_storeu_ps(o[h] + c + 8 * j, acc[h][j]);
+}
+
+T_AVX2 static void mla_values_avx2(float *const *o, const float *const *p, int nhb, const float *blk, int nb, int lw,
+                                   int R) {
+    for (int c = 0; c < R; c += 32) {
+        if (nhb == 2) mla_values_tile(o, p, blk, nb, lw, c, 2);
+        else mla_values_tile(o, p, blk, nb, lw, c, 1);
     }
 }
 #endif
@@ -2277,7 +2277,7 @@ T_AVX2 static void mla_values_avx2(float *o, const float *p, const float *blk, i
  * read and converted once per step rather than once per thread and pass; more tokens (a prompt) go in blocks of
  * MLA_QB tokens of one slot, which share each converted chunk. On AVX-512, scores and P.V are attn_item_avx512's
  * kernels, heads in pairs (MLA_HV: a model constant; pairs waste no lanes at an even head count); on the AVX2 and
- * AVX-VNNI tiers, mla_scores_avx2 (4 rows a head) and mla_values_avx2. */
+ * AVX-VNNI tiers, mla_scores_avx2 and mla_values_avx2 (two heads at a time). */
 #define MLA_HV 2
 #define MLA_CHUNK 256   /* positions per partial softmax (576 f32 rows of GLM-4.7-Flash: 590 KB, in L2) */
 #define MLA_QB 4        /* tokens of one slot sharing a converted chunk */
@@ -2372,7 +2372,7 @@ T_VNNI static void mla_chunk(const model *m, const float *q2, int nh, const floa
 }
 
 /* The AVX2 / AVX-VNNI tiers' chunk: rows c*MLA_CHUNK .. +nb converted into buf (contiguous, as their score kernel
- * reads them); per head, scores 4 rows at a time, the chunk's max, exp and sum, and o over the rows */
+ * reads them); per pair of heads, scores 4 rows at a time, each head's max, exp and sum, and o over the rows */
 T_AVX2 static void mla_rows_avx2(const model *m, int slot, int layer, int c, int nb, float *buf) {
     const int lw = m->kvw;
     for (int r = 0; r < nb; r++)
@@ -2385,23 +2385,30 @@ T_AVX2 static void mla_chunk_avx2(const model *m, int t, int h0, int nh, const f
     const int NH = s->n_heads, R = s->kv_lora, rp = s->rot_dim, lw = R + rp, qw = s->nope + rp;
     const float scale = 1.f / sqrtf((float)s->head_dim);
     const float *ql = m->qlat + ((size_t)t * NH + h0) * R, *qr = m->qf + ((size_t)t * NH + h0) * qw + s->nope;
-    for (int h = 0; h < nh; h++) {
-        float *p = sc + (size_t)h * MLA_CHUNK, mx = -INFINITY;
-        mla_scores_avx2(ql + (size_t)h * R, qr + (size_t)h * qw, buf, nb, lw, R, rp, scale, p);
-        for (int i = 0; i < nb; i++) mx = p[i] > mx ? p[i] : mx;
-        __m256 vs = _mm256_setzero_ps();
-        int i = 0;
-        for (; i + 8 <= nb; i += 8) {
-            const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(p + i), _mm256_set1_ps(mx)));
-            _mm256_storeu_ps(p + i, e);
-            vs = _mm256_add_ps(vs, e);
+    for (int h = 0; h < nh; h += 2) {       /* heads in pairs: each row's loads serve both */
+        const int nhb = imin(2, nh - h);
+        const float *qlh[2] = {ql + (size_t)h * R, ql + (size_t)(h + nhb - 1) * R};
+        const float *qrh[2] = {qr + (size_t)h * qw, qr + (size_t)(h + nhb - 1) * qw};
+        float *ph[2] = {sc + (size_t)h * MLA_CHUNK, sc + (size_t)(h + nhb - 1) * MLA_CHUNK};
+        float *oh[2] = {o + (size_t)h * R, o + (size_t)(h + nhb - 1) * R};
+        mla_scores_avx2(qlh, qrh, nhb, buf, nb, lw, R, rp, scale, ph);
+        for (int k = 0; k < nhb; k++) {
+            float *p = ph[k], mx = -INFINITY;
+            for (int i = 0; i < nb; i++) mx = p[i] > mx ? p[i] : mx;
+            __m256 vs = _mm256_setzero_ps();
+            int i = 0;
+            for (; i + 8 <= nb; i += 8) {
+                const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(p + i), _mm256_set1_ps(mx)));
+                _mm256_storeu_ps(p + i, e);
+                vs = _mm256_add_ps(vs, e);
+            }
+            float sum = hsum8(vs);
+            for (; i < nb; i++) { p[i] = expf(p[i] - mx); sum += p[i]; }
+            mx_out[h + k] = mx;
+            l_out[h + k] = sum;
+            memset(oh[k], 0, sizeof(float) * (size_t)R);
         }
-        float sum = hsum8(vs);
-        for (; i < nb; i++) { p[i] = expf(p[i] - mx); sum += p[i]; }
-        mx_out[h] = mx;
-        l_out[h] = sum;
-        memset(o + (size_t)h * R, 0, sizeof(float) * (size_t)R);
-        mla_values_avx2(o + (size_t)h * R, p, buf, nb, lw, R);
+        mla_values_avx2(oh, (const float *const *)ph, nhb, buf, nb, lw, R);
     }
 }
 
