@@ -20,7 +20,6 @@ a backend within 10% of it whose default format keeps more bits wins (equal spee
 """
 from __future__ import annotations
 
-import json
 import os
 import statistics
 import sys
@@ -175,11 +174,8 @@ def contention_note(share: float | None, tries: int) -> str:
 
 
 def _read_stamped(name: str, key: dict) -> dict | None:
-    from .cache import cache_root
-    try:
-        raw = json.loads((cache_root() / name).read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None       # none yet, or unreadable: measure again
+    from .cache import read_json
+    raw = read_json(name)        # None: none yet, or unreadable: measure again
     stamp = {"version": _version(), "cpu": cpu_identity(), **key}
     if not isinstance(raw, dict) or any(raw.get(k) != v for k, v in stamp.items()):
         return None
@@ -197,18 +193,13 @@ def read_cached(name: str, **key) -> dict | None:
 def write_cached(name: str, data: dict, what: str) -> int:
     """Cache `data` (with the version and CPU stamps read_cached compares) whole or not at all; returns its count of
     tries: a measurement under contention (data's "contention") right after a provisional one is a further try."""
-    from .cache import cache_root
-    path = cache_root() / name
+    from .cache import cache_root, write_json
     before = _read_stamped(name, {}) if _busy(data.get("contention")) else None
     tries = before.get("tries", 1) + 1 if before is not None and provisional(before) else 1
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps({**data, "tries": tries, "version": _version(), "cpu": cpu_identity()}, indent=1),
-                       encoding="utf-8")
-        os.replace(tmp, path)            # even with two first runs at once
+        write_json(name, {**data, "tries": tries, "version": _version(), "cpu": cpu_identity()})
     except OSError as e:
-        print(f"note: could not cache {what} in {path} ({e.strerror})", file=sys.stderr)
+        print(f"note: could not cache {what} in {cache_root() / name} ({e.strerror})", file=sys.stderr)
     return tries
 
 

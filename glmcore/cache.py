@@ -37,6 +37,30 @@ def cache_root() -> Path:
     return Path(base) / "glmcore"
 
 
+
+SMALL_JSON_LIMIT = 1 << 20     # a remembered measurement or memo; anything bigger was not written by glmcore
+
+
+def read_json(name: str):
+    """A small JSON file at the cache root (a measurement or memo glmcore remembered), or None: missing,
+    unreadable, over SMALL_JSON_LIMIT bytes, or not JSON -- the caller measures again."""
+    from .files import read_bounded
+    try:
+        return json.loads(read_bounded(cache_root() / name, SMALL_JSON_LIMIT, "cache file", "it is made again",
+                                       error=ValueError))
+    except (OSError, ValueError):
+        return None
+
+
+def write_json(name: str, data) -> None:
+    """Write a small JSON file at the cache root whole or not at all (two writers at once: the last one wins).
+    Raises OSError where the cache cannot be written."""
+    path = cache_root() / name
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(data, indent=1), encoding="utf-8")
+    os.replace(tmp, path)
+
 def build_once(final: Path, build: Callable[[Path], object], complete: Callable[[Path], bool],
                source: str | None = None) -> Path:
     """Make directory `final` by build(tmp) unless it is already complete and intact. A stale `final`

@@ -11,7 +11,6 @@ dependency and execute arbitrary pickles; hence these two small readers.
 from __future__ import annotations
 
 import json
-import os
 import math
 import pickle
 import struct
@@ -91,8 +90,9 @@ class Weights(Mapping):
                 # the pages read (and those the kernel maps around them: GBs over an MoE checkpoint's thousands
                 # of expert tensors) would count in this process's RSS for as long as it runs
                 release(t)
-        memo.put(h.hexdigest()[:16])
-        return h.hexdigest()[:16]
+        fingerprint = h.hexdigest()[:16]
+        memo.put(fingerprint)
+        return fingerprint
 
 
 class _FingerprintMemo:
@@ -114,11 +114,8 @@ class _FingerprintMemo:
                                                  sort_keys=True).encode()).hexdigest()[:32]
 
     def _read(self) -> dict:
-        from .cache import cache_root
-        try:
-            known = json.loads((cache_root() / self.FILE).read_text(encoding="utf-8"))
-        except (OSError, ValueError):
-            return {}
+        from .cache import read_json
+        known = read_json(self.FILE)
         return known if isinstance(known, dict) else {}
 
     def get(self) -> str | None:
@@ -129,17 +126,12 @@ class _FingerprintMemo:
     def put(self, fingerprint: str) -> None:
         if not self.key:
             return
-        from .cache import cache_root
+        from .cache import write_json
         known = self._read()
         known.pop(self.key, None)
         known[self.key] = fingerprint                       # insertion order: the most recent last
-        known = dict(list(known.items())[-self.MAX:])
-        path = cache_root() / self.FILE
         try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_name(f".{path.name}.{os.getpid()}")
-            tmp.write_text(json.dumps(known), encoding="utf-8")
-            os.replace(tmp, path)
+            write_json(self.FILE, dict(list(known.items())[-self.MAX:]))
         except OSError:
             pass
 

@@ -116,14 +116,14 @@ def test_fingerprint_is_content_not_path(make_tiny, tmp_path):
     assert load_weights(tmp_path / "other", cfg).fingerprint() != load_weights(a, cfg).fingerprint()
 
 
-
 @pytest.mark.skipif(not Path("/proc/self/status").is_file(), reason="reads RssFile from /proc (Linux)")
-def test_fingerprint_leaves_no_mapped_pages_behind(tmp_path):
+def test_fingerprint_leaves_no_mapped_pages_behind(tmp_path, monkeypatch):
     """The fingerprint reads 16 rows of every tensor of a memory-mapped checkpoint; the pages it touches (and
     those the kernel maps around them) must not stay in the process's RSS: over the thousands of expert tensors
     of an MoE checkpoint that was GBs for as long as a server ran."""
     import numpy as np
     from glmcore.weights import Weights, read_safetensors, write_safetensors
+    monkeypatch.setenv("GLMCORE_CACHE", str(tmp_path / "cache"))
     rng = np.random.default_rng(0)
     write_safetensors(tmp_path / "w.safetensors",
                       {f"t{i}": rng.standard_normal((256, 1024)).astype(np.float32) for i in range(64)})   # 64 MiB
@@ -192,5 +192,7 @@ def test_fingerprint_is_remembered_until_a_file_changes(tmp_path, monkeypatch):
     assert Weights(read_safetensors(f), [f]).fingerprint() == first
     os.utime(f, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))      # touched: read again, and it differs
     assert Weights(read_safetensors(f), [f]).fingerprint() != first
-    (tmp_path / "cache" / "fingerprints.json").write_text("{not json")   # a garbled memo is recomputed
-    assert len(Weights(read_safetensors(f), [f]).fingerprint()) == 16
+    for garbled in ("{not json", "[1]", '{"x": "' + "a" * (2 << 20) + '"}'):   # not JSON, not a map, over 1 MiB
+        (tmp_path / "cache" / "fingerprints.json").write_text(garbled)
+        assert Weights(read_safetensors(f), [f]).fingerprint() != first      # read again (the file changed)
+        assert (tmp_path / "cache" / "fingerprints.json").stat().st_size < 1 << 20   # and remembered afresh
