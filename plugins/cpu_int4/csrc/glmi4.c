@@ -2321,24 +2321,6 @@ T_VNNI static void mla_pack_q(const model *m, int t, int h0, int nh, float *q2) 
     }
 }
 
-/* Rows c*MLA_CHUNK .. +nb of a slot's latent cache as f32 row pointers (into the cache when it is f32, else
- * converted into buf); pointers past nb repeat row 0, to a multiple of 16 (the score kernel reads 16 rows). */
-T_VNNI static void mla_rows(const model *m, int slot, int layer, int c, int nb, float *buf, const float **rows) {
-    const int lw = m->kvw;
-    for (int r = 0; r < nb; r++) {
-        const size_t off = kv_off(m, slot, layer, 0, phys(m, slot, c * MLA_CHUNK + r));
-        if (!m->s.kv_f16) { rows[r] = (const float *)m->kc + off; continue; }
-        const uint16_t *h = (const uint16_t *)m->kc + off;
-        float *d = buf + (size_t)r * lw;
-        for (int e = 0; e < lw; e += 16) {     /* a latent row's width may end in 8 */
-            const __mmask16 mk = lw - e >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (lw - e)) - 1);
-            _mm512_mask_storeu_ps(d + e, mk, _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mk, h + e)));
-        }
-        rows[r] = d;
-    }
-    for (int r = nb; r % 16; r++) rows[r] = rows[0];
-}
-
 /* One chunk of nb rows for nh heads (queries packed in q2): head h's o at o + h*R, its max and sum at mx[h], l[h] */
 T_VNNI static void mla_chunk(const model *m, const float *q2, int nh, const float *const *rows, int nb, float *sc,
                              float *o, float *mx_out, float *l_out) {
@@ -2371,14 +2353,26 @@ T_VNNI static void mla_chunk(const model *m, const float *q2, int nh, const floa
     }
 }
 
-/* The AVX2 / AVX-VNNI tiers' chunk: rows c*MLA_CHUNK .. +nb converted into buf (contiguous, as their score kernel
- * reads them); per pair of heads, scores 4 rows at a time, each head's max, exp and sum, and o over the rows */
-T_AVX2 static void mla_rows_avx2(const model *m, int slot, int layer, int c, int nb, float *buf) {
+/* Rows c*MLA_CHUNK .. +nb of a slot's latent cache as f32 row pointers: into the cache itself where it is f32 and
+ * in_place (AVX-512's kernels take row pointers), else converted by cache_get into buf, contiguous (the AVX2
+ * kernels read rows at a stride). Pointers past nb repeat row 0, to a multiple of 16 (AVX-512's score kernel
+ * reads 16 rows). */
+static void mla_rows(const model *m, int slot, int layer, int c, int nb, float *buf, const float **rows, int in_place) {
     const int lw = m->kvw;
-    for (int r = 0; r < nb; r++)
-        cache_get(m, m->kc, kv_off(m, slot, layer, 0, phys(m, slot, c * MLA_CHUNK + r)), buf + (size_t)r * lw, lw);
+    for (int r = 0; r < nb; r++) {
+        const size_t off = kv_off(m, slot, layer, 0, phys(m, slot, c * MLA_CHUNK + r));
+        if (in_place && !m->s.kv_f16) {
+            rows[r] = (const float *)m->kc + off;
+            continue;
+        }
+        cache_get(m, m->kc, off, buf + (size_t)r * lw, lw);
+        rows[r] = buf + (size_t)r * lw;
+    }
+    for (int r = nb; r % 16; r++) rows[r] = rows[0];
 }
 
+/* The AVX2 / AVX-VNNI tiers' chunk over the rows in buf; per pair of heads, scores 4 rows at a time, each head's
+ * max, exp and sum, and o over the rows */
 T_AVX2 static void mla_chunk_avx2(const model *m, int t, int h0, int nh, const float *buf, int nb, float *sc, float *o,
                                   float *mx_out, float *l_out) {
     const glmi4_spec *s = &m->s;
@@ -2441,7 +2435,7 @@ static void mla_item_chunked(mla_job *a, int item, int tid) {
     const int NH = s->n_heads, R = s->kv_lora, lw = R + s->rot_dim, sh = SC_HEADS(NH), vnni = m->isa == ISA_VNNI;
     float *q2 = m->mla_scratch + (size_t)tid * mla_thread_floats(s), *buf = q2 + (size_t)MLA_QB * sh * lw;
     float *sc = buf + (size_t)MLA_CHUNK * lw, *part = sc + (size_t)sh * MLA_CHUNK;
-    const float *rows[MLA_CHUNK + 16];      /* AVX-512: the chunk's rows (converted into buf, or in the cache) */
+    const float *rows[MLA_CHUNK + 16];      /* the chunk's rows (in buf, or in the cache) */
     if (a->split) {         /* (token, chunk, head part): the partial goes to the shared buffer */
         const int part_i = item % a->hsplit, per = (NH + a->hsplit - 1) / a->hsplit, h0 = part_i * per;
         const int nh = imin(NH, h0 + per) - h0, k = item / a->hsplit;
@@ -2453,10 +2447,10 @@ static void mla_item_chunked(mla_job *a, int item, int tid) {
         float *mx = m->mla_parts + (size_t)k * NH * (R + 2) + (size_t)NH * R + h0, *l = mx + NH;
         if (vnni) {
             mla_pack_q(m, t, h0, nh, q2);
-            mla_rows(m, m->tslot[t], a->layer, c, nb, buf, rows);
+            mla_rows(m, m->tslot[t], a->layer, c, nb, buf, rows, 1);
             mla_chunk(m, q2, nh, rows, nb, sc, o, mx, l);
         } else {
-            mla_rows_avx2(m, m->tslot[t], a->layer, c, nb, buf);
+            mla_rows(m, m->tslot[t], a->layer, c, nb, buf, rows, 0);
             mla_chunk_avx2(m, t, h0, nh, buf, nb, sc, o, mx, l);
         }
         return;
@@ -2466,8 +2460,7 @@ static void mla_item_chunked(mla_job *a, int item, int tid) {
     if (vnni)
         for (int t = t0; t < t1; t++) mla_pack_q(m, t, 0, NH, q2 + (size_t)(t - t0) * sh * lw);
     for (int c = 0; c < mla_chunks(n1); c++) {
-        if (vnni) mla_rows(m, slot, a->layer, c, imin(MLA_CHUNK, n1 - c * MLA_CHUNK), buf, rows);
-        else mla_rows_avx2(m, slot, a->layer, c, imin(MLA_CHUNK, n1 - c * MLA_CHUNK), buf);
+        mla_rows(m, slot, a->layer, c, imin(MLA_CHUNK, n1 - c * MLA_CHUNK), buf, rows, vnni);
         for (int t = t0; t < t1; t++) {
             const int nb = imin(MLA_CHUNK, m->tpos[t] + 1 - c * MLA_CHUNK);
             if (nb <= 0) continue;
