@@ -11,6 +11,7 @@ Size: GLMCORE_FUZZ_EXAMPLES examples (default 4) of BATCH files per format; abou
 """
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -206,7 +207,9 @@ def test_gguf(gguf_files, tmp_path_factory, cases):
     run_batch(tmp, jobs)
 
 
+@functools.lru_cache(maxsize=None)
 def _gguf_header_size(path: Path) -> int:
+    """Where the pristine file's tensor data starts (parsed once per file: gguf-py reads the whole vocabulary)."""
     from gguf import GGUFReader
     return GGUFReader(path).data_offset
 

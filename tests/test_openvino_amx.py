@@ -254,6 +254,13 @@ def test_precision_kv_cache_and_dynamic_quantization_are_explicit(tiny):
     assert int(sbf.compiled.get_property("DYNAMIC_QUANTIZATION_GROUP_SIZE")) == ovs.DEFAULT_DYNAMIC_QUANT
     off = _load(cfg, w, "bf16", "int8", dynamic_quant=0)
     assert int(off.compiled.get_property("DYNAMIC_QUANTIZATION_GROUP_SIZE")) == 0
+    # int4 weights: the activations grouped as the weights are (default 128, or --opt group_size)
+    for group in (None, 64):
+        s4 = _load(cfg, w, "bf16", "int4", **({"group_size": group} if group else {}))
+        assert int(s4.compiled.get_property("DYNAMIC_QUANTIZATION_GROUP_SIZE")) == (group or 128)
+        s4.close()
+    assert int(_load(cfg, w, "bf16", "int4", dynamic_quant=32).compiled.get_property(
+        "DYNAMIC_QUANTIZATION_GROUP_SIZE")) == 32
     # Honest about the hardware: without AVX512-BF16/AMX, OpenVINO runs a bf16 request in f32.
     assert sbf.requested_precision == "bf16"
     assert sbf.runtime_precision == ("bf16" if native_bf16() else "f32")
