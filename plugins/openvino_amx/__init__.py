@@ -214,16 +214,17 @@ class OpenVINOBackend(Backend):
 
 
 def _kernel_line() -> str:
-    """What runs the compressed matmuls, as compiled here, and what that means for the default backend."""
+    """What runs the compressed matmuls, as compiled here. Which backend is the default is measured, not read
+    from this (the `default:` line of `glmcore backends`)."""
     try:
         kernel = compressed_matmul_kernel()
     except RuntimeError as e:
         return f"unknown (the probe model did not compile: {_last_line(e)})"
     isa = integer_isa()
     if isa:
-        return f"{kernel} (integer dot products on {isa}: the default backend here)"
+        return f"{kernel} (integer dot products on {isa})"
     return (f"{kernel} (no VNNI/AMX: OpenVINO expands int8/int4 weights to f32 in every matmul, so int4 decodes "
-            "no faster than int8; cpu_int4 is the default on this CPU, --backend openvino_amx still works)")
+            "no faster than int8)")
 
 
 def _runtime_problem() -> str:
