@@ -392,6 +392,7 @@ def test_missing_ir_directory_is_named(make_tiny, tmp_path):
                                         ("\udcff", "unreadable")])
 def test_a_damaged_ir_manifest_is_one_line_error(tmp_path, make_tiny, text, match):
     pytest.importorskip("openvino")
+    from glmcore.backend import LoadOptions
     from glmcore.config import ModelConfig
     from glmcore.errors import BackendError
     from glmcore_plugins.openvino_amx.session import IR_NAME, MANIFEST, checked_ir
@@ -399,7 +400,7 @@ def test_a_damaged_ir_manifest_is_one_line_error(tmp_path, make_tiny, text, matc
     (tmp_path / MANIFEST).write_bytes(text.encode("utf-8", "surrogateescape"))
     cfg = ModelConfig.from_dir(make_tiny("chatglm3"))
     with pytest.raises(BackendError, match=match):
-        checked_ir(tmp_path, cfg, "int8")
+        checked_ir(tmp_path, cfg, LoadOptions("f32", "int8"))
 
 
 @pytest.mark.parametrize("text", ["[]", '{"parts": 5}', "{", '"x"'])

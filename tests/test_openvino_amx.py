@@ -398,6 +398,17 @@ def test_cli_convert_writes_the_ir_with_progress_and_run_uses_it(tiny, tmp_path,
     assert main(["run", "--backend", "openvino_amx", "--model", str(d), "--weights", "int4", "--opt", f"ir={out}",
                  "--prompt", "hi", "--max-new-tokens", "3"]) == 2
     assert "--weights int8" in capsys.readouterr().err
+    # an int4 IR of group 64 runs with its group named, and only so (the run derives the activations' group,
+    # the bytes per token and a drafter's weights from it)
+    out64 = tmp_path / "ir64"
+    assert main(["convert", "--backend", "openvino_amx", "--model", str(d), "--weights", "int4", "--opt",
+                 "group_size=64", "--out", str(out64)]) == 0
+    capsys.readouterr()
+    run = ["run", "--backend", "openvino_amx", "--model", str(d), "--weights", "int4", "--opt", f"ir={out64}",
+           "--prompt", "hi", "--max-new-tokens", "3", "--temperature", "0"]
+    assert main(run) == 2
+    assert "int4 group is 64, not 128; pass --opt group_size=64" in capsys.readouterr().err
+    assert main(run + ["--opt", "group_size=64"]) == 0
 
 
 # ---------------------------------------------------------------- the same IR in openvino_genai

@@ -99,7 +99,7 @@ class OpenVINOBackend(Backend):
             from glmcore.cache import check_converted
             ir = Path(str(options.extra["ir"]))
             check_converted(ir.parent if ir.suffix == ".xml" else ir, weights, "OpenVINO IR")
-            xml = session.checked_ir(ir, config, options.weights)
+            xml = session.checked_ir(ir, config, options)
         elif options.cache_dir is not None:
             xml = session.cached_ir(config, self._weights(config, weights, options, _stderr), options, _stderr)
         if xml is not None:

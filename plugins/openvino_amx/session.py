@@ -139,8 +139,11 @@ def cached_ir(cfg: ModelConfig, weights, options: LoadOptions, progress: Callabl
     return final / IR_NAME
 
 
-def checked_ir(path: Path, cfg: ModelConfig, weights_format: str) -> Path:
-    """The .xml of an IR written by `glmcore convert` (--opt ir=DIR), checked against the model and the options."""
+def checked_ir(path: Path, cfg: ModelConfig, options: LoadOptions) -> Path:
+    """The .xml of an IR written by `glmcore convert` (--opt ir=DIR), checked against the model and the options
+    (its weight format and int4 group: what the run derives from them -- bytes per token, the activations'
+    quantization group, a NextN drafter's weights -- must be the IR's)."""
+    weights_format = options.weights
     path = Path(path)
     d = path if path.is_dir() else path.parent
     manifest = d / MANIFEST
@@ -158,6 +161,10 @@ def checked_ir(path: Path, cfg: ModelConfig, weights_format: str) -> Path:
     if m.get("weights") != weights_format:
         raise BackendError(f"{d}: the IR has weights {m.get('weights')}, not {weights_format}; "
                            f"pass --weights {m.get('weights')} or convert again")
+    group = ir_options(options).get("group_size")
+    if m.get("group_size") != group:
+        raise BackendError(f"{d}: the IR's int4 group is {m.get('group_size')}, not {group}; "
+                           f"pass --opt group_size={m.get('group_size')} or convert again")
     if m.get("glmcore_graph") != GRAPH_VERSION:
         raise BackendError(f"{d}: the IR is from an older glmcore graph version; convert again")
     return d / IR_NAME
