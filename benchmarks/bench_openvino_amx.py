@@ -14,7 +14,8 @@ serving (beside the IR's size: "/ IR") and "load peak" the packing of the weight
 the mapped IR are both resident. Every measurement does one untimed warm-up generation
 (kernel compilation, first touch of the weights), then --runs timed ones (median): ours through the core's scheduler
 (the loop `glmcore run` uses), LLMPipeline through its generate() on token ids, both greedy with stop tokens
-ignored and with identical plugin settings (precision, KV-cache precision, the dynamic-quantization group, SDPA attention: `session.compile_config`).
+ignored and with identical plugin settings (`session.compile_config`: precision, KV-cache precision, the
+dynamic-quantization group; SDPA attention).
 Timings on a shared machine are noisy; the numbers come from one run of this script.
 Where $GLMCORE_LLAMACPP names a built llama.cpp (see conformance/llamacpp.py), llama.cpp runs the same
 checkpoint as GGUF of the matching type (int8 -> Q8_0, int4 -> Q4_0, f16 -> F16, f32 -> F32), one llama-bench
