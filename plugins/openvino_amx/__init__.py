@@ -52,8 +52,9 @@ class OpenVINOBackend(Backend):
             "precision": precision,
             "weights": "int8 (default), int4 (group 128), f16, f32",
             "kv cache": "in the model (stateful); f32 with --precision f32, f16 with bf16",
-            "options": "--opt kv_cache=f32|f16|bf16|u8, dynamic_quant=0 (off)|N (default with bf16: 32 for int8, the group for int4; 0 with f32), "
-                       "group_size=128, ir=DIR, quant=gptq (int4, calibrated) [calib=FILE]",
+            "options": "--opt kv_cache=f32|f16|bf16|u8, dynamic_quant=0 (off)|N (default with bf16: 32 for int8, "
+                       "the group for int4; 0 with f32), group_size=128, ir=DIR, quant=gptq (int4, calibrated) "
+                       "[calib=FILE]",
             "batch": "native: OpenVINO's paged-attention form of the same graph, many sequences per call",
             "moe experts": "MoE GLMs: f32 router in the graph, the (token, expert) pairs sorted by expert into "
                            "opset17 GroupedMatMul (the CPU plugin's GatherMatmul runs only the chosen experts, "
