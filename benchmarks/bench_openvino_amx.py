@@ -24,6 +24,7 @@ repetition in each round of the turns, and gets a row of its own (its peak RSS: 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import platform
@@ -116,7 +117,11 @@ def serve(spec: dict) -> None:
     if kind in ("genai", "nncf"):
         import openvino as ov
         import openvino_genai
-        pipe = openvino_genai.LLMPipeline(spec["ir"], "CPU", ATTENTION_BACKEND="SDPA", **ovs.compile_config(opts))
+        # the plugin settings of the format run (NNCF's IR is compressed from our f16 one, so not opts'), so that
+        # its activations are quantized in the groups ours are
+        run_opts = backend.resolve(dataclasses.replace(opts, weights=spec["weights"]))
+        pipe = openvino_genai.LLMPipeline(spec["ir"], "CPU", ATTENTION_BACKEND="SDPA",
+                                          **ovs.compile_config(run_opts))
         gc = openvino_genai.GenerationConfig()
         gc.do_sample, gc.ignore_eos = False, True
         ids = ov.Tensor(np.array([prompt], dtype=np.int64))
