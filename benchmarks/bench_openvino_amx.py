@@ -284,7 +284,8 @@ def main(argv=None) -> int:
         say(f"bench: openvino_amx {precision}/{w}: our generation loop" + (" and LLMPipeline on the same IR"
             + (" and on NNCF's" if nncf else "") + ", in turns" if genai else ""))
         gguf = llama.gguf(d, w, say) if llama and w in GGUF_TYPES and cfg.family != "glm4" else None
-        beside = (lambda: llama.bench(gguf, a.prompt_len, a.new_tokens, a.threads, depth=a.prompt_len)) if gguf else None
+        beside = ((lambda: llama.bench(gguf, a.prompt_len, a.new_tokens, a.threads, depth=a.prompt_len))
+                  if gguf else None)
         kinds = ["ours"] + (["genai"] if genai else []) + (["nncf"] if nncf else [])
         results = measure([{**spec, "kind": k, "ir": irs.get(k)} for k in kinds], a.runs, not a.sequential, beside)
         ir_mib = {k: (Path(d) / IR_NAME).with_suffix(".bin").stat().st_size / 2**20 for k, d in irs.items()}

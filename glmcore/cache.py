@@ -37,7 +37,6 @@ def cache_root() -> Path:
     return Path(base) / "glmcore"
 
 
-
 SMALL_JSON_LIMIT = 1 << 20     # a remembered measurement or memo; anything bigger was not written by glmcore
 
 
@@ -60,6 +59,7 @@ def write_json(name: str, data) -> None:
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     tmp.write_text(json.dumps(data, indent=1), encoding="utf-8")
     os.replace(tmp, path)
+
 
 def build_once(final: Path, build: Callable[[Path], object], complete: Callable[[Path], bool],
                source: str | None = None) -> Path:

@@ -75,7 +75,7 @@ class Weights(Mapping):
         weights differ. Reading those rows is a random read per row (12 s for a 12-layer GLM-4.7-Flash's 1,710
         tensors on a cold page cache), so the result is remembered in the glmcore cache against the files'
         paths, sizes, modification times and inodes: a file changed in any of those is read again."""
-        memo = _FingerprintMemo(self.files, self.config)
+        memo = _FingerprintMemo(self.files, self.config, self._t)
         known = memo.get()
         if known:
             return known
@@ -97,11 +97,12 @@ class Weights(Mapping):
 
 class _FingerprintMemo:
     """Checkpoint fingerprints remembered in the glmcore cache (FILE: key -> fingerprint, the MAX most recent),
-    keyed by the config and each file's resolved path, size, modification time and inode. No files (tensors
-    built in memory): nothing is remembered. A cache that cannot be written only costs the reading again."""
+    keyed by the config, the tensors' names, dtypes and shapes (two views of the same files differ) and each
+    file's resolved path, size, modification time and inode. No files (tensors built in memory): nothing is
+    remembered. A cache that cannot be written only costs the reading again."""
     FILE, MAX = "fingerprints.json", 512
 
-    def __init__(self, files: list[Path], config: ModelConfig | None):
+    def __init__(self, files: list[Path], config: ModelConfig | None, tensors: Mapping[str, np.ndarray]):
         self.key = None
         try:
             stats = [(str(Path(f).resolve()), st.st_size, st.st_mtime_ns, st.st_ino)
@@ -110,7 +111,8 @@ class _FingerprintMemo:
             return
         if stats:
             import hashlib
-            self.key = hashlib.sha256(json.dumps([stats, config.to_dict() if config else None],
+            layout = [(n, str(t.dtype), list(t.shape)) for n, t in sorted(tensors.items())]
+            self.key = hashlib.sha256(json.dumps([stats, config.to_dict() if config else None, layout],
                                                  sort_keys=True).encode()).hexdigest()[:32]
 
     def _read(self) -> dict:

@@ -190,6 +190,9 @@ def test_fingerprint_is_remembered_until_a_file_changes(tmp_path, monkeypatch):
     f.write_bytes(bytes(data))
     os.utime(f, ns=(stat.st_atime_ns, stat.st_mtime_ns))
     assert Weights(read_safetensors(f), [f]).fingerprint() == first
+    one = read_safetensors(f)                       # another view of the same file: its own fingerprint
+    one["u"] = one["t"][:8]
+    assert Weights(one, [f]).fingerprint() != first
     os.utime(f, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))      # touched: read again, and it differs
     assert Weights(read_safetensors(f), [f]).fingerprint() != first
     for garbled in ("{not json", "[1]", '{"x": "' + "a" * (2 << 20) + '"}'):   # not JSON, not a map, over 1 MiB
