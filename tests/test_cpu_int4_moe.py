@@ -75,6 +75,20 @@ def run_script(session, steps):
             np.concatenate([got[0][1]] + [g[1] for g in got[1:7]]))
 
 
+def assert_one_token_and_batched_agree(batch, ids, split):
+    """Slot 0 of a 3-slot batch: the whole prompt, one token at a time, and ids[:split] in a step with two other
+    sequences followed by single tokens beside theirs give the same bits. Returns the whole prompt's logits."""
+    whole = batch.step([(0, ids)], all_logits=True)[0]
+    batch.reset(0)
+    single = np.concatenate([batch.step([(0, [t])], all_logits=True)[0] for t in ids])
+    batch.reset(0)
+    mixed = batch.step([(1, ids[:7]), (0, ids[:split]), (2, ids[3:30])], all_logits=True)[1]
+    mixed = np.concatenate([mixed] + [batch.step([(2, [9]), (0, [t]), (1, [4])], all_logits=True)[1]
+                                      for t in ids[split:]])
+    assert np.array_equal(whole, single) and np.array_equal(whole, mixed)
+    return whole
+
+
 @pytest.mark.parametrize("family", MOE_FAMILIES)
 def test_logits_match_transformers_within_the_int4_experts_row(make_tiny, cache, family):
     """Prefill, decode and a 300-token prompt, two sequences in one batch, against transformers' own model on the
@@ -107,14 +121,7 @@ def test_one_token_and_batched_steps_give_the_same_bits(make_tiny, cache, family
     # tokens, single tokens with their chunks spread over the threads)
     ids = [int(t) for t in np.random.default_rng(5).integers(0, 2000, 600)]
     with load_batch(cfg, w, cache, slots=3, capacity=640, isa=isa) as batch:
-        whole = batch.step([(0, ids)], all_logits=True)[0]
-        batch.reset(0)
-        single = np.concatenate([batch.step([(0, [t])], all_logits=True)[0] for t in ids])
-        batch.reset(0)
-        mixed = batch.step([(1, ids[:7]), (0, ids[:525]), (2, ids[3:30])], all_logits=True)[1]
-        mixed = np.concatenate([mixed] + [batch.step([(2, [9]), (0, [t]), (1, [4])], all_logits=True)[1]
-                                          for t in ids[525:]])
-    assert np.array_equal(whole, single) and np.array_equal(whole, mixed)
+        assert_one_token_and_batched_agree(batch, ids, 525)
 
 
 @pytest.mark.parametrize("family", MOE_FAMILIES)
@@ -134,6 +141,24 @@ def test_more_threads_than_cores_give_one_threads_bits(make_tiny, cache, family)
             got += [batch.step([(0, [t]), (1, [t])]) for t in ids[56:]]
         out.append(np.concatenate(got))
     assert np.array_equal(*out)
+
+
+@pytest.mark.parametrize("kv_lora,v_dim", [(24, 8), (48, 24)])
+def test_latent_widths_that_are_not_whole_tiles(tmp_path, cache, kv_lora, v_dim):
+    """kv_lora_rank and v_head_dim need not be multiples of the 16-row tile (each head's block of kv_b's halves is
+    padded with zero rows): transformers' own checkpoint at such widths (48 takes the AVX-512 latent kernel, 24 the
+    generic one), on every kernel tier: whole prompt, one token at a time and a mixed batch give the same bits,
+    and the logits are the reference's on the packed weights within the int8+experts row."""
+    from test_glm4_moe import transformers_variant
+    transformers_variant(tmp_path, "glm4-moe-lite", dict(kv_lora_rank=kv_lora, v_head_dim=v_dim))
+    cfg = ModelConfig.from_dir(tmp_path)
+    w = load_weights(tmp_path, cfg)
+    ids = [int(t) for t in np.random.default_rng(6).integers(0, 320, 300)]
+    for isa in [i for i in native.ISAS if native.supported(i)]:
+        with load_batch(cfg, w, cache, slots=3, capacity=320, isa=isa) as batch:
+            whole = assert_one_token_and_batched_agree(batch, ids, 290)
+            with own_reference(cfg, w, batch, capacity=320) as ref:
+                within(ref.step([(0, ids)], all_logits=True)[0], whole, "int8+experts")
 
 
 def test_group_limited_routing_on_transformers_own_checkpoint(tmp_path, cache):

@@ -274,6 +274,8 @@ VARIANTS = [
                            n_shared_experts=0)),
     ("glm4-moe-lite", dict(mlp_layer_types=["sparse", "dense", "sparse"], norm_topk_prob=False, n_group=4,
                            topk_group=2, n_shared_experts=2)),
+    # latent and value widths that are not whole tiles of cpu_int4's kernels (each head's block is padded)
+    ("glm4-moe-lite", dict(kv_lora_rank=24, v_head_dim=8, q_lora_rank=None)),
 ]
 
 

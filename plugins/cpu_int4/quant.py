@@ -226,7 +226,8 @@ def untile(buf: np.ndarray, n: int, k: int, bits: int, group: int, asym: bool, s
 
 # Latent attention's kv_b [heads * (nope + v), kv_lora] is packed as the two matrices the absorption multiplies
 # by: per head, its key rows transposed ([kv_lora, nope], W_UK^T: the query into the latent space) and its value
-# rows ([v, kv_lora], W_UV: the latent output back out), each stacked over the heads.
+# rows ([v, kv_lora], W_UV: the latent output back out), each stacked over the heads. Each head's block is padded
+# with zero rows to whole tiles, so the kernels can take a head's rows as a matrix of their own at any kv_lora or v.
 KV_B_PARTS = ("kv_b_uk.weight", "kv_b_uv.weight")
 
 
@@ -237,23 +238,32 @@ def packed_names(name: str) -> tuple[str, ...]:
     return (name,)
 
 
+def _tiled(rows: int) -> int:
+    return -(-rows // ROWS) * ROWS
+
+
 def _kv_b_shapes(cfg) -> tuple[tuple[int, int], tuple[int, int]]:
     H, R = cfg.num_heads, cfg.kv_lora_rank
-    return (H * R, cfg.qk_nope_dim), (H * cfg.v_head_dim, R)
+    return (H * _tiled(R), cfg.qk_nope_dim), (H * _tiled(cfg.v_head_dim), R)
 
 
 def kv_b_parts(cfg, kv_b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """kv_b [heads * (nope + v), kv_lora] -> (W_UK^T stacked [heads * kv_lora, nope], W_UV stacked [heads * v, kv_lora])."""
+    """kv_b [heads * (nope + v), kv_lora] -> (W_UK^T stacked [heads * kv_lora', nope], W_UV stacked [heads * v',
+    kv_lora]), kv_lora' and v' rounded up to whole tiles with zero rows."""
     H, R, nope, v = cfg.num_heads, cfg.kv_lora_rank, cfg.qk_nope_dim, cfg.v_head_dim
     w = np.asarray(kv_b, np.float32).reshape(H, nope + v, R)
-    return np.ascontiguousarray(w[:, :nope].transpose(0, 2, 1)).reshape(H * R, nope), w[:, nope:].reshape(H * v, R)
+    uk = np.zeros((H, _tiled(R), nope), np.float32)
+    uk[:, :R] = w[:, :nope].transpose(0, 2, 1)
+    uv = np.zeros((H, _tiled(v), R), np.float32)
+    uv[:, :v] = w[:, nope:]
+    return uk.reshape(-1, nope), uv.reshape(-1, R)
 
 
 def kv_b_join(cfg, uk: np.ndarray, uv: np.ndarray) -> np.ndarray:
     """The inverse of kv_b_parts: the kv_b the two packed matrices mean."""
     H, R, nope, v = cfg["num_heads"], cfg["kv_lora_rank"], cfg["qk_nope_dim"], cfg["v_head_dim"]
-    k = uk.reshape(H, R, nope).transpose(0, 2, 1)
-    return np.concatenate([k, uv.reshape(H, v, R)], axis=1).reshape(H * (nope + v), R)
+    k = uk.reshape(H, _tiled(R), nope)[:, :R].transpose(0, 2, 1)
+    return np.concatenate([k, uv.reshape(H, _tiled(v), R)[:, :v]], axis=1).reshape(H * (nope + v), R)
 
 
 def _packed_source(cfg, weights, name: str):

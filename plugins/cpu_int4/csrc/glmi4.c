@@ -51,6 +51,7 @@
 #define GLMI4_ABI 12
 #define QK 32          /* activation block: one int8 scale per 32 inputs */
 #define TILE 16        /* output rows per packed tile */
+#define ROUND_TILE(n) (((n) + TILE - 1) / TILE * TILE)
 #define PREFETCH 4096   /* decode streams weights: prefetch this far ahead into L1 (measured: +40% on one core) */
 #define PREFETCH_L2 12288   /* ... and this far ahead into L2 (see prefetch_ahead) */
 #define NTMAX 4        /* tokens sharing one unpacked weight block in the fast kernels */
@@ -101,7 +102,8 @@ typedef struct {
     /* Latent attention (glm4_moe_lite; qkv unused): q_a [q_lora][hidden] and its norm, q_b [heads*(nope+rope)]
      * [q_lora] (or, without q LoRA, q_a.data NULL and q_b [heads*(nope+rope)][hidden]); kv_a [kv_lora+rope]
      * [hidden] and the norm of its first kv_lora outputs; kv_b split for the absorption: kv_uk, per head the
-     * key part transposed [kv_lora][nope] (stacked over heads), kv_uv, per head the value part [v_dim][kv_lora]. */
+     * key part transposed [kv_lora][nope], kv_uv, per head the value part [v_dim][kv_lora]; each stacked over the
+     * heads, a head's rows padded with zero rows to whole tiles. */
     const float *q_a_bias, *q_a_norm, *kv_a_bias, *kv_a_norm, *attn_out_bias;
     glmi4_mat q_a, q_b, kv_a, kv_uk, kv_uv;
 } glmi4_layer;
@@ -2869,10 +2871,10 @@ void *glmi4_create(const glmi4_spec *spec, char *err, int errlen) {
         s->n_slots < 1 || s->head_dim > 1024 || s->rot_dim < 2 || s->rot_dim % 2 || s->rot_dim > s->head_dim)
         FAIL("unsupported shape: heads %d, kv heads %d, head_dim %d, rotary dims %d", s->n_heads, s->n_kv,
              s->head_dim, s->rot_dim);
-    if (s->mla && (s->kv_lora < 1 || s->kv_lora % TILE || s->v_dim < 1 || s->v_dim % TILE || s->nope < 1 ||
-                   s->nope + s->rot_dim != s->head_dim || s->q_lora < 0))
-        FAIL("unsupported latent attention shape: kv_lora_rank %d, v_head_dim %d (both multiples of %d), nope %d, "
-             "rope %d", s->kv_lora, s->v_dim, TILE, s->nope, s->rot_dim);
+    if (s->mla && (s->kv_lora < 1 || s->v_dim < 1 || s->nope < 1 || s->nope + s->rot_dim != s->head_dim ||
+                   s->q_lora < 0))
+        FAIL("unsupported latent attention shape: kv_lora_rank %d, v_head_dim %d, nope %d, rope %d", s->kv_lora,
+             s->v_dim, s->nope, s->rot_dim);
     if (s->isa < 0 || s->isa >= ISA_COUNT || !isa_supported(s->isa))
         FAIL("this CPU cannot run the %s kernels", glmi4_isa_name(s->isa));
     m->isa = s->isa;
@@ -2896,7 +2898,8 @@ void *glmi4_create(const glmi4_spec *spec, char *err, int errlen) {
         if (s->mla) {
             const int lora = L->q_a.data != NULL;
             ok = ok && mat_ok(&L->kv_a, s->kv_lora + s->rot_dim, s->hidden) && L->kv_a_norm &&
-                 mat_ok(&L->kv_uk, NH * s->kv_lora, s->nope) && mat_ok(&L->kv_uv, NH * s->v_dim, s->kv_lora) &&
+                 mat_ok(&L->kv_uk, NH * ROUND_TILE(s->kv_lora), s->nope) &&
+                 mat_ok(&L->kv_uv, NH * ROUND_TILE(s->v_dim), s->kv_lora) &&
                  mat_ok(&L->attn_out, s->hidden, NH * s->v_dim) &&
                  (lora ? mat_ok(&L->q_a, s->q_lora, s->hidden) && L->q_a_norm && mat_ok(&L->q_b, NH * qw, s->q_lora)
                        : mat_ok(&L->q_b, NH * qw, s->hidden));
@@ -2998,12 +3001,14 @@ void *glmi4_create(const glmi4_spec *spec, char *err, int errlen) {
             for (int h = 0; h < NH; h++) {     /* each head's rows of the stacked per-head matrices */
                 const glmi4_layer *L = &m->layers[l];
                 glmi4_mat *k = &m->uk[(size_t)l * NH + h], *v = &m->uv[(size_t)l * NH + h];
-                *k = L->kv_uk;
-                k->n = k->n_pad = s->kv_lora;
-                k->data += (size_t)h * (s->kv_lora / TILE) * tile_bytes(&L->kv_uk);
+                *k = L->kv_uk;      /* a head's block is padded to whole tiles (zero rows) */
+                k->n = s->kv_lora;
+                k->n_pad = ROUND_TILE(s->kv_lora);
+                k->data += (size_t)h * (k->n_pad / TILE) * tile_bytes(&L->kv_uk);
                 *v = L->kv_uv;
-                v->n = v->n_pad = s->v_dim;
-                v->data += (size_t)h * (s->v_dim / TILE) * tile_bytes(&L->kv_uv);
+                v->n = s->v_dim;
+                v->n_pad = ROUND_TILE(s->v_dim);
+                v->data += (size_t)h * (v->n_pad / TILE) * tile_bytes(&L->kv_uv);
             }
     } else {
         m->vc = xalloc(kvn * m->kv_elt);
