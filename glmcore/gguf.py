@@ -125,7 +125,7 @@ def _reader_class():
                 raise _Bad(f"a tensor of {n_dims} dimensions at byte {orig_offs}")
             field = super()._get_tensor_info_field(orig_offs)
             dims = [int(d) for d in field.parts[3]]
-            if not all(1 <= d <= MAX_DIM for d in dims) or int(np.prod(dims, dtype=object)) > MAX_ELEMENTS:
+            if not all(0 <= d <= MAX_DIM for d in dims) or int(np.prod(dims, dtype=object)) > MAX_ELEMENTS:
                 raise _Bad(f"tensor {field.name!r} has absurd dimensions {dims}")
             return field
 
@@ -389,7 +389,7 @@ def _identity(files: list[GGUFFile]) -> str:
         h.update(f.header)
         for name in sorted(f.parts):
             data = f.parts[name].data
-            rows = np.unique(np.linspace(0, data.shape[0] - 1, 16).astype(np.int64)) if data.ndim else []
+            rows = np.unique(np.linspace(0, data.shape[0] - 1, 16).astype(np.int64)) if data.ndim and data.size else []
             h.update(np.ascontiguousarray(data[rows]).view(np.uint8).tobytes() if len(rows) else b"")
     return h.hexdigest()[:16]
 
@@ -408,7 +408,9 @@ def open_gguf(path) -> GGUFCheckpoint:
     if module is None:
         raise CheckpointError(f"{path}: GGUF architecture {meta.arch!r} is not a GLM model glmcore runs; supported: "
                               f"{', '.join(repr(a) for a in arch.gguf_architectures())}")
-    parts = {name: p for f in files for name, p in f.parts.items()}
+    # llama.cpp's converter writes a module the config turns off at zero width (the shared expert at
+    # n_shared_experts 0) as transformers does: no tensor of the model, as in a checkpoint directory
+    parts = {name: p for f in files for name, p in f.parts.items() if 0 not in p.shape}
     cfg = module.gguf_config(meta, {n: p.shape for n, p in parts.items()})
     tensors = module.gguf_to_canonical(cfg, parts, path)
     module.complete(cfg, tensors, path)
