@@ -90,15 +90,16 @@ def test_transformers_4_and_5_config_forms_agree(tmp_path):
     v5 = {k: v for k, v in raw.items() if k not in ("rope_theta", "partial_rotary_factor", "rope_scaling")}
     v5["rope_parameters"] = {"rope_type": "default", "rope_theta": raw["rope_theta"], "partial_rotary_factor": 0.5}
     assert ModelConfig.from_dict(raw) == ModelConfig.from_dict(v5)
-    mixed = dict(raw, mlp_layer_types=["dense", "sparse", "dense"])        # mlp_layer_types wins when present
-    assert ModelConfig.from_dict(mixed).sparse_layers == (False, True, False)
+    # glm4_moe's layer kinds come from first_k_dense_replace alone, as transformers' Glm4MoeForCausalLM reads them
+    mixed = dict(raw, mlp_layer_types=["sparse", "dense", "dense"], first_k_dense_replace=2)
+    assert ModelConfig.from_dict(mixed).sparse_layers == (False, False, True)
 
 
 @pytest.mark.parametrize("change,match", [
     ({"num_experts_per_tok": 9}, r"num_experts_per_tok 9 exceeds n_routed_experts 8; set num_experts_per_tok"),
     ({"n_group": 3}, r"8 experts do not divide into n_group 3 groups; set n_group"),
     ({"topk_group": 2}, r"topk_group 2 exceeds n_group 1"),
-    ({"mlp_layer_types": ["dense"]}, r"mlp_layer_types must name one kind per layer \(3\)"),
+    ({"first_k_dense_replace": "1"}, r"first_k_dense_replace '1' is not a layer count"),
     ({"routed_scaling_factor": -1}, r"routed_scaling_factor -1 is not a positive number"),
     ({"hidden_act": "gelu"}, r"hidden_act 'gelu' is not supported"),
     ({"rope_scaling": True}, r"rope_scaling is not an object of rope settings"),
@@ -117,6 +118,8 @@ def test_bad_moe_configs_get_one_line_errors(change, match):
     ({"rope_interleave": "yes"}, r"rope_interleave 'yes' is not true/false"),
     ({"kv_lora_rank": 0}, r"kv_lora_rank = 0 is not an integer in 1\.\.65536"),
     ({"q_lora_rank": -1}, r"q_lora_rank = -1 is not an integer in 0\.\.65536"),
+    ({"mlp_layer_types": ["dense"]}, r"mlp_layer_types must name one kind per layer \(3\)"),
+    ({"mlp_layer_types": "dense"}, r"mlp_layer_types must be a list"),
 ])
 def test_bad_latent_attention_configs_get_one_line_errors(change, match):
     from glmcore.arch.glm4_moe_lite import KEYS, SIZES
@@ -274,6 +277,9 @@ VARIANTS = [
                            n_shared_experts=0)),
     ("glm4-moe-lite", dict(mlp_layer_types=["sparse", "dense", "sparse"], norm_topk_prob=False, n_group=4,
                            topk_group=2, n_shared_experts=2)),
+    # layer kinds where the two keys disagree: glm4_moe reads first_k_dense_replace, glm4_moe_lite mlp_layer_types
+    ("glm4-moe", dict(first_k_dense_replace=2, mlp_layer_types=["sparse", "sparse", "dense"])),
+    ("glm4-moe-lite", dict(first_k_dense_replace=2, mlp_layer_types=["dense", "sparse", "dense"])),
     # latent and value widths that are not whole tiles of cpu_int4's kernels (each head's block is padded)
     ("glm4-moe-lite", dict(kv_lora_rank=24, v_head_dim=8, q_lora_rank=None)),
 ]
@@ -333,6 +339,20 @@ def test_transformers_config_variants(tmp_path, family, changes):
             reference = logits([ref.step(e, all_logits=True) for e in steps])
         figures = compare(reference, got)
         assert not out_of_bounds(figures, TOLERANCES["int8+experts"].bounds()), figures
+
+
+def test_latent_model_without_mlp_layer_types_has_one_dense_layer(tmp_path):
+    """A glm4_moe_lite config.json without mlp_layer_types (written by hand, or by a tool that drops the default):
+    transformers' Glm4MoeLiteConfig makes layer 0 dense and the rest MoE whatever first_k_dense_replace says;
+    glmcore reads it so, and runs it as transformers' model loaded from the same directory does."""
+    transformers_variant(tmp_path, "glm4-moe-lite", dict(first_k_dense_replace=2))
+    raw = json.loads((tmp_path / "config.json").read_text())
+    del raw["mlp_layer_types"]
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    assert ModelConfig.from_dir(tmp_path).sparse_layers == (False, True, True)
+    model = hf_model(tmp_path, "glm4-moe-lite")
+    ids = [int(t) for t in np.random.default_rng(7).integers(0, 320, 16)]
+    close(ours("torch", tmp_path, [[(0, ids)]])[0][0], hf_logits(model, ids))
 
 
 # ---------------------------------------------------------------- backends and commands

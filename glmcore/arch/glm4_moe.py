@@ -2,7 +2,7 @@
 
 Each layer: RMSNorm -> attention (q/k/v bias, per-head q/k RMSNorm where use_qk_norm, rotary on the first
 head_dim * partial_rotary_factor dims in NeoX order) -> residual -> RMSNorm -> a dense SwiGLU MLP (layers below
-first_k_dense_replace, or "dense" in mlp_layer_types) or the MoE block -> residual. The MoE block, as
+first_k_dense_replace) or the MoE block -> residual. The MoE block, as
 transformers computes it: scores = sigmoid(x W_router^T) in fp32; e_score_correction_bias is added only to
 choose the top-k experts (after limiting to topk_group of n_group groups); the chosen experts' unbiased scores,
 divided by their sum (+1e-20) when norm_topk_prob, times routed_scaling_factor, weight their SwiGLU outputs; the
@@ -87,24 +87,35 @@ class MoeConfig(ModelConfig):
         return dataclasses.replace(cfg, routed_scaling=float(v), sparse_layers=tuple(cfg.sparse_layers))
 
 
-def moe_fields(raw: dict, num_layers: int, get) -> dict:
-    """The expert fields shared by glm4_moe and glm4_moe_lite config.json files."""
-    kinds = raw.get("mlp_layer_types")
-    if kinds is None:
-        first_dense = get("first_k_dense_replace")
-        if isinstance(first_dense, bool) or not isinstance(first_dense, int) or first_dense < 0:
-            raise ConfigError(f"config.json: first_k_dense_replace {first_dense!r} is not a layer count")
-        sparse = tuple(i >= first_dense for i in range(num_layers))
-    elif isinstance(kinds, list) and all(k in ("dense", "sparse") for k in kinds):
-        sparse = tuple(k == "sparse" for k in kinds)
-    else:
-        raise ConfigError("config.json: mlp_layer_types must be a list of \"dense\"/\"sparse\"; restore the file "
-                          "from the original checkpoint")
+def moe_fields(raw: dict, num_layers: int, get, sparse: tuple[bool, ...]) -> dict:
+    """The expert fields shared by glm4_moe and glm4_moe_lite config.json files; sparse: each layer's kind, read as
+    the architecture's transformers config reads it (first_k_dense_sparse, listed_sparse)."""
     return dict(moe_ffn_hidden_size=get("moe_intermediate_size"), num_experts=get("n_routed_experts"),
                 experts_per_token=get("num_experts_per_tok"), num_shared_experts=get("n_shared_experts"),
                 routed_scaling=get("routed_scaling_factor"), num_groups=get("n_group"),
                 topk_groups=get("topk_group"), norm_topk_prob=get("norm_topk_prob"), sparse_layers=sparse,
                 num_mtp_layers=get("num_nextn_predict_layers"))
+
+
+def first_k_dense_sparse(num_layers: int, get) -> tuple[bool, ...]:
+    """glm4_moe's layer kinds as transformers' Glm4MoeForCausalLM (and vLLM) build them: the MoE block from layer
+    first_k_dense_replace on. An mlp_layer_types key is not read there, so it is not read here either."""
+    first_dense = get("first_k_dense_replace")
+    if isinstance(first_dense, bool) or not isinstance(first_dense, int) or first_dense < 0:
+        raise ConfigError(f"config.json: first_k_dense_replace {first_dense!r} is not a layer count")
+    return tuple(i >= first_dense for i in range(num_layers))
+
+
+def listed_sparse(raw: dict, num_layers: int) -> tuple[bool, ...]:
+    """glm4_moe_lite's layer kinds as transformers' Glm4MoeLiteConfig reads them: mlp_layer_types, by default a dense
+    first layer and the MoE block after it (first_k_dense_replace is not read there, so not here either)."""
+    kinds = raw.get("mlp_layer_types")
+    if kinds is None:
+        return (False,) + (True,) * (num_layers - 1)
+    if isinstance(kinds, list) and all(k in ("dense", "sparse") for k in kinds):
+        return tuple(k == "sparse" for k in kinds)
+    raise ConfigError("config.json: mlp_layer_types must be a list of \"dense\"/\"sparse\"; restore the file "
+                      "from the original checkpoint")
 
 
 def getter(raw: dict, defaults: dict):
@@ -140,7 +151,8 @@ class Glm4MoeArchitecture(Architecture):
             vocab_size=get("vocab_size"), max_seq_len=get("max_position_embeddings"), rope_base=theta,
             norm_eps=get("rms_norm_eps"), qkv_bias=get("attention_bias"), name=raw.get("_name_or_path", ""),
             rotary_dim=int(head_dim * factor), tie_embeddings=get("tie_word_embeddings"), rotary_interleaved=False,
-            arch=self.name, model_type="glm4_moe", qk_norm=get("use_qk_norm"), **moe_fields(raw, layers, get))
+            arch=self.name, model_type="glm4_moe", qk_norm=get("use_qk_norm"),
+            **moe_fields(raw, layers, get, first_k_dense_sparse(layers, get)))
         return cfg.validated(source)
 
     # ------------------------------------------------------------ GGUF (llama.cpp's converter)

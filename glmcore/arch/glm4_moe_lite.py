@@ -18,8 +18,8 @@ import numpy as np
 from ..errors import CheckpointError, ConfigError
 from .base import Axis, Role, Split, TensorSpec
 from .glm4_moe import (FUSED_PARTS, GGUF_FUSED, GGUF_LAYER, GLM47_TEMPLATE, LAYER_NAMES, Glm4MoeArchitecture,
-                       MoeConfig, getter, gguf_moe_fields, hf_moe_names, moe_fields, moe_gguf_to_canonical,
-                       moe_to_canonical, synthetic_moe_config)
+                       MoeConfig, getter, gguf_moe_fields, hf_moe_names, listed_sparse, moe_fields,
+                       moe_gguf_to_canonical, moe_to_canonical, synthetic_moe_config)
 from .glm import hf_rope
 
 # transformers' Glm4MoeLiteConfig defaults (GLM-4.7-Flash's shape), used where config.json leaves a key out.
@@ -98,7 +98,8 @@ class Glm4MoeLiteArchitecture(Glm4MoeArchitecture):
             qkv_bias=get("attention_bias"), name=raw.get("_name_or_path", ""), rotary_dim=rope,
             tie_embeddings=get("tie_word_embeddings"), rotary_interleaved=get("rope_interleave"), arch=self.name,
             model_type="glm4_moe_lite", q_lora_rank=get("q_lora_rank") or 0, kv_lora_rank=get("kv_lora_rank"),
-            qk_nope_dim=nope, v_head_dim=get("v_head_dim"), **moe_fields(raw, layers, get))
+            qk_nope_dim=nope, v_head_dim=get("v_head_dim"),
+            **moe_fields(raw, layers, get, listed_sparse(raw, layers)))
         if not isinstance(cfg.rotary_interleaved, bool):
             raise ConfigError(f"{source}: rope_interleave {cfg.rotary_interleaved!r} is not true/false")
         return cfg.validated(source)
