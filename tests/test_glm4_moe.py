@@ -341,15 +341,17 @@ def test_transformers_config_variants(tmp_path, family, changes):
         assert not out_of_bounds(figures, TOLERANCES["int8+experts"].bounds()), figures
 
 
-def test_latent_model_without_mlp_layer_types_has_one_dense_layer(tmp_path):
-    """A glm4_moe_lite config.json without mlp_layer_types (written by hand, or by a tool that drops the default):
-    transformers' Glm4MoeLiteConfig makes layer 0 dense and the rest MoE whatever first_k_dense_replace says;
-    glmcore reads it so, and runs it as transformers' model loaded from the same directory does."""
+def test_latent_model_config_without_its_defaulted_keys(tmp_path):
+    """A glm4_moe_lite config.json without mlp_layer_types and num_key_value_heads (written by hand, or by a tool
+    that drops defaults): transformers' Glm4MoeLiteConfig makes layer 0 dense and the rest MoE whatever
+    first_k_dense_replace says, and its default of 20 KV heads changes nothing in latent attention (every head
+    reads the whole latent cache); glmcore reads it so, and runs it as transformers' model from the same files."""
     transformers_variant(tmp_path, "glm4-moe-lite", dict(first_k_dense_replace=2))
     raw = json.loads((tmp_path / "config.json").read_text())
-    del raw["mlp_layer_types"]
+    del raw["mlp_layer_types"], raw["num_key_value_heads"]
     (tmp_path / "config.json").write_text(json.dumps(raw))
-    assert ModelConfig.from_dir(tmp_path).sparse_layers == (False, True, True)
+    cfg = ModelConfig.from_dir(tmp_path)
+    assert cfg.sparse_layers == (False, True, True) and cfg.num_kv_heads == cfg.num_heads == 4
     model = hf_model(tmp_path, "glm4-moe-lite")
     ids = [int(t) for t in np.random.default_rng(7).integers(0, 320, 16)]
     close(ours("torch", tmp_path, [[(0, ids)]])[0][0], hf_logits(model, ids))

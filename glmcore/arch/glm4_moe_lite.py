@@ -91,7 +91,9 @@ class Glm4MoeLiteArchitecture(Glm4MoeArchitecture):
         nope = get("qk_nope_head_dim")
         cfg = MlaConfig(
             family="glm4-moe-lite", hidden_size=get("hidden_size"), num_layers=layers,
-            num_heads=get("num_attention_heads"), num_kv_heads=get("num_key_value_heads"),
+            # every head attends to the whole latent cache: num_key_value_heads means nothing here (transformers'
+            # default of 20 is read only by a repeat that is then a no-op; vLLM does not read it)
+            num_heads=get("num_attention_heads"), num_kv_heads=get("num_attention_heads"),
             head_dim=nope + rope,
             ffn_hidden_size=get("intermediate_size"), vocab_size=get("vocab_size"),
             max_seq_len=get("max_position_embeddings"), rope_base=theta, norm_eps=get("rms_norm_eps"),
