@@ -4,13 +4,19 @@ Held to transformers' own Glm4MoeForCausalLM / Glm4MoeLiteForCausalLM on checkpo
 checkpoints transformers writes; their configs as published; bad configs and checkpoints refused in one line."""
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import io
 import json
+import os
 import re
 import shutil
 from pathlib import Path
 
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, seed, settings
+from hypothesis import strategies as st
 
 from glmcore import arch
 from glmcore.backend import LoadOptions, registry
@@ -355,6 +361,83 @@ def test_latent_model_config_without_its_defaulted_keys(tmp_path):
     model = hf_model(tmp_path, "glm4-moe-lite")
     ids = [int(t) for t in np.random.default_rng(7).integers(0, 320, 16)]
     close(ours("torch", tmp_path, [[(0, ids)]])[0][0], hf_logits(model, ids))
+
+
+@st.composite
+def moe_configs(draw):
+    """(family, transformers config kwargs): any shape transformers runs and glmcore accepts -- routing (experts,
+    top-k, groups, shared experts, dense layers either key), attention (heads, KV groups, head size, partial and
+    interleaved rotary, q LoRA, latent and value widths, biases, q/k norms), epsilons, tied embeddings."""
+    family = draw(st.sampled_from(MOE_FAMILIES))
+    layers, heads = draw(st.integers(1, 3)), draw(st.sampled_from([2, 4, 6]))
+    experts = draw(st.sampled_from([4, 8, 16]))
+    groups = draw(st.sampled_from([g for g in (1, 2, 4) if g == 1 or experts // g >= 2]))
+    topk_group = draw(st.integers(1, groups))
+    c = dict(vocab_size=257, hidden_size=draw(st.sampled_from([32, 48, 64])), intermediate_size=64,
+             num_hidden_layers=layers, num_attention_heads=heads, moe_intermediate_size=draw(st.sampled_from([16, 24])),
+             n_routed_experts=experts, n_group=groups, topk_group=topk_group,
+             num_experts_per_tok=draw(st.integers(1, min(experts // groups * topk_group, 6))),
+             first_k_dense_replace=draw(st.integers(0, 2)), routed_scaling_factor=draw(st.sampled_from([1.0, 2.5])),
+             norm_topk_prob=draw(st.booleans()), n_shared_experts=draw(st.integers(0, 2)), num_nextn_predict_layers=0,
+             rms_norm_eps=draw(st.sampled_from([1e-5, 1e-2])), tie_word_embeddings=draw(st.booleans()),
+             attention_bias=draw(st.booleans()), pad_token_id=0, eos_token_id=1, bos_token_id=None)
+    theta = draw(st.sampled_from([1e4, 1e6]))
+    if family == "glm4-moe":
+        head_dim = draw(st.sampled_from([8, 12, 16]))
+        factor = draw(st.sampled_from([f for f in (0.25, 0.5, 1.0) if int(head_dim * f) % 2 == 0]))
+        c.update(num_key_value_heads=draw(st.sampled_from([k for k in (1, 2, heads) if heads % k == 0])),
+                 head_dim=head_dim, use_qk_norm=draw(st.booleans()),
+                 rope_parameters={"rope_type": "default", "rope_theta": theta, "partial_rotary_factor": factor})
+    else:
+        c.update(num_key_value_heads=heads, q_lora_rank=draw(st.sampled_from([None, 16])),
+                 kv_lora_rank=draw(st.sampled_from([8, 16, 24])), qk_nope_head_dim=draw(st.sampled_from([8, 16])),
+                 qk_rope_head_dim=draw(st.sampled_from([4, 8])), v_head_dim=draw(st.sampled_from([8, 12, 16])),
+                 rope_interleave=draw(st.booleans()), rope_parameters={"rope_type": "default", "rope_theta": theta},
+                 mlp_layer_types=draw(st.lists(st.sampled_from(["dense", "sparse"]), min_size=layers,
+                                               max_size=layers)))
+    return family, c
+
+
+@seed(55)           # random draws (not hypothesis' simplest-first derandomized ones), the same on every run
+@settings(max_examples=int(os.environ.get("GLMCORE_FUZZ_EXAMPLES", "10")), deadline=None, database=None,
+          suppress_health_check=list(HealthCheck))
+@given(case=moe_configs())
+def test_any_config_transformers_runs_gives_its_logits(tmp_path_factory, case):
+    """Property: for a config drawn from the space both read, the torch reference (and ascend_npu's host path)
+    and openvino_amx f32 give transformers' logits within the f32 row, prefill and decode; cpu_int4 runs it (its
+    int8 activations make a random model with top-1 routing chaotic, so its accuracy is the fixed variants')."""
+    family, changes = case
+    path = tmp_path_factory.mktemp("cfg")
+    config_class = {"glm4-moe": transformers.Glm4MoeConfig, "glm4-moe-lite": transformers.Glm4MoeLiteConfig}[family]
+    torch.manual_seed(0)
+    model = getattr(transformers, HF_CLASS[family])(config_class(**changes)).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.normal_(1.0, 0.1) if "norm" in name else p.normal_(0, 0.003 if "_a_proj" in name else 0.1)
+        for m in model.modules():
+            if hasattr(m, "e_score_correction_bias"):
+                m.e_score_correction_bias.normal_(0, 0.1)
+    model.save_pretrained(path, safe_serialization=True)
+    ids = [int(t) for t in np.random.default_rng(1).integers(0, 257, 24)]
+    steps = [[(0, ids[:20])]] + [[(0, [t])] for t in ids[20:]]
+    want = hf_logits(model, ids)
+    ready = registry().ready()
+    for backend, extra in (("torch", {}), ("ascend_npu", {"mode": "eager"})):
+        if backend in ready:
+            close(np.concatenate([s[0] for s in ours(backend, path, steps, capacity=32, **extra)]), want)
+    cfg = ModelConfig.from_dir(path)
+    w = load_weights(path, cfg)
+    for backend, options in (("openvino_amx", LoadOptions(precision="f32", weights="f32")), ("cpu_int4", LoadOptions())):
+        if backend not in ready:
+            continue
+        b = registry().get(backend)
+        opts = b.resolve(dataclasses.replace(options, capacity=32, threads=1, cache_dir=path / "cache"))
+        with contextlib.redirect_stderr(io.StringIO()), b.load_batch(cfg, w, opts, 1) as batch:
+            got = np.concatenate([batch.step(e, all_logits=True)[0] for e in steps])
+        if backend == "openvino_amx":
+            close(got, want)
+        else:
+            assert got.shape == want.shape and np.isfinite(got).all()
 
 
 # ---------------------------------------------------------------- backends and commands
