@@ -291,15 +291,17 @@ VARIANTS = [
 ]
 
 
-def transformers_variant(path: Path, family: str, changes: dict):
-    """transformers' own model for a variant, saved at `path` with weights drawn so every path matters."""
+def transformers_variant(path: Path, family: str, changes: dict, shapes: dict | None = None, std: float = 0.2):
+    """transformers' own model for a variant (VARIANT_SHAPES changed by `changes`, or `shapes` as they are), saved at
+    `path` with weights drawn so every path matters."""
     config_class = {"glm4-moe": transformers.Glm4MoeConfig, "glm4-moe-lite": transformers.Glm4MoeLiteConfig}[family]
     torch.manual_seed(0)
-    model = getattr(transformers, HF_CLASS[family])(config_class(**{**VARIANT_SHAPES[family], **changes})).eval()
+    spec = {**(VARIANT_SHAPES[family] if shapes is None else shapes), **changes}
+    model = getattr(transformers, HF_CLASS[family])(config_class(**spec)).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
             # the latents small, so the epsilon of their norms decides as much as their weights
-            p.normal_(1.0, 0.1) if "norm" in name else p.normal_(0, 0.003 if "_a_proj" in name else 0.2)
+            p.normal_(1.0, 0.1) if "norm" in name else p.normal_(0, 0.003 if "_a_proj" in name else std)
         for m in model.modules():
             if hasattr(m, "e_score_correction_bias"):
                 m.e_score_correction_bias.normal_(0, 0.1)
@@ -406,18 +408,9 @@ def test_any_config_transformers_runs_gives_its_logits(tmp_path_factory, case):
     """Property: for a config drawn from the space both read, the torch reference (and ascend_npu's host path)
     and openvino_amx f32 give transformers' logits within the f32 row, prefill and decode; cpu_int4 runs it (its
     int8 activations make a random model with top-1 routing chaotic, so its accuracy is the fixed variants')."""
-    family, changes = case
+    family, spec = case
     path = tmp_path_factory.mktemp("cfg")
-    config_class = {"glm4-moe": transformers.Glm4MoeConfig, "glm4-moe-lite": transformers.Glm4MoeLiteConfig}[family]
-    torch.manual_seed(0)
-    model = getattr(transformers, HF_CLASS[family])(config_class(**changes)).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.normal_(1.0, 0.1) if "norm" in name else p.normal_(0, 0.003 if "_a_proj" in name else 0.1)
-        for m in model.modules():
-            if hasattr(m, "e_score_correction_bias"):
-                m.e_score_correction_bias.normal_(0, 0.1)
-    model.save_pretrained(path, safe_serialization=True)
+    model = transformers_variant(path, family, {}, shapes=spec, std=0.1)
     ids = [int(t) for t in np.random.default_rng(1).integers(0, 257, 24)]
     steps = [[(0, ids[:20])]] + [[(0, [t])] for t in ids[20:]]
     want = hf_logits(model, ids)
