@@ -1,11 +1,17 @@
 """GLM-4-0414 / GLM-Z1 (transformers' glm4) and GLM-Edge / -hf (transformers' glm): glmcore against
 transformers' own Glm4ForCausalLM / GlmForCausalLM, which read the synthetic checkpoints' real layout
 themselves (config.json keys, q/k/v_proj, gate_up_proj, post norms, tied embeddings)."""
+import contextlib
+import dataclasses
+import io
 import json
+import os
 import warnings
 
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, seed, settings
+from hypothesis import strategies as st
 
 from glmcore.backend import LoadOptions, registry
 from glmcore.config import ModelConfig
@@ -117,7 +123,6 @@ def test_fused_and_split_projections_load_the_same(ckpts, tmp_path):
     out = {}
     for k, v in raw.items():
         if ".q_proj." in k:
-            kind = k.rsplit(".", 1)[1]
             out[k.replace("q_proj", "qkv_proj")] = np.concatenate(
                 [v, raw[k.replace("q_proj", "k_proj")], raw[k.replace("q_proj", "v_proj")]])
         elif ".k_proj." in k or ".v_proj." in k:
@@ -192,3 +197,70 @@ def test_backends_say_which_architectures_they_run(make_tiny, capsys, monkeypatc
     for r in rows:
         if r["backend"] in ("torch", "cpu_int4", "openvino_amx", "tpu_bm1684x", "ascend_npu"):
             assert any(a.startswith("glm (") for a in r["architectures"]), r
+
+
+@st.composite
+def dense_configs(draw):
+    """(transformers class name, config kwargs): GLM-4-0414 (post norms) or GLM-Edge shapes transformers runs --
+    heads and KV groups, head size, partial rotary, biases, epsilons, tied embeddings, rotary base."""
+    arch = draw(st.sampled_from(["Glm4ForCausalLM", "GlmForCausalLM"]))
+    heads, head_dim = draw(st.sampled_from([2, 4, 6])), draw(st.sampled_from([8, 12, 16]))
+    factor = draw(st.sampled_from([f for f in (0.25, 0.5, 1.0) if int(head_dim * f) % 2 == 0]))
+    return arch, dict(
+        vocab_size=257, hidden_size=draw(st.sampled_from([32, 48, 64])), intermediate_size=draw(st.sampled_from([40, 64])),
+        num_hidden_layers=draw(st.integers(1, 3)), num_attention_heads=heads, head_dim=head_dim,
+        num_key_value_heads=draw(st.sampled_from([k for k in (1, 2, heads) if heads % k == 0])),
+        attention_bias=draw(st.booleans()), rms_norm_eps=draw(st.sampled_from([1e-5, 1e-2])),
+        tie_word_embeddings=draw(st.booleans()), pad_token_id=0, eos_token_id=1, bos_token_id=None,
+        rope_parameters={"rope_type": "default", "rope_theta": draw(st.sampled_from([1e4, 1e6])),
+                         "partial_rotary_factor": factor})
+
+
+@seed(55)           # random draws (not hypothesis' simplest-first derandomized ones), the same on every run
+@settings(max_examples=int(os.environ.get("GLMCORE_FUZZ_EXAMPLES", "8")), deadline=None, database=None,
+          suppress_health_check=list(HealthCheck))
+@given(case=dense_configs())
+def test_any_dense_config_transformers_runs_gives_its_logits(tmp_path_factory, case):
+    """Property: a GLM-4-0414 / GLM-Edge config drawn from the space both read gives transformers' logits within
+    the f32 row, prefill and decode, on every backend that runs it in f32 (the torch reference, ascend_npu's host
+    path, openvino_amx, tpu_bm1684x's host emulation); cpu_int4 within the int8 row of the reference on its own
+    packed weights."""
+    from glmcore_conformance.metrics import compare, out_of_bounds
+    from glmcore_conformance.tolerances import TOLERANCES
+    from glmcore_plugins.cpu_int4 import quant
+    arch, spec = case
+    path = tmp_path_factory.mktemp("dense")
+    config_class = transformers.Glm4Config if arch == "Glm4ForCausalLM" else transformers.GlmConfig
+    torch.manual_seed(0)
+    model = getattr(transformers, arch)(config_class(**spec)).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.normal_(1.0, 0.1) if "norm" in name else p.normal_(0, 0.15)
+    model.save_pretrained(path, safe_serialization=True)
+    ids = [int(t) for t in np.random.default_rng(1).integers(0, 257, 24)]
+    steps = [[(0, ids[:20])]] + [[(0, [t])] for t in ids[20:]]
+    with torch.no_grad():
+        want = model(torch.tensor([ids])).logits[0].numpy()
+    cfg = ModelConfig.from_dir(path)
+    w = load_weights(path, cfg)
+    ready = registry().ready()
+
+    def run(backend, options, weights=w):
+        b = registry().get(backend)
+        opts = b.resolve(dataclasses.replace(options, capacity=32, threads=1, cache_dir=path / "cache"))
+        with contextlib.redirect_stderr(io.StringIO()), b.load_batch(cfg, weights, opts, 1) as batch:
+            got = np.concatenate([batch.step(e, all_logits=True)[0] for e in steps])
+            packed = quant.dequantized_weights(batch.meta, np.asarray(batch._blob)) if backend == "cpu_int4" else None
+        return got, packed
+    f32 = TOLERANCES["f32"].max_abs
+    for backend, options in (("torch", LoadOptions()), ("ascend_npu", LoadOptions(extra={"mode": "eager"})),
+                             ("openvino_amx", LoadOptions(precision="f32", weights="f32")),
+                             ("tpu_bm1684x", LoadOptions(precision="f32"))):
+        if backend in ready:
+            got = run(backend, options)[0]
+            assert np.abs(got - want).max() <= f32, (backend, np.abs(got - want).max())
+    if "cpu_int4" in ready:
+        got, packed = run("cpu_int4", LoadOptions())
+        reference = run("torch", LoadOptions(), {**dict(w), **packed})[0]
+        figures = compare(reference, got)
+        assert not out_of_bounds(figures, TOLERANCES["int8"].bounds()), figures
