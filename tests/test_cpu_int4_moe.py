@@ -161,6 +161,22 @@ def test_latent_widths_that_are_not_whole_tiles(tmp_path, cache, kv_lora, v_dim)
                 within(ref.step([(0, ids)], all_logits=True)[0], whole, "int8+experts")
 
 
+def test_padded_latent_packs_have_a_cache_key_of_their_own(make_tiny, tmp_path):
+    """A pack of a model whose latent widths are whole tiles keeps the key it always had (caches stay valid); one
+    whose widths are not (packed unpadded by earlier versions, then refused by the kernels) gets a new key, so such
+    a stale pack is never read as the padded layout."""
+    import hashlib
+    from test_glm4_moe import transformers_variant
+    o = quant.QuantOptions()
+    whole = ModelConfig.from_dir(make_tiny("glm4-moe-lite"))
+    # the key as it was computed before (default options: linear_bits and int8_matrices are left out of it)
+    opts = {k: v for k, v in o.as_json().items() if k not in ("linear_bits", "int8_matrices")}
+    before = hashlib.sha256(json.dumps({"fp": "f", "v": quant.VERSION, **opts}, sort_keys=True).encode())
+    assert quant.cache_key("f", o, whole) == before.hexdigest()[:16]
+    transformers_variant(tmp_path, "glm4-moe-lite", dict(v_head_dim=8))
+    assert quant.cache_key("f", o, ModelConfig.from_dir(tmp_path)) != before.hexdigest()[:16]
+
+
 def test_group_limited_routing_on_transformers_own_checkpoint(tmp_path, cache):
     """transformers' own checkpoint with n_group 4 / topk_group 2 (the group limit decides), q/k norms, attention
     bias, a correction bias that changes choices, routed_scaling_factor 2.5; cpu_int4 is held to the reference on

@@ -236,6 +236,7 @@ ARCH = _kv("general.architecture", STR, _s("chatglm"))
     (_file([ARCH, _kv("x", STR, struct.pack("<Q", 1 << 50))], []), "string of"),
     (_file([ARCH, _kv("x", 99, b"")], []), "unknown metadata value type"),
     (_file([ARCH], [("t", [1 << 50, 1 << 20], 0, 0)]), "absurd dimensions"),
+    (_file([ARCH], [("t", [4, 0], 0, 0)], bytes(64)), "token_embd.weight is missing"),     # zero width: legal
     (_file([ARCH], [("t", [4] * 5, 0, 0)]), "5 dimensions"),
     (_file([ARCH], [("t", [32], 0, 0)], bytes(64)), "truncated"),
     (_file([ARCH], [("t", [8], 250, 0)], bytes(64)), "unknown type"),

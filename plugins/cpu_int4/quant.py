@@ -333,9 +333,13 @@ def packed_layout(cfg: ModelConfig, o: QuantOptions, nextn: bool = False) -> dic
     return ent
 
 
-def cache_key(fingerprint: str, o: QuantOptions) -> str:
+def cache_key(fingerprint: str, o: QuantOptions, cfg: ModelConfig) -> str:
     # keys of older packs stay: options at the values they had before they existed are left out
     opts = {k: v for k, v in o.as_json().items() if not (k == "linear_bits" and v == 4 or k == "int8_matrices" and not v)}
+    # kv_b's halves padded per head (latent widths that are not whole tiles; earlier packs of such a model, which
+    # the kernels then refused, laid them out unpadded): a key of their own, so such a pack is never reused
+    if getattr(cfg, "kv_lora_rank", 0) and (cfg.kv_lora_rank % ROWS or cfg.v_head_dim % ROWS):
+        opts["kv_b_tiles"] = True
     blob = json.dumps({"fp": fingerprint, "v": VERSION, **opts}, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
@@ -513,7 +517,7 @@ def _config_of(d: dict) -> ModelConfig:
 def ensure_packed(cfg: ModelConfig, weights, o: QuantOptions, cache_dir: Path, progress=None, codes=None) -> Path:
     """The packed model for these weights and options, converted once and then reused from the cache."""
     fp = weights.fingerprint() if hasattr(weights, "fingerprint") else _content_fingerprint(weights)
-    final = Path(cache_dir) / f"cpu_int4-{cache_key(fp, o)}"
+    final = Path(cache_dir) / f"cpu_int4-{cache_key(fp, o, cfg)}"
     return build_once(final, lambda tmp: write_packed(cfg, weights, o, tmp, progress, fingerprint=fp, codes=codes),
                       complete=lambda p: (p / "meta.json").is_file())
 
