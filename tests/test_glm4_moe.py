@@ -52,10 +52,15 @@ def ours(backend: str, path: Path, steps, capacity: int = 512, slots: int = 1, *
 
 
 def close(got, want):
-    """fp32 on both sides: conformance's f32 row (only the order of summation differs, on any CPU)."""
+    """fp32 on both sides: conformance's f32 row (only the order of summation differs, on any CPU); the same argmax
+    wherever transformers' best two logits are further apart than that row allows (a nearer tie may go either way
+    with another summation order, as on another CPU's kernels)."""
     from glmcore_conformance import TOLERANCES
-    assert np.abs(got - want).max() <= TOLERANCES["f32"].max_abs, np.abs(got - want).max()
-    assert (got.argmax(-1) == want.argmax(-1)).all()
+    bound = TOLERANCES["f32"].max_abs
+    assert np.abs(got - want).max() <= bound, np.abs(got - want).max()
+    top2 = np.sort(want, axis=-1)[..., -2:]
+    decided = top2[..., 1] - top2[..., 0] > 2 * bound
+    assert (got.argmax(-1) == want.argmax(-1))[decided].all()
 
 
 # ---------------------------------------------------------------- the published configs

@@ -157,6 +157,11 @@ def dequantize(q: np.ndarray, d: np.ndarray, mins: np.ndarray | None, group: int
 
 # ---------------------------------------------------------------- tile layout
 
+def _tiled(rows: int) -> int:
+    """rows rounded up to whole tiles"""
+    return -(-rows // ROWS) * ROWS
+
+
 def _pad_rows(a: np.ndarray, n_pad: int) -> np.ndarray:
     return a if a.shape[0] == n_pad else np.pad(a, ((0, n_pad - a.shape[0]),) + ((0, 0),) * (a.ndim - 1))
 
@@ -169,7 +174,7 @@ def _scale_bytes(s: np.ndarray, nt: int) -> np.ndarray:
 
 def tile4(q: np.ndarray, d: np.ndarray, mins: np.ndarray | None, group: int) -> np.ndarray:
     n, kp = q.shape
-    n_pad = -(-n // ROWS) * ROWS
+    n_pad = _tiled(n)
     nt, ng, gb = n_pad // ROWS, kp // group, group // QK
     q, d = _pad_rows(q, n_pad), _pad_rows(d, n_pad)
     qt = q.reshape(nt, ROWS, ng, gb, 8, 4)                          # [tile, row, group, block, chunk, e]
@@ -184,7 +189,7 @@ def tile4(q: np.ndarray, d: np.ndarray, mins: np.ndarray | None, group: int) -> 
 
 def tile8(q: np.ndarray, d: np.ndarray, group: int) -> np.ndarray:
     n, kp = q.shape
-    n_pad = -(-n // ROWS) * ROWS
+    n_pad = _tiled(n)
     nt, ng, gb = n_pad // ROWS, kp // group, group // QK
     q, d = _pad_rows(q, n_pad), _pad_rows(d, n_pad)
     blocks = q.view(np.uint8).reshape(nt, ROWS, ng, gb, 8, 4).transpose(0, 2, 3, 4, 1, 5).reshape(nt, ng, gb * 512)
@@ -192,7 +197,7 @@ def tile8(q: np.ndarray, d: np.ndarray, group: int) -> np.ndarray:
 
 
 def tile_nbytes(n: int, k: int, bits: int, group: int, asym: bool) -> int:
-    n_pad, kp = -(-n // ROWS) * ROWS, -(-k // group) * group
+    n_pad, kp = _tiled(n), -(-k // group) * group
     per_group = 32 + (32 if asym and bits == 4 else 0) + (group // QK) * (256 if bits == 4 else 512)
     return n_pad // ROWS * (kp // group) * per_group
 
@@ -200,7 +205,7 @@ def tile_nbytes(n: int, k: int, bits: int, group: int, asym: bool) -> int:
 def untile(buf: np.ndarray, n: int, k: int, bits: int, group: int, asym: bool, scale_dtype: str) -> np.ndarray:
     """Dequantize a packed tile buffer back to float32 [n, k]: reads the file the way the kernels do."""
     sd = SCALE_DTYPES[scale_dtype]
-    n_pad, kp = -(-n // ROWS) * ROWS, -(-k // group) * group
+    n_pad, kp = _tiled(n), -(-k // group) * group
     nt, ng, gb = n_pad // ROWS, kp // group, group // QK
     hdr = 32 + (32 if asym and bits == 4 else 0)
     g = np.asarray(buf, np.uint8).reshape(nt, ng, -1)
@@ -236,10 +241,6 @@ def packed_names(name: str) -> tuple[str, ...]:
     if name.endswith("kv_b.weight"):
         return tuple(name[: -len("kv_b.weight")] + k for k in KV_B_PARTS)
     return (name,)
-
-
-def _tiled(rows: int) -> int:
-    return -(-rows // ROWS) * ROWS
 
 
 def _kv_b_shapes(cfg) -> tuple[tuple[int, int], tuple[int, int]]:
