@@ -127,10 +127,6 @@ def write_hf_tokenizer(out: Path, ranks: dict[bytes, int], specials: list[str], 
                                                encoding="utf-8")
 
 
-def has_hf_tokenizer(model_dir: Path) -> bool:
-    return (Path(model_dir) / "tokenizer.json").is_file()
-
-
 MAX_JSON_BYTES = 256 << 20      # GLM-4-0414's tokenizer.json is ~20 MB
 
 
