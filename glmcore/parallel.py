@@ -430,6 +430,11 @@ def _start_local(world: int) -> Group:
     return Group(world, 0, 0, procs, tmpdir)
 
 
+def follower_pids() -> list[int]:
+    """Process ids of the local follower ranks (for per-rank memory figures); none without a group."""
+    return [p.pid for p in _GROUP.procs] if _GROUP is not None else []
+
+
 def shutdown() -> None:
     """End the group: followers exit, the process group is destroyed. Safe to call twice."""
     global _GROUP
