@@ -187,8 +187,12 @@ class HFTokenizer(Tokenizer):
             raise TokenizerError(f"{path}: token ids are not 0..{n - 1} without gaps or repeats; the file is "
                                  "corrupt, copy it from the original checkpoint again")
         self.n_vocab = len(vocab)
-        added = {a["content"]: a["id"] for a in raw.get("added_tokens") or [] if isinstance(a, dict)
-                 and a.get("special") and isinstance(a.get("content"), str) and isinstance(a.get("id"), int)}
+        every = [a for a in raw.get("added_tokens") or [] if isinstance(a, dict)
+                 and isinstance(a.get("content"), str) and isinstance(a.get("id"), int)]
+        added = {a["content"]: a["id"] for a in every if a.get("special")}
+        # every added token, special or not, is one token wherever its text appears: GLM-4.5+ ship <think>,
+        # <tool_call>, <arg_key>... as added tokens that are not special (decoding keeps their text)
+        self._tag_ids = {a["content"]: a["id"] for a in every if vocab.get(a["content"]) == a["id"]}
         self.special_ids = added
         self.special_names = {i: t for t, i in added.items()}
         self.n_base = min(added.values(), default=self.n_vocab)
@@ -235,6 +239,10 @@ class HFTokenizer(Tokenizer):
         # text a catastrophic pre-tokenizer regex, such as (a+)+$, fails on: refused now, not on a user's prompt
         for probe in ("a" * 40 + "!", " " * 40 + "!", "1" * 40 + "x", "你好" * 20 + "!"):
             self.encode(probe)
+
+    @property
+    def tag_ids(self) -> dict[str, int]:
+        return self._tag_ids
 
     def encode(self, text: str) -> list[int]:
         """Plain text to ids; text that spells a special token stays text (glmcore's contract)."""

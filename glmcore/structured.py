@@ -2,10 +2,11 @@
 becomes a per-step bitmask of the token ids that may come next, computed by llguidance.
 
 glmcore's tokenizers give llguidance its token table: each id's bytes (SentencePiece's "▁" as a space,
-byte-fallback pieces as their byte), special tokens ([gMASK], <sop>, <|user|>, <unk>, ...) marked with
-llguidance's 0xFF prefix so text can never match them, and ids past the real vocabulary (the padded
-rows of the output layer) empty, which llguidance never allows. llguidance over xgrammar, measured on both
-tokenizer kinds (`benchmarks/bench_structured.py --compare`, ChatGLM3 / GLM-4): a new JSON Schema compiles
+byte-fallback pieces as their byte), special tokens ([gMASK], <sop>, <|user|>, <unk>, ...) and tokenizer.json's
+other added tokens (GLM-4.5's <think>, <tool_call>, ...: one token wherever written) marked with llguidance's
+0xFF prefix so text can never match them and a grammar names them as tokens, and ids past the real vocabulary
+(the padded rows of the output layer) empty, which llguidance never allows. llguidance over xgrammar, measured
+on both tokenizer kinds (`benchmarks/bench_structured.py --compare`, ChatGLM3 / GLM-4): a new JSON Schema compiles
 in 3-7 ms against xgrammar's 0.3-0.6 s (a server compiles one per request), and its slowest mask steps are
 shorter (p99 4-6 ms against 6-18 ms); xgrammar's median step is faster (0.003 against 0.02 ms), but both
 are far below what applying a mask to 151,552 logits costs.
@@ -338,9 +339,11 @@ class TokenTable:
         self.sentencepiece = hasattr(tokenizer, "sp")
         tokens: list[bytes] = []
         specials = []
+        tags = {i: name for name, i in tokenizer.tag_ids.items()}     # special, or added and always one token
         for i in range(tokenizer.n_vocab):
-            if tokenizer.is_special(i):
-                name = tokenizer.special_names.get(i) or (tokenizer.sp.id_to_piece(i) if self.sentencepiece else "")
+            if tokenizer.is_special(i) or i in tags:
+                name = tags.get(i) or tokenizer.special_names.get(i) or (tokenizer.sp.id_to_piece(i)
+                                                                          if self.sentencepiece else "")
                 tokens.append(SPECIAL_MARK + (name or f"<[{i}]>").encode())
                 specials.append(i)
             else:
@@ -779,8 +782,8 @@ def reply_constraint(fmt, n_logits: int | None = None, grammar: Grammar | None =
 
 
 def _special(tok, tag: str) -> str:
-    """A tag in Lark: the special token where the tokenizer has it, else its text."""
-    return tag if tag in tok.special_ids and re.fullmatch(r"<[^<>\s]+>", tag) else lark_string(tag)
+    """A tag in Lark: the token where the tokenizer has it as one (special or added), else its text."""
+    return tag if tag in tok.tag_ids and re.fullmatch(r"<[^<>\s]+>", tag) else lark_string(tag)
 
 
 def _thought(fmt, tok, budget: int | None) -> str | None:
@@ -797,10 +800,10 @@ def _thought(fmt, tok, budget: int | None) -> str | None:
     close = _special(tok, "</think>")
     if close.startswith('"'):         # a text tag (GLM-Z1 on GLM-4's tokenizer): the thought stops where it is written
         if budget is not None:        # llguidance ends a max_tokens lexeme without its stop text: nothing to force
-            raise GrammarError("a thinking budget forces the template's </think>, which is no special token of this "
+            raise GrammarError("a thinking budget forces the template's </think>, which is no token of this "
                                "checkpoint's tokenizer (it is text); drop the budget")
         rules, closing = f"thought[stop={close}]: /(?s:.*)/\n", ""
-    else:                             # a special token: text can never match it, so the thought is free text
+    else:                             # one token: text can never match it, so the thought is free text
         limit = f"[max_tokens={int(budget)}]" if budget is not None else ""
         rules, closing = f"thought{limit}: /(?s:.*)/\n", f" {close}"
     if fmt.opens_thinking:      # (the answer's own rules take the newline that follows </think>)

@@ -39,6 +39,12 @@ class Tokenizer:
     def is_special(self, id: int) -> bool:
         return id in self.special_names
 
+    @property
+    def tag_ids(self) -> dict[str, int]:
+        """Tokens the tokenizer reads as one wherever their text appears, name -> id: what a grammar can force as
+        that token. Here the special tokens; tokenizer.json adds its other added tokens (HFTokenizer)."""
+        return self.special_ids
+
     def _check_ids(self, ids) -> list[int]:
         out = [int(i) for i in ids]
         for i in out:

@@ -49,6 +49,29 @@ def glm47(glm46, tmp_path_factory):
     return dst
 
 
+# The tags GLM-4.5+ tokenizers ship as added tokens that are not special (vLLM's glm4_moe tool parser: "not marked
+# as special tokens"): one token wherever written, their text kept when decoding.
+ADDED_TAGS = ("<think>", "</think>", "<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>",
+              "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>", "<|begin_of_box|>", "<|end_of_box|>")
+
+
+@pytest.fixture(scope="module")
+def glm47_added(glm47, tmp_path_factory):
+    """glm47 with its tags as added tokens that are not special, as the published files mark them."""
+    dst = tmp_path_factory.mktemp("glm47_added") / "m"
+    shutil.copytree(glm47, dst)
+    tj = json.loads((dst / "tokenizer.json").read_text())
+    for a in tj["added_tokens"]:
+        a["special"] = a["special"] and a["content"] not in ADDED_TAGS
+    (dst / "tokenizer.json").write_text(json.dumps(tj, ensure_ascii=False))
+    cfg = json.loads((dst / "tokenizer_config.json").read_text())
+    for a in cfg.get("added_tokens_decoder", {}).values():
+        a["special"] = a["special"] and a["content"] not in ADDED_TAGS
+    cfg["additional_special_tokens"] = [t for t in cfg.get("additional_special_tokens", []) if t not in ADDED_TAGS]
+    (dst / "tokenizer_config.json").write_text(json.dumps(cfg, ensure_ascii=False))
+    return dst
+
+
 def _fmt(path):
     return chat_format_for(load_tokenizer(path, "glm4-moe"))
 
@@ -77,13 +100,14 @@ CALLS = [{"id": "call_1", "function": {"name": "get_weather", "arguments": json.
          {"id": "call_2", "function": {"name": "now", "arguments": "{}"}}]
 
 
-@pytest.mark.parametrize("style", ["glm46", "glm47"])
+@pytest.mark.parametrize("style", ["glm46", "glm47", "glm47_added"])
 def test_template_calls_parse_back_and_round_trip(request, style):
     """Two calls (one without arguments, one with a string holding tag-like text, a number and nested JSON) after
     thinking and text, as the template writes them: parsed from the ids into what was sent, streamed with the name
     first and argument pieces adding up to the arguments, and sent back they render to exactly the same ids."""
     fmt = _fmt(request.getfixturevalue(style))
-    assert fmt.tool_parser.__name__ == "XmlCallParser" and fmt.thinking and fmt.opens_thinking == (style == "glm47")
+    assert fmt.tool_parser.__name__ == "XmlCallParser" and fmt.thinking
+    assert fmt.opens_thinking == style.startswith("glm47")
     sent = {"role": "assistant", "content": "Let me look.", "reasoning_content": "I should check.", "tool_calls": CALLS}
     ids = _reply_ids(fmt, sent)
     events, stream = _push(fmt, ids)
@@ -177,7 +201,7 @@ STRICT_TOOLS = [{"type": "function", "function": {"name": "weather", "strict": T
 
 
 @pytest.fixture(scope="module")
-def served(glm46, glm47):
+def served(glm46, glm47, glm47_added):
     pytest.importorskip("openai", reason="the server tests need the dev extra (openai, httpx)")
     pytest.importorskip("uvicorn", reason='the server needs its extra: pip install "glmcore[server]"')
     from contextlib import ExitStack
@@ -187,14 +211,14 @@ def served(glm46, glm47):
     from glmcore.model import load_model
     with ExitStack() as stack:
         out = {}
-        for name, path in (("glm46", glm46), ("glm47", glm47)):
+        for name, path in (("glm46", glm46), ("glm47", glm47), ("glm47_added", glm47_added)):
             m = load_model(path, "torch", LoadOptions(threads=1), slots=4, token_budget=64)
             stack.callback(m.close)
             out[name] = (m, client(stack.enter_context(serving(m, name))))
         yield out
 
 
-@pytest.mark.parametrize("style", ["glm46", "glm47"])
+@pytest.mark.parametrize("style", ["glm46", "glm47", "glm47_added"])
 def test_required_strict_call_on_random_weights(served, style):
     """tool_choice "required" with a strict tool: random weights still return a call in the XML format whose
     arguments validate, streamed and not; the streamed pieces add up to the non-streamed call. (One call:
@@ -271,19 +295,21 @@ def test_completions_prompt_rendered_by_the_client(served, glm46):
 
 
 @pytest.mark.parametrize("budget", [0, 3, 8])
-def test_thinking_budget_closes_the_thought_and_the_answer_follows(served, budget):
+@pytest.mark.parametrize("style", ["glm47", "glm47_added"])
+def test_thinking_budget_closes_the_thought_and_the_answer_follows(served, budget, style):
     """GLM-4.7's replies open inside <think>: a budget of N ends the thought within N tokens with the template's
-    own </think>, and the reply goes on past it; usage counts the thought's tokens as reasoning_tokens."""
-    m, c = served["glm47"]
+    own </think> (a special token, or an added one as the published tokenizer has it), and the reply goes on past
+    it; usage counts the thought's tokens as reasoning_tokens."""
+    m, c = served[style]
     for seed in range(2):
-        r = c.chat.completions.create(model="glm47", messages=[{"role": "user", "content": "hi"}], max_tokens=24,
+        r = c.chat.completions.create(model=style, messages=[{"role": "user", "content": "hi"}], max_tokens=24,
                                       temperature=1.0, seed=seed, extra_body={"max_thinking_tokens": budget})
         details = r.usage.completion_tokens_details
         assert 1 <= details.reasoning_tokens <= budget + 1     # the thought and its </think>
         assert r.usage.completion_tokens > details.reasoning_tokens  # an answer followed
         assert r.choices[0].message.content is not None
     # llama.cpp's name for it
-    r = c.chat.completions.create(model="glm47", messages=[{"role": "user", "content": "hi"}], max_tokens=16,
+    r = c.chat.completions.create(model=style, messages=[{"role": "user", "content": "hi"}], max_tokens=16,
                                   temperature=1.0, seed=5, extra_body={"thinking_budget_tokens": 2})
     assert r.usage.completion_tokens_details.reasoning_tokens <= 3
 
@@ -324,13 +350,15 @@ def test_thinking_fields_refused_where_the_template_has_no_thinking(make_tiny):
         m.close()
 
 
-def test_server_default_thinking_budget(glm47):
-    """`glmcore serve --max-thinking-tokens N` (create_app's thinking_budget): a request that names no budget gets it."""
+@pytest.mark.parametrize("style", ["glm47", "glm47_added"])
+def test_server_default_thinking_budget(request, style):
+    """`glmcore serve --max-thinking-tokens N` (create_app's thinking_budget): a request that names no budget gets it
+    (</think> a special token, or an added one as the published tokenizer has it)."""
     from test_server import client, serving
 
     from glmcore.model import load_model
     pytest.importorskip("uvicorn")
-    m = load_model(glm47, "torch", LoadOptions(threads=1), slots=1)
+    m = load_model(request.getfixturevalue(style), "torch", LoadOptions(threads=1), slots=1)
     try:
         with serving(m, "glm47", thinking_budget=2) as url:
             for seed in range(2):
@@ -370,9 +398,10 @@ def test_preserved_thinking_is_the_templates_choice(glm47):
     assert "<think>EARLIER</think>" in fmt.tok.decode(kept, skip_special=False)
 
 
-def test_budget_needs_a_special_think_close(make_tiny, tmp_path):
-    """GLM-Z1's </think> is text on GLM-4's tokenizer: a budget cannot force it, so it is refused in one line
-    (the server leaves its default budget off there); the thought before a required call stops at the text."""
+def test_budget_needs_a_think_close_token(make_tiny, tmp_path):
+    """GLM-Z1's </think> is text on GLM-4's tokenizer (no token, special or added): a budget cannot force it, so it is
+    refused in one line (the server leaves its default budget off there); the thought before a required call stops
+    at the text."""
     from glmcore.hf_tokenizer import GLM_Z1_TEMPLATE
     from glmcore.structured import GrammarError, reply_constraint
     dst = tmp_path / "z1"
@@ -381,8 +410,8 @@ def test_budget_needs_a_special_think_close(make_tiny, tmp_path):
     cfg["chat_template"] = GLM_Z1_TEMPLATE
     (dst / "tokenizer_config.json").write_text(json.dumps(cfg, ensure_ascii=False))
     fmt = chat_format_for(load_tokenizer(dst, "glm4-0414"))
-    assert fmt.opens_thinking and "</think>" not in fmt.tok.special_ids
-    with pytest.raises(GrammarError, match="no special token"):
+    assert fmt.opens_thinking and "</think>" not in fmt.tok.tag_ids
+    with pytest.raises(GrammarError, match="no token of this checkpoint's tokenizer"):
         reply_constraint(fmt, None, thinking_budget=4)
     opening, constraint = reply_constraint(fmt, None, None, TOOLS, must_call=["now"])
     top = json.loads(constraint.grammar)["grammars"][0]["lark_grammar"]
@@ -549,7 +578,7 @@ def _conversation(draw, pieces: list[str]) -> list[dict]:
     return msgs
 
 
-@pytest.mark.parametrize("style", ["glm46", "glm47"])
+@pytest.mark.parametrize("style", ["glm46", "glm47", "glm47_added"])
 def test_random_conversations_render_as_transformers(request, style):
     """Random conversations (system turns, thinking absent / given / given empty / inline, calls with typed
     arguments, several tool results, thinking switched on or off, earlier thinking kept or cleared): the prompt

@@ -204,8 +204,8 @@ class XmlCallParser(ToolParser):
         their schema (string arguments raw, others JSON by their own schema), text beside calls otherwise."""
         tok = g.tok
 
-        def t(tag):      # the tag as the special token it is, else as text
-            return tag if tag in tok.special_ids else lark_string(tag)
+        def t(tag):      # the tag as the token it is (special or added), else as text
+            return tag if tag in tok.tag_ids else lark_string(tag)
         rules, parts, names = [], {}, []
         functions = {f["name"]: f for f in g.functions}
         for i, name in enumerate(g.must_call or list(functions)):
