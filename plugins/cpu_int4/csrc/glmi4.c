@@ -475,7 +475,7 @@ typedef struct gemm_job {
     void (*fn)(const struct gemm_job *, int, int);
     act16 *a16;               /* the first 16 * n16 tokens laid out for the 16-token kernels, or NULL */
     int n16;
-    int8_t *xa;               /* |xq| for the AVX2 / AVX-VNNI int8 kernels' 4-token blocks, or NULL */
+    int8_t *xa;               /* |xq| for the AVX2 int8 kernel's 4-token blocks (uses_abs), or NULL */
 } gemm_job;
 
 /* Unpacking a tile once pays off from about 32 tokens on; below, splitting the nibbles in registers for 8
@@ -1017,7 +1017,7 @@ T_AVX2 INLINE __m256i mac_avx2(__m256i acc, __m256i u, __m256i s) {
 /* One chunk (4 bytes of 16 rows: halves w0, w1) against 4 tokens (x and xa = |x|: the first token's 4 bytes,
  * ld apart): the output layer's inner step, eight ops a token, with the 8 accumulators in registers. From
  * intrinsics the compiler keeps two of them on the stack, and the store-to-load round trips on their chains
- * cost more than the ops (151552x2048 at 16 tokens, 2 threads, Xeon's AVX2 tier: 59.2 -> 51.3 ms with xa). */
+ * cost more than the ops (151552x2048 at 16 tokens, 2 threads, Xeon's AVX2 tier: 55-61 -> 51-52 ms with xa). */
 #define MAC8_TOKEN(A0, A1, X, XA)                  \
     "vpbroadcastd " X ", %[bx]\n\t"                \
     "vpbroadcastd " XA ", %[ax]\n\t"               \
