@@ -189,10 +189,15 @@ class HFTokenizer(Tokenizer):
         self.n_vocab = len(vocab)
         every = [a for a in raw.get("added_tokens") or [] if isinstance(a, dict)
                  and isinstance(a.get("content"), str) and isinstance(a.get("id"), int)]
+        for a in every:      # tokenizers reads the text as its own id: a different one here would be used silently
+            if vocab.get(a["content"]) != a["id"]:
+                raise TokenizerError(f"{path}: added token {a['content']!r} has id {a['id']} in added_tokens but "
+                                     f"{vocab.get(a['content'])} in the vocabulary; the file is corrupt, copy it from "
+                                     "the original checkpoint again")
         added = {a["content"]: a["id"] for a in every if a.get("special")}
-        # every added token, special or not, is one token wherever its text appears: GLM-4.5+ ship <think>,
-        # <tool_call>, <arg_key>... as added tokens that are not special (decoding keeps their text)
-        self._tag_ids = {a["content"]: a["id"] for a in every if vocab.get(a["content"]) == a["id"]}
+        # every added token, special or not, is one token wherever its text appears: GLM-4.5+ ship <tool_call>,
+        # </tool_call> (at least) as added tokens that are not special (decoding keeps their text)
+        self._tag_ids = {a["content"]: a["id"] for a in every}
         self.special_ids = added
         self.special_names = {i: t for t, i in added.items()}
         self.n_base = min(added.values(), default=self.n_vocab)

@@ -771,7 +771,7 @@ def reply_constraint(fmt, n_logits: int | None = None, grammar: Grammar | None =
         return [], None
     think = _thought(fmt, tok, thinking_budget)
     if body is None:
-        free = " | ".join(["TEXT"] + [_special(tok, t) for t in parser.tags])   # the answer as it likes
+        free = " | ".join(["TEXT"] + [tag_lark(tok, t) for t in parser.tags])   # the answer as it likes
         body = CallGrammar(f"body: ({free})*\nTEXT: /(?s:.+)/")
     if think is not None and body.opening:       # a forced opening goes into the prompt: no thought before it
         think = None
@@ -781,9 +781,15 @@ def reply_constraint(fmt, n_logits: int | None = None, grammar: Grammar | None =
     return body.opening, Constraint(table, grammar_json(top + body.rules, body.parts), what)
 
 
-def _special(tok, tag: str) -> str:
-    """A tag in Lark: the token where the tokenizer has it as one (special or added), else its text."""
-    return tag if tag in tok.tag_ids and re.fullmatch(r"<[^<>\s]+>", tag) else lark_string(tag)
+def is_token(tok, tag: str) -> bool:
+    """Whether a grammar can force `tag` as one token: the tokenizer reads it as one wherever it is written
+    (special or added) and Lark can name it (<...>)."""
+    return tag in tok.tag_ids and re.fullmatch(r"<[^<>\s]+>", tag) is not None
+
+
+def tag_lark(tok, tag: str) -> str:
+    """A tag in Lark: the token where is_token, else its text."""
+    return tag if is_token(tok, tag) else lark_string(tag)
 
 
 def _thought(fmt, tok, budget: int | None) -> str | None:
@@ -797,7 +803,7 @@ def _thought(fmt, tok, budget: int | None) -> str | None:
         return None
     if budget is None and not fmt.opens_thinking:
         return None
-    close = _special(tok, "</think>")
+    close = tag_lark(tok, "</think>")
     if close.startswith('"'):         # a text tag (GLM-Z1 on GLM-4's tokenizer): the thought stops where it is written
         if budget is not None:        # llguidance ends a max_tokens lexeme without its stop text: nothing to force
             raise GrammarError("a thinking budget forces the template's </think>, which is no token of this "
@@ -808,7 +814,7 @@ def _thought(fmt, tok, budget: int | None) -> str | None:
         rules, closing = f"thought{limit}: /(?s:.*)/\n", f" {close}"
     if fmt.opens_thinking:      # (the answer's own rules take the newline that follows </think>)
         return rules + f'thought_part: thought{closing}\n'
-    return rules + f'thought_part: ("\\n"? {_special(tok, "<think>")} thought{closing})?\n'
+    return rules + f'thought_part: ("\\n"? {tag_lark(tok, "<think>")} thought{closing})?\n'
 
 
 MAX_GRAMMAR_FILE = 1 << 20      # bytes of a --json-schema / --grammar file

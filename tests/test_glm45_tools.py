@@ -49,15 +49,16 @@ def glm47(glm46, tmp_path_factory):
     return dst
 
 
-# The tags GLM-4.5+ tokenizers ship as added tokens that are not special (vLLM's glm4_moe tool parser: "not marked
-# as special tokens"): one token wherever written, their text kept when decoding.
+# Tags as added tokens that are not special: one token wherever written, their text kept when decoding. GLM-4.5+
+# tokenizers ship at least <tool_call> / </tool_call> so (vLLM's glm4_moe tool parser: "not marked as special
+# tokens"); here every tag is, the other form the tests hold glmcore to.
 ADDED_TAGS = ("<think>", "</think>", "<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>",
               "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>", "<|begin_of_box|>", "<|end_of_box|>")
 
 
 @pytest.fixture(scope="module")
 def glm47_added(glm47, tmp_path_factory):
-    """glm47 with its tags as added tokens that are not special, as the published files mark them."""
+    """glm47 with its tags as added tokens that are not special (ADDED_TAGS)."""
     dst = tmp_path_factory.mktemp("glm47_added") / "m"
     shutil.copytree(glm47, dst)
     tj = json.loads((dst / "tokenizer.json").read_text())

@@ -180,6 +180,22 @@ def test_a_tokenizer_json_without_the_role_tokens_is_refused_with_the_fix(ckpt):
         _fmt(d, "glm4-0414")
 
 
+def test_an_added_token_whose_id_the_vocabulary_contradicts_is_refused_at_load(ckpt):
+    """tokenizers reads an added token's text as the vocabulary's id: another id in added_tokens would be the one
+    the chat format and the grammars use, silently."""
+    from glmcore.errors import TokenizerError
+    d = ckpt("glm4-moe")
+    p = d / "tokenizer.json"
+    tj = json.loads(p.read_text())
+    for a in tj["added_tokens"]:
+        if a["content"] == "</think>":
+            a["id"] = 5
+    p.write_text(json.dumps(tj))
+    with pytest.raises(TokenizerError, match=r"added token '</think>' has id 5 in added_tokens but \d+ in the "
+                                             r"vocabulary; the file is corrupt, copy it"):
+        load_tokenizer(d, "glm4-moe")
+
+
 def test_a_sentencepiece_model_with_a_piece_that_is_not_utf8_is_refused_at_load(ckpt):
     """Found by test_fuzz.py's random mutations: sp.decode raised UnicodeDecodeError on such a piece."""
     import sentencepiece.sentencepiece_model_pb2 as pb

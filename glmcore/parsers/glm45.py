@@ -16,7 +16,7 @@ from __future__ import annotations
 import ast
 import enum
 
-from ..structured import Grammar, lark_string, regex_terminal
+from ..structured import Grammar, lark_string, regex_terminal, tag_lark
 from .base import CallGrammar, Markup, ToolCallParseError, ToolParser, as_json, dumps, load_json
 
 CALL, END, KEY, KEY_END, VALUE, VALUE_END = ("<tool_call>", "</tool_call>", "<arg_key>", "</arg_key>", "<arg_value>",
@@ -204,8 +204,8 @@ class XmlCallParser(ToolParser):
         their schema (string arguments raw, others JSON by their own schema), text beside calls otherwise."""
         tok = g.tok
 
-        def t(tag):      # the tag as the token it is (special or added), else as text
-            return tag if tag in tok.tag_ids else lark_string(tag)
+        def t(tag):
+            return tag_lark(tok, tag)
         rules, parts, names = [], {}, []
         functions = {f["name"]: f for f in g.functions}
         for i, name in enumerate(g.must_call or list(functions)):

@@ -8,6 +8,7 @@ import json
 from ..chat import Message, as_message
 from ..errors import GlmcoreError, TokenizerError
 from ..sampling import SamplingParams
+from ..structured import is_token
 from .protocol import ApiError, ChatRequest, parse_arguments
 
 
@@ -165,7 +166,7 @@ def thinking_setup(state, fmt, req: ChatRequest) -> tuple[dict | None, int | Non
         field = "max_thinking_tokens" if req.max_thinking_tokens is not None else "thinking_budget_tokens"
         raise ApiError(400, f"'{field}' bounds a thinking model's thought; this {fmt.family} checkpoint's template "
                        "writes no <think>: drop it", field, "unsupported_value")
-    if asked is None and fmt.thinking and "</think>" in fmt.tok.tag_ids:   # (a text </think> cannot be forced)
+    if asked is None and fmt.thinking and is_token(fmt.tok, "</think>"):   # (a text </think> cannot be forced)
         budget = state.thinking_budget
     if kwargs.get("enable_thinking") is False:
         budget = None           # the prompt closes the thought already
